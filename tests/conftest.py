@@ -1,0 +1,14 @@
+"""Test set-up: fake CPU devices (4 by default; VMCGRAD_TEST_DEVICES=1 for one) and float64.
+
+This must run before any JAX computation: ``jax_num_cpu_devices`` raises if set too late.
+"""
+
+import os
+
+import jax
+
+N_DEVICES = int(os.environ.get("VMCGRAD_TEST_DEVICES", "4"))
+jax.config.update("jax_num_cpu_devices", N_DEVICES)
+jax.config.update("jax_enable_x64", True)
+# NetKet fakes its own CPU devices from this variable at import; keep it in step.
+os.environ.setdefault("NETKET_EXPERIMENTAL_SHARDING_CPU", str(N_DEVICES))

@@ -1,0 +1,159 @@
+"""Shared test helpers: a tree comparison that really compares, models, sharding set-ups."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+def assert_tree_allclose(actual, desired, *, rtol, atol=0.0):
+    """Same pytree structure, same shapes and dtypes leaf by leaf, and close values."""
+    a_def, d_def = jax.tree.structure(actual), jax.tree.structure(desired)
+    assert a_def == d_def, f"tree structures differ: {a_def} vs {d_def}"
+    for a, d in zip(jax.tree.leaves(actual), jax.tree.leaves(desired)):
+        a, d = jnp.asarray(a), jnp.asarray(d)
+        assert a.shape == d.shape, (a.shape, d.shape)
+        assert a.dtype == d.dtype, (a.dtype, d.dtype)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(d), rtol=rtol, atol=atol)
+
+
+def tols(dtype):
+    """(rtol, atol) for float64 and float32 comparisons of sums over ~10^2 samples."""
+    return (1e-11, 1e-12) if jnp.finfo(dtype).bits == 64 else (2e-4, 2e-5)
+
+
+# --- models: fun(params, batch) -> (batch,) -----------------------------------------------------
+
+
+def r2r(p, x):
+    return jnp.sum(jnp.tanh(x @ p["W"] + p["b"]), axis=-1)
+
+
+def r2c(p, x):
+    """Real parameters, complex output (modulus and phase, like NetKet's RBMModPhase)."""
+    h = x @ p["W"]
+    return jnp.sum(jnp.log(jnp.cosh(h)), -1) + 1j * jnp.sum(jnp.tanh(h @ p["phase"]), -1)
+
+
+def c2c_holo(p, x):
+    return jnp.sum(jnp.log(jnp.cosh(x @ p["W"] + p["b"])), axis=-1)
+
+
+def c2c_nonholo(p, x):
+    h = x @ p["W"]
+    return jnp.sum(jnp.log(jnp.cosh(h)) + 0.3 * jnp.conj(h) * jnp.abs(h), axis=-1)
+
+
+def mixed(p, x):
+    """A real and a complex parameter leaf, complex output."""
+    return jnp.sum(jnp.tanh(x @ p["real"]) * p["cplx"], axis=-1)
+
+
+def layered(p, x):
+    """The seed discussion's model: an inner lax.scan over layers."""
+    act, _ = jax.lax.scan(lambda h, W: (jnp.tanh(h @ W), None), x, p)
+    return jnp.sum(act, axis=-1)
+
+
+def pytree_samples(p, s):
+    return jnp.tanh(s["x"] @ p["W"]).sum(-1) * s["y"]
+
+
+L, H = 6, 5
+
+
+def _c(key, shape, dtype):
+    k1, k2 = jax.random.split(key)
+    re = jax.random.normal(k1, shape, dtype)
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        re = jax.random.normal(k1, shape, jnp.finfo(dtype).dtype)
+        return (re + 1j * jax.random.normal(k2, shape, re.dtype)).astype(dtype) / 2
+    return re / 2
+
+
+def make_case(name, n, dtype=jnp.float64, seed=0):
+    """Returns (fun, params, samples) for a named dtype case with n samples."""
+    real = jnp.dtype(dtype)
+    cplx = jnp.result_type(real, jnp.complex64)
+    ks = jax.random.split(jax.random.key(seed), 6)
+    x = jax.random.normal(ks[0], (n, L), real)
+    if name == "r2r":
+        return r2r, {"W": _c(ks[1], (L, H), real), "b": _c(ks[2], (H,), real)}, x
+    if name == "r2c":
+        return r2c, {"W": _c(ks[1], (L, H), real), "phase": _c(ks[2], (H, 3), real)}, x
+    if name == "c2c_holo":
+        return c2c_holo, {"W": _c(ks[1], (L, H), cplx), "b": _c(ks[2], (H,), cplx)}, x.astype(cplx)
+    if name == "c2c_nonholo":
+        return c2c_nonholo, {"W": _c(ks[1], (L, H), cplx)}, x.astype(cplx)
+    if name == "mixed":
+        return mixed, {"real": _c(ks[1], (L, H), real), "cplx": _c(ks[2], (H,), cplx)}, x
+    if name == "layered":
+        return layered, _c(ks[1], (3, L, L), real), x
+    if name == "pytree_samples":
+        s = {"x": x, "y": jax.random.normal(ks[3], (n,), real)}
+        return pytree_samples, {"W": _c(ks[1], (L, H), real)}, s
+    raise ValueError(name)
+
+
+CASES = ["r2r", "r2c", "c2c_holo", "c2c_nonholo", "mixed", "layered", "pytree_samples"]
+
+
+def random_like(key, shape, dtype):
+    return _c(key, shape, dtype) * 2
+
+
+# --- sharding set-ups ---------------------------------------------------------------------------
+
+
+def auto_mesh():
+    return Mesh(np.array(jax.devices()), ("S",), axis_types=(AxisType.Auto,))
+
+
+def explicit_mesh():
+    return jax.make_mesh((jax.device_count(),), ("S",), axis_types=(AxisType.Explicit,))
+
+
+@contextlib.contextmanager
+def setup(kind):
+    """Yields a function placing sample-shaped arrays as the set-up ``kind`` does.
+
+    'netket': Auto-axis mesh "S" set as context mesh, samples NamedSharding(mesh, P("S"));
+    'explicit': Explicit-axis mesh "S", samples resharded to P("S") (the seed discussion);
+    'none': no mesh, arrays on the default device.
+    """
+    if kind == "none":
+        yield lambda a: a
+        return
+    mesh = auto_mesh() if kind == "netket" else explicit_mesh()
+    with jax.set_mesh(mesh):
+        if kind == "netket":
+            yield lambda tree: jax.device_put(tree, NamedSharding(mesh, P("S")))
+        else:
+            yield lambda tree: jax.tree.map(lambda a: jax.sharding.reshard(a, P("S")), tree)
+
+
+# --- compilation counter ------------------------------------------------------------------------
+
+_compiles = 0
+_lock = threading.Lock()
+
+
+def _on_event(event, duration, **kwargs):
+    global _compiles
+    if event == "/jax/core/compile/backend_compile_duration":
+        with _lock:
+            _compiles += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_event)
+
+
+def compile_count() -> int:
+    """Backend compilations so far in this process."""
+    return _compiles

@@ -1,0 +1,10 @@
+"""vmcgrad: chunked, sharded, once-reduced per-sample derivatives for variational Monte Carlo."""
+
+from ._hlo import CollectiveReport as CollectiveReport
+from ._hlo import collective_report as collective_report
+from ._jvp import batched_jvp as batched_jvp
+from ._vjp import batched_vjp as batched_vjp
+
+__version__ = "0.1.0"
+
+__all__ = ["CollectiveReport", "batched_jvp", "batched_vjp", "collective_report"]

@@ -1,0 +1,146 @@
+"""Sharding: find the mesh axis the samples are split over and run a per-device body there.
+
+Where the sample axis comes from, in order:
+
+1. the samples' own sharding: a concrete ``NamedSharding`` (eager call) or the sharding in the
+   abstract type (``jax.typeof``; Explicit mesh axes, also under ``jax.jit``);
+2. otherwise the context mesh (``jax.set_mesh``), as NetKet sets it: all its axes. Under the user's
+   ``jax.jit`` an Auto-axis type carries no sharding, so this is what NetKet's set-up relies on;
+3. otherwise (no mesh) there is no sample axis: one device, no ``shard_map``, no collectives.
+
+A mesh of one device still goes through ``shard_map`` (so that Explicit-axis types are handled the
+same way whatever the device count); its ``psum`` is a no-op.
+
+:func:`per_device` wraps a body in ``jax.shard_map`` so that each device sees only its own samples;
+parameters stay replicated and are cast to device-varying (``pcast``) before being differentiated,
+so that no implicit reduction enters the loop (see CONTEXT: netket#2228).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+class SampleAxis(NamedTuple):
+    """The mesh and axis name(s) the leading sample axis is split over."""
+
+    mesh: Any  # jax.sharding.Mesh or AbstractMesh
+    axis: str | tuple[str, ...]
+
+    @property
+    def size(self) -> int:
+        names = (self.axis,) if isinstance(self.axis, str) else self.axis
+        return math.prod(self.mesh.shape[name] for name in names)
+
+
+def _leading_spec(sharding: Any) -> Any:
+    if isinstance(sharding, NamedSharding) and len(sharding.spec) > 0:
+        return sharding.spec[0]
+    return None
+
+
+def find_sample_axis(samples: Any) -> SampleAxis | None:
+    """Returns the sample axis of ``samples`` (see module docstring), or None for one device."""
+    for leaf in jax.tree.leaves(samples):
+        concrete = None if isinstance(leaf, jax.core.Tracer) else getattr(leaf, "sharding", None)
+        for sharding in (concrete, _typeof_sharding(leaf)):
+            spec = _leading_spec(sharding)
+            if spec is not None:
+                return SampleAxis(sharding.mesh, spec)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return None
+    names = tuple(mesh.axis_names)
+    return SampleAxis(mesh, names[0] if len(names) == 1 else names)
+
+
+def _typeof_sharding(leaf: Any) -> Any:
+    try:
+        return jax.typeof(leaf).sharding
+    except (TypeError, AttributeError):
+        return None
+
+
+def replicate(tree: Any, where: SampleAxis | None) -> Any:
+    """Places concrete leaves replicated on the sample mesh (eager calls only).
+
+    Keeps one input signature for the compiled function whatever the parameters' placement was
+    (fresh single-device arrays, or the replicated output of a previous step), so that a second
+    call does not compile again. Tracers and arrays already in place are left alone.
+    """
+    if where is None or not isinstance(where.mesh, jax.sharding.Mesh):
+        return tree
+    target = NamedSharding(where.mesh, P())
+
+    def place(x):
+        if isinstance(x, jax.core.Tracer) or getattr(x, "sharding", None) == target:
+            return x
+        return jax.device_put(x, target)
+
+    return jax.tree.map(place, tree)
+
+
+def to_varying(tree: Any, where: SampleAxis | None) -> Any:
+    """Casts replicated leaves to device-varying inside ``shard_map`` (no-op on one device)."""
+    if where is None:
+        return tree
+    return jax.tree.map(lambda x: jax.lax.pcast(x, where.axis, to="varying"), tree)
+
+
+def pad_to_devices(tree: Any, where: SampleAxis | None, fill: Any) -> tuple[Any, int]:
+    """Pads the leading axis to a multiple of the device count.
+
+    Only used when the global sample count does not divide evenly over the devices (which a sharded
+    array never does); ``fill(leaf, pad)`` gives the rows to append. Returns ``(tree, n_padded)``.
+    """
+    n = jax.tree.leaves(tree)[0].shape[0]
+    if where is None or n % where.size == 0:
+        return tree, n
+    pad = where.size - n % where.size
+    return jax.tree.map(lambda a, f: jnp.concatenate([a, f(a, pad)]), tree, fill), n + pad
+
+
+def per_device(
+    body: Callable[..., Any],
+    where: SampleAxis | None,
+    in_specs: tuple[Any, ...],
+    out_specs: Any,
+) -> Callable[..., Any]:
+    """Runs ``body`` on each device's shard; ``"samples"`` in a spec means split over the axis.
+
+    On one device ``body`` is returned unchanged.
+    """
+    if where is None:
+        return body
+
+    def spec(s):
+        return P(where.axis) if s == "samples" else P()
+
+    return jax.shard_map(
+        body,
+        mesh=where.mesh,
+        in_specs=tuple(spec(s) for s in in_specs),
+        out_specs=spec(out_specs),
+    )
+
+
+def sum_over_devices(tree: Any, where: SampleAxis | None) -> Any:
+    """The one cross-device reduction: ``psum`` over the sample axis (no-op on one device)."""
+    return tree if where is None else jax.lax.psum(tree, where.axis)
+
+
+def repeat_last(a: jax.Array, pad: int) -> jax.Array:
+    """``pad`` copies of the last row of ``a``: valid samples to pad with."""
+    return jnp.repeat(a[-1:], pad, axis=0)
+
+
+def zeros_rows(a: jax.Array, pad: int) -> jax.Array:
+    """``pad`` zero rows shaped like the rows of ``a``: a cotangent that adds nothing."""
+    return jnp.zeros((pad, *a.shape[1:]), a.dtype)

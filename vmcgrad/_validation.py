@@ -1,0 +1,134 @@
+"""Eager checks of user input, run before anything is traced.
+
+Every message names the function and the argument, says what was given and what was expected,
+and how to fix it, so a user mistake never surfaces as a JAX-internal traceback.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _describe(x: Any) -> str:
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return f"shape {tuple(x.shape)} and dtype {x.dtype}"
+    return f"{type(x).__name__} {x!r}"
+
+
+def check_chunk_size(where: str, chunk_size: Any) -> int | None:
+    """Returns ``chunk_size`` as an int (or None) after checking it is a positive integer."""
+    if chunk_size is None:
+        return None
+    if isinstance(chunk_size, (bool, np.bool_)) or not isinstance(chunk_size, (int, np.integer)):
+        raise TypeError(
+            f"{where}: `chunk_size` must be a positive int or None; got {chunk_size!r} "
+            f"of type {type(chunk_size).__name__}. Fix: pass e.g. chunk_size=1024, or "
+            "chunk_size=None for one chunk per device."
+        )
+    if chunk_size <= 0:
+        raise ValueError(
+            f"{where}: `chunk_size` must be a positive int or None; got {chunk_size}. "
+            "Fix: pass e.g. chunk_size=1024, or chunk_size=None for one chunk per device."
+        )
+    return operator.index(chunk_size)
+
+
+def as_arrays(where: str, name: str, tree: Any) -> Any:
+    """Converts the leaves of ``tree`` to JAX arrays, naming ``name`` if one cannot be."""
+    try:
+        return jax.tree.map(jnp.asarray, tree)
+    except TypeError as err:
+        raise TypeError(
+            f"{where}: every leaf of `{name}` must be an array; converting one failed with: {err}. "
+            f"Fix: pass numbers or arrays as the leaves of `{name}`."
+        ) from None
+
+
+def check_params(where: str, params: Any) -> None:
+    """Parameters must be a non-empty pytree of inexact (real or complex floating) arrays."""
+    leaves = jax.tree.leaves(params)
+    if not leaves:
+        raise ValueError(
+            f"{where}: `params` has no array leaves; got {params!r}. Fix: pass the model's parameter pytree."
+        )
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        if not jnp.issubdtype(leaf.dtype, jnp.inexact):
+            raise TypeError(
+                f"{where}: every leaf of `params` must be a real or complex floating array; "
+                f"the leaf at {jax.tree_util.keystr(path)} has dtype {leaf.dtype}. Fix: cast it "
+                "(e.g. jnp.asarray(x, jnp.float64)) or close over it in `fun` instead."
+            )
+
+
+def check_samples(where: str, samples: Any) -> int:
+    """Returns the common leading size N >= 1 of the sample leaves."""
+    leaves_with_path = jax.tree_util.tree_leaves_with_path(samples)
+    if not leaves_with_path:
+        raise ValueError(
+            f"{where}: `samples` has no array leaves; got {samples!r}. "
+            "Fix: pass an array (or pytree of arrays) with the samples along axis 0."
+        )
+    sizes = {}
+    for path, leaf in leaves_with_path:
+        if leaf.ndim == 0:
+            raise ValueError(
+                f"{where}: every leaf of `samples` needs a leading sample axis; the leaf at "
+                f"{jax.tree_util.keystr(path) or 'the root'} is a scalar. "
+                "Fix: stack the samples along axis 0."
+            )
+        sizes[jax.tree_util.keystr(path) or "<root>"] = leaf.shape[0]
+    if len(set(sizes.values())) > 1:
+        raise ValueError(
+            f"{where}: the leaves of `samples` must share their leading (sample) size; got "
+            f"{sizes}. Fix: give every leaf the same number of samples along axis 0."
+        )
+    n = next(iter(sizes.values()))
+    if n == 0:
+        raise ValueError(f"{where}: `samples` is empty (N = 0 along axis 0). Fix: pass at least one sample.")
+    return n
+
+
+def check_output(where: str, fun: Callable, params: Any, samples: Any, n: int) -> jax.ShapeDtypeStruct:
+    """Evaluates the shape of ``fun(params, samples)`` (no FLOPs) and checks it is ``(n,)``."""
+    out = jax.eval_shape(fun, params, samples)
+    if not isinstance(out, jax.ShapeDtypeStruct) or tuple(out.shape) != (n,):
+        got = _describe(out) if isinstance(out, jax.ShapeDtypeStruct) else f"a {type(out).__name__}"
+        raise ValueError(
+            f"{where}: `fun(params, samples)` must return one value per sample, an array of shape "
+            f"({n},); it returned {got}. Fix: make `fun` map a batch of samples to a "
+            "vector, e.g. reduce the per-sample outputs or use jax.vmap over single samples."
+        )
+    return out
+
+
+def check_cotangent(where: str, name: str, ct: Any, out: jax.ShapeDtypeStruct) -> None:
+    """The cotangent must be an array with the output's shape and dtype."""
+    if not isinstance(ct, jax.Array) or ct.shape != out.shape or ct.dtype != out.dtype:
+        raise TypeError(
+            f"{where}: `{name}` must match the output of `fun`, shape {tuple(out.shape)} and "
+            f"dtype {out.dtype}; got {_describe(ct) if hasattr(ct, 'shape') else repr(ct)}. "
+            f"Fix: pass one {out.dtype} value per sample, e.g. jnp.asarray(v, {out.dtype})."
+        )
+
+
+def check_tangent(where: str, tangent: Any, params: Any) -> None:
+    """The tangent must have the pytree structure, shapes and dtypes of ``params``."""
+    p_def, t_def = jax.tree.structure(params), jax.tree.structure(tangent)
+    if p_def != t_def:
+        raise TypeError(
+            f"{where}: `tangent` must have the pytree structure of `params`; got {t_def}, "
+            f"expected {p_def}. Fix: build it with jax.tree.map over `params`."
+        )
+    for (path, p), t in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(tangent)):
+        if p.shape != t.shape or p.dtype != t.dtype:
+            raise TypeError(
+                f"{where}: the leaf of `tangent` at {jax.tree_util.keystr(path)} must have the "
+                f"shape {tuple(p.shape)} and dtype {p.dtype} of the parameter; got {_describe(t)}. "
+                "Fix: build `tangent` with jax.tree.map over `params` (e.g. jnp.zeros_like)."
+            )
