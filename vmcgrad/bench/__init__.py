@@ -1,0 +1,13 @@
+"""Benchmarks: vmcgrad against NetKet and plain JAX, measured in one run, interleaved.
+
+Each benchmark module here returns rows of measurements; ``benchmarks/*.py`` are the scripts that
+run them, and ``vmcgrad bench`` runs them all. Times are medians over interleaved repeats (the
+candidates take turns, so a noisy machine slows them alike); memory is the compiled program's
+``memory_analysis().temp_size_in_bytes``; collectives come from :func:`vmcgrad.collective_report`.
+NetKet is imported inside the functions that need it.
+"""
+
+from ._harness import Candidate as Candidate
+from ._harness import Row as Row
+from ._harness import format_table as format_table
+from ._harness import measure as measure
