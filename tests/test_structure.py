@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from helpers import compile_count, make_case, setup
 from jax.sharding import AxisType
@@ -133,3 +134,27 @@ def test_no_recompilation_on_second_call():
     with setup("netket") as place:
         jax.block_until_ready(vmcgrad.batched_vjp(fun, params, place(samples), place(ct), chunk_size=6))
     assert compile_count() > before
+
+
+def test_partial_fun_arrays_are_traced_not_compiled_in():
+    """A jax.tree_util.Partial's arrays (e.g. a model state) change without recompiling."""
+
+    def scaled(scale, p, x=None, *, samples=None):
+        x = samples if x is None else x
+        return scale * jnp.tanh(x @ p["W"]).sum(-1)
+
+    _, params, samples = make_case("r2r", 37 * N_DEV)
+    ct = jnp.linspace(-1.0, 1.0, 37 * N_DEV)
+    scales = [jnp.float64(0.5), jnp.float64(2.0)]
+    ref = [jax.vjp(jax.tree_util.Partial(scaled, s, samples=samples), params)[1](ct)[0] for s in scales]
+    with setup("netket") as place:
+        x, c = place(samples), place(ct)
+        got = [vmcgrad.batched_vjp(jax.tree_util.Partial(scaled, scales[0]), params, x, c, chunk_size=5)]
+        before = compile_count()
+        got.append(vmcgrad.batched_vjp(jax.tree_util.Partial(scaled, scales[1]), params, x, c, chunk_size=5))
+        assert compile_count() == before
+        out = vmcgrad.batched_jvp(jax.tree_util.Partial(scaled, scales[1]), params, x, params, chunk_size=5)
+    for g, r in zip(got, ref):
+        np.testing.assert_allclose(g["W"], r["W"], rtol=1e-12)
+    expected = jax.jvp(lambda p: scaled(scales[1], p, samples), (params,), (params,))[1]
+    np.testing.assert_allclose(out, expected, rtol=1e-12)

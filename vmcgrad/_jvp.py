@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from . import _validation as check
 from ._chunking import map_chunks, plan_chunks
+from ._function import join_fun, split_fun
 from ._sharding import (
     SampleAxis,
     find_sample_axis,
@@ -42,7 +43,8 @@ def batched_jvp(
     sharded like the samples and no data moves between devices.
 
     Args:
-        fun: ``fun(params, batch) -> (batch_size,)`` array, real or complex.
+        fun: ``fun(params, batch) -> (batch_size,)`` array, real or complex; a plain callable, or
+            a ``jax.tree_util.Partial`` whose arrays are traced (see :func:`batched_vjp`).
         params: a pytree of real and/or complex floating arrays.
         samples: an array, or pytree of arrays, with the N samples along axis 0.
         tangent: a pytree with the structure, shapes and dtypes of ``params``.
@@ -70,20 +72,22 @@ def batched_jvp(
     out = check.check_output(name, fun, params, samples, n)
     check.check_tangent(name, tangent, params)
     where = find_sample_axis(samples)
-    params, tangent = replicate((params, tangent), where)
+    static, data = split_fun(fun)
+    params, tangent, data = replicate((params, tangent, data), where)
     return _batched_jvp(
-        fun, params, samples, tangent, chunk_size=chunk_size, where=where, out_dtype=out.dtype
+        static, data, params, samples, tangent, chunk_size=chunk_size, where=where, out_dtype=out.dtype
     )
 
 
-@partial(jax.jit, static_argnames=("fun", "chunk_size", "where", "out_dtype"))
-def _batched_jvp(fun, params, samples, tangent, *, chunk_size, where: SampleAxis | None, out_dtype):
+@partial(jax.jit, static_argnames=("static", "chunk_size", "where", "out_dtype"))
+def _batched_jvp(static, data, params, samples, tangent, *, chunk_size, where: SampleAxis | None, out_dtype):
     n = jax.tree.leaves(samples)[0].shape[0]
     samples, n_padded = pad_to_devices(samples, where, repeat_last)
     n_local = n_padded if where is None else n_padded // where.size
 
-    def local(params, samples, tangent):
+    def local(data, params, samples, tangent):
         params, tangent = to_varying((params, tangent), where)
+        fun = join_fun(static, data)
         init = to_varying(jnp.zeros((n_local,), out_dtype), where)
 
         def body(x):
@@ -91,6 +95,6 @@ def _batched_jvp(fun, params, samples, tangent, *, chunk_size, where: SampleAxis
 
         return map_chunks(body, plan_chunks(n_local, chunk_size), samples, init)
 
-    run = per_device(local, where, ("params", "samples", "params"), "samples")
-    out = run(params, samples, tangent)
+    run = per_device(local, where, ("params", "params", "samples", "params"), "samples")
+    out = run(data, params, samples, tangent)
     return out if n_padded == n else out[:n]

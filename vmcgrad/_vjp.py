@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from . import _validation as check
 from ._chunking import ChunkPlan, for_each_chunk, plan_chunks, take_chunk
+from ._function import join_fun, split_fun
 from ._sharding import (
     SampleAxis,
     find_sample_axis,
@@ -50,7 +51,9 @@ def batched_vjp(
     device works on its own shard and one ``psum`` after the loop is the only communication.
 
     Args:
-        fun: ``fun(params, batch) -> (batch_size,)`` array, real or complex.
+        fun: ``fun(params, batch) -> (batch_size,)`` array, real or complex. A plain callable is
+            compiled in (cached by identity, as ``jax.jit`` does); a
+            ``jax.tree_util.Partial(f, *arrays)`` has its arrays traced instead (model state).
         params: a pytree of real and/or complex floating arrays.
         samples: an array, or pytree of arrays, with the N samples along axis 0.
         cotangent: an array of shape ``(N,)`` with the dtype of ``fun``'s output.
@@ -83,22 +86,24 @@ def batched_vjp(
     out = check.check_output(name, fun, params, samples, n)
     check.check_cotangent(name, "cotangent", cotangent, out)
     where = find_sample_axis(samples)
-    params = replicate(params, where)
-    return _batched_vjp(fun, params, samples, cotangent, chunk_size=chunk_size, where=where)
+    static, data = split_fun(fun)
+    params, data = replicate((params, data), where)
+    return _batched_vjp(static, data, params, samples, cotangent, chunk_size=chunk_size, where=where)
 
 
-@partial(jax.jit, static_argnames=("fun", "chunk_size", "where"))
-def _batched_vjp(fun, params, samples, cotangent, *, chunk_size, where: SampleAxis | None):
+@partial(jax.jit, static_argnames=("static", "chunk_size", "where"))
+def _batched_vjp(static, data, params, samples, cotangent, *, chunk_size, where: SampleAxis | None):
     (samples, cotangent), n = pad_to_devices((samples, cotangent), where, (repeat_last, zeros_rows))
     n_local = n if where is None else n // where.size
 
-    def local(params, samples, cotangent):
+    def local(data, params, samples, cotangent):
         params = to_varying(params, where)
+        fun = join_fun(static, data)
         acc = accumulate_vjp(fun, params, samples, cotangent, plan_chunks(n_local, chunk_size))
         return sum_over_devices(acc, where)
 
-    run = per_device(local, where, ("params", "samples", "samples"), "params")
-    return run(params, samples, cotangent)
+    run = per_device(local, where, ("params", "params", "samples", "samples"), "params")
+    return run(data, params, samples, cotangent)
 
 
 def accumulate_vjp(fun: Callable, params: Any, samples: Any, cotangent: jax.Array, plan: ChunkPlan) -> Any:
