@@ -1,0 +1,68 @@
+"""2 processes × 2 CPU devices on JAX's distributed runtime (127.0.0.1 only) vs one process."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+from helpers import auto_mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from mp_cases import computations
+
+HERE = Path(__file__).parent
+TIMEOUT = 240
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_processes(tmp_path, nproc=2):
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_", "NETKET_"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE.parent), env.get("PYTHONPATH", "")])
+    procs, outs = [], []
+    try:
+        for pid in range(nproc):
+            out = tmp_path / f"proc{pid}.npz"
+            outs.append(out)
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(HERE / "mp_worker.py"), str(pid), str(nproc), str(port), str(out)],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+            )
+        logs = [p.communicate(timeout=TIMEOUT)[0] for p in procs]
+    finally:
+        for p in procs:  # kill every child, whatever happened
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-3000:]
+    return [dict(np.load(o)) for o in outs]
+
+
+def test_two_processes_match_one(tmp_path):
+    per_process = run_processes(tmp_path)
+    mesh = auto_mesh()
+    with jax.set_mesh(mesh):
+        place = lambda a: jax.device_put(np.asarray(a), NamedSharding(mesh, P("S")))
+        single = {
+            f"{name}/{i}": np.asarray(leaf)
+            for name, compute in computations(place).items()
+            for i, leaf in enumerate(jax.tree.leaves(compute()))
+        }
+    for results in per_process:
+        assert results.keys() == single.keys()
+        for key, value in single.items():
+            np.testing.assert_allclose(results[key], value, rtol=1e-12, atol=1e-13, err_msg=key)
