@@ -12,3 +12,6 @@ jax.config.update("jax_num_cpu_devices", N_DEVICES)
 jax.config.update("jax_enable_x64", True)
 # NetKet fakes its own CPU devices from this variable at import; keep it in step.
 os.environ.setdefault("NETKET_EXPERIMENTAL_SHARDING_CPU", str(N_DEVICES))
+
+# A worker script run in subprocesses by test_multiprocess.py; importing it would join a cluster.
+collect_ignore = ["mp_worker.py"]
