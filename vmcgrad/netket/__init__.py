@@ -1,0 +1,15 @@
+"""vmcgrad for NetKet users: ``expect_and_grad``, an SR-ready ``QGTOnTheFly``, and ``MCState``.
+
+The one-line switch for a NetKet VMC script: replace ``nk.vqs.MCState(sampler, model, ...)`` by
+``vmcgrad.netket.MCState(sampler, model, ..., chunk_size=256)``. The driver (``nk.driver.VMC``,
+with or without ``nk.optimizer.SR``), loggers and callbacks are NetKet's, unchanged; the gradient
+of each step is computed by vmcgrad, chunked with no divisibility requirement and reduced once.
+For a chunked QGT in SR, pass ``qgt=vmcgrad.netket.QGTOnTheFly``.
+
+This subpackage imports NetKet; ``import vmcgrad`` alone does not.
+"""
+
+from ._expect_grad import expect_and_grad as expect_and_grad
+from ._state import MCState as MCState
+
+__all__ = ["MCState", "expect_and_grad"]

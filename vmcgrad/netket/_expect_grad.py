@@ -1,0 +1,109 @@
+"""``expect_and_grad`` for a NetKet ``MCState``: NetKet's local values and statistics, vmcgrad's gradient."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import jax
+import netket as nk
+from netket.operator import AbstractOperator, Squared
+from netket.utils import HashablePartial
+from netket.vqs.mc import get_local_kernel, get_local_kernel_arguments
+
+import vmcgrad
+
+from .. import _validation as check
+
+NAME = "vmcgrad.netket.expect_and_grad"
+
+
+def expect_and_grad(vstate: Any, operator: Any, *, chunk_size: int | None = None) -> tuple[Any, Any]:
+    r"""Energy statistics and gradient of a hermitian operator, as ``vstate.expect_and_grad(operator)``.
+
+    With the samples :math:`\sigma_1..\sigma_N` of ``vstate`` (``vstate.samples``, not resampled) and
+    the local values :math:`O_{loc}(\sigma) = \sum_{\sigma'} O_{\sigma\sigma'}\,\psi(\sigma')/\psi(\sigma)`:
+
+    .. math::
+
+        F = \frac{1}{N} \sum_{i=1}^{N} \overline{O_i}\,\bigl(O_{loc}(\sigma_i) - \bar O\bigr),
+        \qquad g = \begin{cases} 2F & \text{complex parameter leaves} \\
+        2\,\mathrm{Re}\,F & \text{real parameter leaves} \end{cases}
+
+    where :math:`O_i = \partial_\theta \log\psi_\theta(\sigma_i)`. This is what NetKet's
+    ``MCState.expect_and_grad`` returns for a hermitian operator (``force_to_grad``).
+
+    The local values use NetKet's own kernels (``get_local_kernel``/``get_local_kernel_arguments``,
+    chunked as ``netket/vqs/mc/mc_state/expect_chunked.py`` does), the statistics are
+    ``nk.stats.statistics`` over the ``(n_chains, n_samples_per_chain)`` local values, and the
+    gradient is :func:`vmcgrad.expect_grad` at ``chunk_size`` — chunked on each device with no
+    divisibility requirement and one reduction over NetKet's ``"S"`` mesh axis. The whole step is
+    one jitted program, compiled once per (model, operator type, shapes, chunk size): parameters,
+    model state, samples and operator data are traced arguments.
+
+    Args:
+        vstate: an ``nk.vqs.MCState`` with a non-mutable model (``model_state`` is read, not updated).
+        operator: a hermitian NetKet operator (``operator.is_hermitian``), not ``Squared``.
+        chunk_size: samples per chunk on each device (any positive int), or None for no chunking.
+
+    Returns:
+        ``(stats, grad)``: an ``nk.stats.Stats`` of the local values and a pytree like
+        ``vstate.parameters``.
+
+    Raises:
+        TypeError, ValueError: for a state or operator this cannot handle, before anything runs.
+    """
+    chunk_size = check.check_chunk_size(NAME, chunk_size)
+    check_state_and_operator(vstate, operator)
+    sigma, args = get_local_kernel_arguments(vstate, operator)
+    if chunk_size is None:
+        kernel = get_local_kernel(vstate, operator)
+    else:
+        kernel = HashablePartial(get_local_kernel(vstate, operator, chunk_size), chunk_size=chunk_size)
+    return _expect_and_grad_step(
+        kernel, vstate._apply_fun, chunk_size, vstate.parameters, vstate.model_state, sigma, args
+    )
+
+
+def check_state_and_operator(vstate: Any, operator: Any) -> None:
+    """Eager checks: an MCState with a non-mutable model, and a hermitian operator."""
+    if not isinstance(vstate, nk.vqs.MCState):
+        raise TypeError(
+            f"{NAME}: `vstate` must be a netket.vqs.MCState; got {type(vstate).__name__}. "
+            "Fix: use vstate.expect_and_grad for other variational states."
+        )
+    if vstate.mutable is not False:
+        raise ValueError(
+            f"{NAME}: `vstate` must have a non-mutable model (mutable=False); got mutable="
+            f"{vstate.mutable!r}. Fix: use vstate.expect_and_grad (NetKet's path) for mutable models."
+        )
+    if not isinstance(operator, AbstractOperator) or isinstance(operator, Squared):
+        raise TypeError(
+            f"{NAME}: `operator` must be a netket AbstractOperator other than Squared; got "
+            f"{type(operator).__name__}. Fix: use vstate.expect_and_grad for this operator."
+        )
+    if not operator.is_hermitian:
+        raise ValueError(
+            f"{NAME}: `operator` must be hermitian (the covariance formula); got "
+            f"{type(operator).__name__} with is_hermitian=False. Fix: use vstate.expect_and_grad."
+        )
+
+
+def _log_psi(apply_fun, model_state, params, x):
+    return apply_fun({"params": params, **model_state}, x)
+
+
+def log_psi(apply_fun: Any, model_state: Any) -> jax.tree_util.Partial:
+    """``logpsi(params, x)`` with the model state as traced data (a ``Partial``: no recompiles)."""
+    return jax.tree_util.Partial(HashablePartial(_log_psi, apply_fun), model_state)
+
+
+@partial(jax.jit, static_argnames=("kernel", "apply_fun", "chunk_size"))
+def _expect_and_grad_step(kernel, apply_fun, chunk_size, params, model_state, sigma, args):
+    n_chains = sigma.shape[0]  # as NetKet's forces_expect_hermitian: chains lead, then collapse
+    if sigma.ndim >= 3:
+        sigma = jax.lax.collapse(sigma, 0, 2)
+    o_loc = kernel(apply_fun, {"params": params, **model_state}, sigma, args)
+    stats = nk.stats.statistics(o_loc.reshape((n_chains, -1)))
+    grad = vmcgrad.expect_grad(log_psi(apply_fun, model_state), params, sigma, o_loc, chunk_size=chunk_size)
+    return stats, grad
