@@ -3,8 +3,19 @@
 from ._hlo import CollectiveReport as CollectiveReport
 from ._hlo import collective_report as collective_report
 from ._jvp import batched_jvp as batched_jvp
+from ._qgt import QGT as QGT
+from ._qgt import QGTOperator as QGTOperator
+from ._solve import CGInfo as CGInfo
 from ._vjp import batched_vjp as batched_vjp
 
 __version__ = "0.1.0"
 
-__all__ = ["CollectiveReport", "batched_jvp", "batched_vjp", "collective_report"]
+__all__ = [
+    "QGT",
+    "CGInfo",
+    "CollectiveReport",
+    "QGTOperator",
+    "batched_jvp",
+    "batched_vjp",
+    "collective_report",
+]
