@@ -1,5 +1,6 @@
 """vmcgrad: chunked, sharded, once-reduced per-sample derivatives for variational Monte Carlo."""
 
+from ._grad import expect_grad as expect_grad
 from ._hlo import CollectiveReport as CollectiveReport
 from ._hlo import collective_report as collective_report
 from ._jvp import batched_jvp as batched_jvp
@@ -18,4 +19,5 @@ __all__ = [
     "batched_jvp",
     "batched_vjp",
     "collective_report",
+    "expect_grad",
 ]

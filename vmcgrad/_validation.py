@@ -132,3 +132,19 @@ def check_tangent(where: str, tangent: Any, params: Any) -> None:
                 f"shape {tuple(p.shape)} and dtype {p.dtype} of the parameter; got {_describe(t)}. "
                 "Fix: build `tangent` with jax.tree.map over `params` (e.g. jnp.zeros_like)."
             )
+
+
+def check_local_values(where: str, local_values: Any, n: int) -> None:
+    """Local values: one real or complex number per sample, an array of shape ``(n,)``."""
+    fix = (
+        "Fix: pass the local estimators E_loc(σ_i) of the N samples as one vector, e.g. "
+        "local_values.reshape(-1) if they come per chain."
+    )
+    if not isinstance(local_values, jax.Array) or not jnp.issubdtype(local_values.dtype, jnp.number):
+        got = _describe(local_values) if hasattr(local_values, "dtype") else repr(local_values)
+        raise TypeError(f"{where}: `local_values` must be a real or complex numeric array; got {got}. {fix}")
+    if local_values.shape != (n,):
+        raise ValueError(
+            f"{where}: `local_values` must have one value per sample, shape ({n},); got "
+            f"{_describe(local_values)}. {fix}"
+        )
