@@ -48,8 +48,9 @@ one pullback gives every case at once, and :math:`g = 2\,\mathrm{vjp}(c)^*` leaf
 
 The mean :math:`\bar L` is over all samples on all devices (padding excluded); it is one scalar
 all-reduce before the loop. The pass itself is :func:`vmcgrad.batched_vjp`'s: one ``lax.scan`` of
-chunks per device into ref accumulators and one ``psum`` after the loop; the conjugate and the
-factor 2 are applied to the reduced parameter-sized result.
+chunks per device into ref accumulators and one ``psum`` after the loop (XLA emits it as one
+all-reduce per parameter dtype); the conjugate and the factor 2 are applied to the reduced,
+parameter-sized result.
 """
 
 from __future__ import annotations
@@ -62,8 +63,9 @@ import jax
 import jax.numpy as jnp
 
 from . import _validation as check
+from ._auto_chunk import run_auto
 from ._function import split_fun
-from ._sharding import SampleAxis, find_sample_axis, replicate
+from ._sharding import SampleAxis, find_sample_axis, local_count, param_layout, replicate
 from ._vjp import _batched_vjp
 
 
@@ -137,17 +139,22 @@ def expect_grad(
     where = find_sample_axis(samples)
     static, data = split_fun(logpsi)
     params, data = replicate((params, data), where)
-    return _expect_grad(
-        static, data, params, samples, local_values, chunk_size=chunk_size, where=where, out_dtype=out.dtype
-    )
+    layout = param_layout(params, where)
+    args = (data, params, samples, local_values)
+    statics = dict(static=static, where=where, out_dtype=out.dtype, layout=layout)
+    if chunk_size == "auto":
+        return run_auto(name, _expect_grad, args, statics, local_count(n, where))
+    return _expect_grad(*args, chunk_size=chunk_size, **statics)
 
 
-@partial(jax.jit, static_argnames=("static", "chunk_size", "where", "out_dtype"))
+@partial(jax.jit, static_argnames=("static", "chunk_size", "where", "out_dtype", "layout"))
 def _expect_grad(
-    static, data, params, samples, local_values, *, chunk_size, where: SampleAxis | None, out_dtype
+    data, params, samples, local_values, *, static, chunk_size, where: SampleAxis | None, out_dtype, layout
 ):
     cotangent = centred_cotangent(local_values, out_dtype)
-    vjp = _batched_vjp(static, data, params, samples, cotangent, chunk_size=chunk_size, where=where)
+    vjp = _batched_vjp(
+        data, params, samples, cotangent, static=static, chunk_size=chunk_size, where=where, layout=layout
+    )
     return jax.tree.map(lambda g: 2 * jnp.conj(g) if jnp.iscomplexobj(g) else 2 * g, vjp)
 
 

@@ -1,0 +1,72 @@
+"""Gradient benchmark: vmcgrad.expect_grad vs NetKet's chunked force vs jax.vjp on RBMModPhase (R→C).
+
+Usage::
+
+    python benchmarks/bench_grad.py                      # the process's default device count
+    python benchmarks/bench_grad.py --devices 4          # 4 fake CPU devices (NetKet's mesh "S")
+    python benchmarks/bench_grad.py --L 48 --n-samples 8192 --chunk-size 1024 --json rows.json
+
+The device count is fixed per process, so ``--devices`` sets ``jax_num_cpu_devices`` and NetKet's
+``NETKET_EXPERIMENTAL_SHARDING_CPU`` before JAX or NetKet is imported. Bar (issue 3): time
+<= 0.6x NetKet's chunked force, goal <= 0.5x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+BAR, GOAL = 0.6, 0.5
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--devices", type=int, default=None, help="fake CPU device count (default: JAX's)")
+    ap.add_argument("--L", type=int, default=48, help="spins (RBMModPhase with alpha=1)")
+    ap.add_argument("--n-samples", type=int, default=8192)
+    ap.add_argument("--chunk-size", type=int, default=1024)
+    ap.add_argument("--repeats", type=int, default=7, help="interleaved timed calls per candidate")
+    ap.add_argument("--json", metavar="PATH", help="write the rows as JSON here")
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse()
+    if args.devices is not None:
+        os.environ["NETKET_EXPERIMENTAL_SHARDING_CPU"] = str(args.devices)
+    os.environ.setdefault("JAX_ENABLE_X64", "1")
+    import jax
+
+    if args.devices is not None:
+        jax.config.update("jax_num_cpu_devices", args.devices)
+    jax.config.update("jax_enable_x64", True)
+    import netket  # noqa: F401  (sets NetKet's global mesh, axis "S")
+
+    from vmcgrad.bench import format_table
+    from vmcgrad.bench.grad import run
+
+    rows = run(L=args.L, n_samples=args.n_samples, chunk_size=args.chunk_size, repeats=args.repeats)
+    if args.json:
+        extra = {"L": args.L, "N": args.n_samples, "chunk": args.chunk_size}
+        with open(args.json, "w") as f:
+            json.dump([{**r.as_dict(), **extra} for r in rows], f, indent=1)
+    print(
+        f"\nRBMModPhase(alpha=1), L={args.L}, N={args.n_samples}, chunk={args.chunk_size}, "
+        f"devices={jax.device_count()}, repeats={args.repeats}"
+    )
+    print(format_table(rows, baseline="netket"))
+    by_name = {r.name: r for r in rows}
+    me, nk = by_name["vmcgrad"], by_name["netket"]
+    t = me.median / nk.median
+    verdict = "goal met" if t <= GOAL else ("bar met" if t <= BAR else "BAR MISSED")
+    print(f"\nvmcgrad / netket time: {t:.3f} (bar {BAR}, goal {GOAL}: {verdict})")
+    print(f"vmcgrad / netket temp memory: {me.temp_bytes / nk.temp_bytes:.3f}")
+
+
+if __name__ == "__main__":
+    main()
