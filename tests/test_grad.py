@@ -346,7 +346,8 @@ def test_bad_local_values(lv, error, text):
 @pytest.mark.parametrize("chunk_size, error", [(0, ValueError), (2.5, TypeError), (True, TypeError)])
 def test_bad_chunk_size(chunk_size, error):
     fun, params, samples = case("r2c")
-    with pytest.raises(error, match=r"vmcgrad\.expect_grad: `chunk_size` must be a positive int or None"):
+    expected = r"vmcgrad\.expect_grad: `chunk_size` must be a positive int, None or .auto."
+    with pytest.raises(error, match=expected):
         vmcgrad.expect_grad(fun, params, samples, local_values(N), chunk_size=chunk_size)
 
 

@@ -26,7 +26,7 @@ T = jax.tree.map(jnp.ones_like, PARAMS)
 def test_chunk_size(api, chunk_size, error, text):
     call = vmcgrad.batched_vjp if api == "vjp" else vmcgrad.batched_jvp
     arg = CT if api == "vjp" else T
-    with pytest.raises(error, match=r"`chunk_size` must be a positive int or None") as info:
+    with pytest.raises(error, match=r"`chunk_size` must be a positive int, None or .auto.") as info:
         call(FUN, PARAMS, SAMPLES, arg, chunk_size=chunk_size)
     assert text in str(info.value) and "Fix:" in str(info.value)
 

@@ -1,5 +1,6 @@
 """vmcgrad: chunked, sharded, once-reduced per-sample derivatives for variational Monte Carlo."""
 
+from ._auto_chunk import auto_chunk_size as auto_chunk_size
 from ._grad import expect_grad as expect_grad
 from ._hlo import CollectiveReport as CollectiveReport
 from ._hlo import collective_report as collective_report
@@ -16,6 +17,7 @@ __all__ = [
     "CGInfo",
     "CollectiveReport",
     "QGTOperator",
+    "auto_chunk_size",
     "batched_jvp",
     "batched_vjp",
     "collective_report",

@@ -10,11 +10,13 @@ import jax
 import jax.numpy as jnp
 
 from . import _validation as check
+from ._auto_chunk import run_auto
 from ._chunking import map_chunks, plan_chunks
 from ._function import join_fun, split_fun
 from ._sharding import (
     SampleAxis,
     find_sample_axis,
+    local_count,
     pad_to_devices,
     per_device,
     repeat_last,
@@ -74,13 +76,15 @@ def batched_jvp(
     where = find_sample_axis(samples)
     static, data = split_fun(fun)
     params, tangent, data = replicate((params, tangent, data), where)
-    return _batched_jvp(
-        static, data, params, samples, tangent, chunk_size=chunk_size, where=where, out_dtype=out.dtype
-    )
+    args = (data, params, samples, tangent)
+    statics = dict(static=static, where=where, out_dtype=out.dtype)
+    if chunk_size == "auto":
+        return run_auto(name, _batched_jvp, args, statics, local_count(n, where))
+    return _batched_jvp(*args, chunk_size=chunk_size, **statics)
 
 
 @partial(jax.jit, static_argnames=("static", "chunk_size", "where", "out_dtype"))
-def _batched_jvp(static, data, params, samples, tangent, *, chunk_size, where: SampleAxis | None, out_dtype):
+def _batched_jvp(data, params, samples, tangent, *, static, chunk_size, where: SampleAxis | None, out_dtype):
     n = jax.tree.leaves(samples)[0].shape[0]
     samples, n_padded = pad_to_devices(samples, where, repeat_last)
     n_local = n_padded if where is None else n_padded // where.size

@@ -80,8 +80,11 @@ def replicate(tree: Any, where: SampleAxis | None) -> Any:
     target = NamedSharding(where.mesh, P())
 
     def place(x):
-        if isinstance(x, jax.core.Tracer) or getattr(x, "sharding", None) == target:
+        if isinstance(x, jax.core.Tracer):
             return x
+        sharding = getattr(x, "sharding", None)
+        if isinstance(sharding, NamedSharding) and sharding.mesh == where.mesh:
+            return x  # already on the mesh: replicated, or parameter-sharded on purpose
         return jax.device_put(x, target)
 
     return jax.tree.map(place, tree)
@@ -92,6 +95,11 @@ def to_varying(tree: Any, where: SampleAxis | None) -> Any:
     if where is None:
         return tree
     return jax.tree.map(lambda x: jax.lax.pcast(x, where.axis, to="varying"), tree)
+
+
+def local_count(n: int, where: SampleAxis | None) -> int:
+    """Samples per device after :func:`pad_to_devices`: ``ceil(n / devices)``."""
+    return n if where is None else -(-n // where.size)
 
 
 def pad_to_devices(tree: Any, where: SampleAxis | None, fill: Any) -> tuple[Any, int]:
@@ -113,7 +121,10 @@ def per_device(
     in_specs: tuple[Any, ...],
     out_specs: Any,
 ) -> Callable[..., Any]:
-    """Runs ``body`` on each device's shard; ``"samples"`` in a spec means split over the axis.
+    """Runs ``body`` on each device's shard.
+
+    A spec is ``"samples"`` (split over the sample axis), ``"params"`` (replicated), or a
+    ``PartitionSpec`` pytree (e.g. from :func:`param_specs`).
 
     On one device ``body`` is returned unchanged.
     """
@@ -121,7 +132,9 @@ def per_device(
         return body
 
     def spec(s):
-        return P(where.axis) if s == "samples" else P()
+        if isinstance(s, str):
+            return P(where.axis) if s == "samples" else P()
+        return s  # a PartitionSpec or a pytree of them (parameter-sharded layouts)
 
     return jax.shard_map(
         body,
@@ -144,3 +157,63 @@ def repeat_last(a: jax.Array, pad: int) -> jax.Array:
 def zeros_rows(a: jax.Array, pad: int) -> jax.Array:
     """``pad`` zero rows shaped like the rows of ``a``: a cotangent that adds nothing."""
     return jnp.zeros((pad, *a.shape[1:]), a.dtype)
+
+
+# --- parameter-sharded (FSDP-like) models -------------------------------------------------------
+
+
+def param_layout(params: Any, where: SampleAxis | None) -> tuple[int | None, ...]:
+    """For each parameter leaf, the dimension split over the sample axis, or None if replicated.
+
+    Read from the leaves' concrete sharding (eager) or their type (Explicit axes). A static,
+    hashable tuple in leaf order.
+    """
+    if where is None:
+        return tuple(None for _ in jax.tree.leaves(params))
+
+    def dim(leaf):
+        concrete = None if isinstance(leaf, jax.core.Tracer) else getattr(leaf, "sharding", None)
+        for sharding in (concrete, _typeof_sharding(leaf)):
+            if isinstance(sharding, NamedSharding):
+                for d, entry in enumerate(sharding.spec):
+                    if entry == where.axis or (isinstance(entry, tuple) and entry == (where.axis,)):
+                        return d
+        return None
+
+    return tuple(dim(leaf) for leaf in jax.tree.leaves(params))
+
+
+def param_specs(params: Any, layout: tuple[int | None, ...], where: SampleAxis) -> Any:
+    """``PartitionSpec`` pytree for ``params``: the sample axis on each sharded leaf's dimension."""
+    leaves, treedef = jax.tree.flatten(params)
+    specs = [P() if d is None else P(*([None] * d), where.axis) for d in layout]
+    del leaves
+    return jax.tree.unflatten(treedef, specs)
+
+
+def gather_params(params: Any, layout: tuple[int | None, ...], where: SampleAxis | None) -> Any:
+    """Inside ``shard_map``, before the loop: all-gather sharded leaves once; cast the rest varying."""
+    if where is None:
+        return params
+    leaves, treedef = jax.tree.flatten(params)
+    out = [
+        jax.lax.pcast(x, where.axis, to="varying")
+        if d is None
+        else jax.lax.all_gather(x, where.axis, axis=d, tiled=True)
+        for x, d in zip(leaves, layout)
+    ]
+    return jax.tree.unflatten(treedef, out)
+
+
+def reduce_params(tree: Any, layout: tuple[int | None, ...], where: SampleAxis | None) -> Any:
+    """After the loop: ``psum`` replicated leaves, ``psum_scatter`` sharded ones back to shards."""
+    if where is None:
+        return tree
+    leaves, treedef = jax.tree.flatten(tree)
+    summed = jax.lax.psum([x for x, d in zip(leaves, layout) if d is None], where.axis)
+    it = iter(summed)
+    out = [
+        next(it) if d is None else jax.lax.psum_scatter(x, where.axis, scatter_dimension=d, tiled=True)
+        for x, d in zip(leaves, layout)
+    ]
+    return jax.tree.unflatten(treedef, out)

@@ -22,19 +22,20 @@ def _describe(x: Any) -> str:
 
 
 def check_chunk_size(where: str, chunk_size: Any) -> int | None:
-    """Returns ``chunk_size`` as an int (or None) after checking it is a positive integer."""
-    if chunk_size is None:
-        return None
+    """Returns ``chunk_size`` as an int, None or ``"auto"`` after checking it."""
+    if chunk_size is None or (isinstance(chunk_size, str) and chunk_size == "auto"):
+        return chunk_size
     if isinstance(chunk_size, (bool, np.bool_)) or not isinstance(chunk_size, (int, np.integer)):
         raise TypeError(
-            f"{where}: `chunk_size` must be a positive int or None; got {chunk_size!r} "
-            f"of type {type(chunk_size).__name__}. Fix: pass e.g. chunk_size=1024, or "
-            "chunk_size=None for one chunk per device."
+            f"{where}: `chunk_size` must be a positive int, None or 'auto'; got {chunk_size!r} "
+            f"of type {type(chunk_size).__name__}. Fix: pass e.g. chunk_size=1024, "
+            "chunk_size=None for one chunk per device, or chunk_size='auto'."
         )
     if chunk_size <= 0:
         raise ValueError(
-            f"{where}: `chunk_size` must be a positive int or None; got {chunk_size}. "
-            "Fix: pass e.g. chunk_size=1024, or chunk_size=None for one chunk per device."
+            f"{where}: `chunk_size` must be a positive int, None or 'auto'; got {chunk_size}. "
+            "Fix: pass e.g. chunk_size=1024, chunk_size=None for one chunk per device, or "
+            "chunk_size='auto'."
         )
     return operator.index(chunk_size)
 

@@ -10,17 +10,21 @@ import jax
 import jax.numpy as jnp
 
 from . import _validation as check
+from ._auto_chunk import run_auto
 from ._chunking import ChunkPlan, for_each_chunk, plan_chunks, take_chunk
 from ._function import join_fun, split_fun
 from ._sharding import (
     SampleAxis,
     find_sample_axis,
+    gather_params,
+    local_count,
     pad_to_devices,
+    param_layout,
+    param_specs,
     per_device,
+    reduce_params,
     repeat_last,
     replicate,
-    sum_over_devices,
-    to_varying,
     zeros_rows,
 )
 
@@ -88,21 +92,30 @@ def batched_vjp(
     where = find_sample_axis(samples)
     static, data = split_fun(fun)
     params, data = replicate((params, data), where)
-    return _batched_vjp(static, data, params, samples, cotangent, chunk_size=chunk_size, where=where)
+    layout = param_layout(params, where)
+    args = (data, params, samples, cotangent)
+    statics = dict(static=static, where=where, layout=layout)
+    if chunk_size == "auto":
+        return run_auto(name, _batched_vjp, args, statics, local_count(n, where))
+    return _batched_vjp(*args, chunk_size=chunk_size, **statics)
 
 
-@partial(jax.jit, static_argnames=("static", "chunk_size", "where"))
-def _batched_vjp(static, data, params, samples, cotangent, *, chunk_size, where: SampleAxis | None):
+@partial(jax.jit, static_argnames=("static", "chunk_size", "where", "layout"))
+def _batched_vjp(
+    data, params, samples, cotangent, *, static, chunk_size, where: SampleAxis | None, layout=None
+):
     (samples, cotangent), n = pad_to_devices((samples, cotangent), where, (repeat_last, zeros_rows))
     n_local = n if where is None else n // where.size
+    layout = layout or param_layout(params, None)
 
     def local(data, params, samples, cotangent):
-        params = to_varying(params, where)
+        params = gather_params(params, layout, where)
         fun = join_fun(static, data)
         acc = accumulate_vjp(fun, params, samples, cotangent, plan_chunks(n_local, chunk_size))
-        return sum_over_devices(acc, where)
+        return reduce_params(acc, layout, where)
 
-    run = per_device(local, where, ("params", "params", "samples", "samples"), "params")
+    p_specs = "params" if where is None else param_specs(params, layout, where)
+    run = per_device(local, where, ("params", p_specs, "samples", "samples"), p_specs)
     return run(data, params, samples, cotangent)
 
 
