@@ -1,0 +1,201 @@
+"""The lattice models and networks ``vmcgrad vmc`` knows, and their exact ground-state energies.
+
+Energies are in NetKet's units: ``nk.operator.Heisenberg`` uses Pauli matrices, so its energies are 4× the
+spin-½ :math:`\\vec S_i\\cdot\\vec S_j` values. NetKet is imported inside the functions only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+SYSTEMS = ("heisenberg1d", "heisenberg2d", "ising1d", "j1j2")
+MODELS = ("rbm", "rbm-phase", "mlp")
+
+DESCRIPTIONS = {
+    "heisenberg1d": "Heisenberg chain of L sites, periodic, total Sz = 0",
+    "heisenberg2d": "Heisenberg model on an L×L square lattice, periodic, total Sz = 0",
+    "ising1d": "transverse-field Ising chain of L sites, periodic, h = 1",
+    "j1j2": "J1-J2 Heisenberg model on an L×L square lattice, J2 = 0.5, periodic, total Sz = 0",
+}
+
+#: Exact diagonalisation, periodic boundaries, NetKet units (see shared/CONTEXT.md).
+EXACT_ENERGIES = {
+    ("heisenberg1d", 12): -21.5495636696,
+    ("heisenberg1d", 16): -28.5691854424,
+    ("heisenberg1d", 20): -35.6175461196,
+    ("heisenberg2d", 4): -44.9139328336,
+    ("ising1d", 12): -15.3225951511,
+    ("ising1d", 16): -20.4045944748,
+    ("ising1d", 20): -25.4909896864,
+    ("j1j2", 4): 4 * -8.4579233514,
+}
+
+#: Lanczos runs for up to this many spins (2^16 basis states) when the table has no entry.
+LANCZOS_MAX_SITES = 16
+
+J2 = 0.5
+
+
+def n_sites(system: str, L: int) -> int:
+    """Number of lattice sites: L for chains, L² for square lattices."""
+    return L if system in ("heisenberg1d", "ising1d") else L * L
+
+
+def size_problem(system: str, L: int) -> str | None:
+    """Why ``L`` does not fit ``system`` (a message for ``--L``), or None when it does."""
+    if L < 2:
+        return f"must be at least 2 for {system}; got {L}"
+    if system != "ising1d" and L % 2:
+        return f"must be even for {system} (the total Sz = 0 sector needs an even number of sites); got {L}"
+    if system != "ising1d" and system != "heisenberg1d" and L < 4:
+        return (
+            f"must be at least 4 for {system} (smaller periodic square lattices double their bonds); got {L}"
+        )
+    return None
+
+
+@dataclass(frozen=True)
+class System:
+    """A built lattice model: NetKet objects plus the bond list the exact diagonalisation uses.
+
+    Attributes:
+        hilbert, hamiltonian: NetKet's Hilbert space and operator.
+        make_sampler: ``make_sampler(n_chains)`` → spin exchanges along the bonds in the total-Sz = 0
+            sector for the Heisenberg models, single spin flips for Ising.
+        n_sites: number of spins.
+        bonds: ``(i, j, J)`` for every coupled pair, from the graph's edges.
+        field: transverse field ``h`` (Ising) or 0.
+    """
+
+    hilbert: Any
+    hamiltonian: Any
+    make_sampler: Callable[[int], Any]
+    n_sites: int
+    bonds: tuple[tuple[int, int, float], ...]
+    field: float
+
+
+def build(system: str, L: int) -> System:
+    """NetKet's Hilbert space, Hamiltonian and Metropolis sampler for ``system`` of linear size ``L``."""
+    import netket as nk
+
+    if system in ("heisenberg1d", "ising1d"):
+        graph = nk.graph.Chain(L, pbc=True)
+    elif system == "heisenberg2d":
+        graph = nk.graph.Square(L, pbc=True)
+    elif system == "j1j2":
+        graph = nk.graph.Square(L, pbc=True, max_neighbor_order=2)
+    else:  # validated before
+        raise AssertionError(system)
+    couplings = [1.0, J2] if system == "j1j2" else [1.0]
+    bonds = tuple((int(i), int(j), couplings[c]) for i, j, c in graph.edges(return_color=True))
+
+    if system == "ising1d":
+        hilbert = nk.hilbert.Spin(0.5, N=graph.n_nodes)
+        hamiltonian = nk.operator.Ising(hilbert, graph, h=1.0, J=1.0)
+        return System(
+            hilbert,
+            hamiltonian,
+            lambda n_chains: nk.sampler.MetropolisLocal(hilbert, n_chains=n_chains),
+            graph.n_nodes,
+            bonds,
+            1.0,
+        )
+    hilbert = nk.hilbert.Spin(0.5, N=graph.n_nodes, total_sz=0)
+    if system == "j1j2":
+        # Marshall's sign rule on the nearest-neighbour bonds only: the J2 bonds join equal sublattices.
+        hamiltonian = nk.operator.Heisenberg(hilbert, graph, J=couplings, sign_rule=[True, False])
+    else:
+        hamiltonian = nk.operator.Heisenberg(hilbert, graph)
+    return System(
+        hilbert,
+        hamiltonian,
+        lambda n_chains: nk.sampler.MetropolisExchange(hilbert, graph=graph, n_chains=n_chains, d_max=1),
+        graph.n_nodes,
+        bonds,
+        0.0,
+    )
+
+
+def make_model(name: str):
+    """The network: a real RBM, an RBM with modulus and phase, or a two-hidden-layer real MLP."""
+    import netket as nk
+    import numpy as np
+
+    if name == "rbm":
+        return nk.models.RBM(alpha=1, param_dtype=np.float64)
+    if name == "rbm-phase":
+        return nk.models.RBMModPhase(alpha=1, param_dtype=np.float64)
+    if name == "mlp":
+        return nk.models.MLP(
+            hidden_dims_alpha=(2, 1), hidden_activations=nk.nn.log_cosh, param_dtype=np.float64
+        )
+    raise AssertionError(name)
+
+
+def exact_energy(system: str, L: int, built: System) -> tuple[float | None, str | None]:
+    """The exact ground-state energy and where it comes from: ``"table"``, ``"lanczos"`` or None.
+
+    The table is used when it has the system; otherwise :func:`lanczos_energy` for up to
+    :data:`LANCZOS_MAX_SITES` spins; otherwise the energy is unknown.
+    """
+    known = EXACT_ENERGIES.get((system, L))
+    if known is not None:
+        return known, "table"
+    if built.n_sites <= LANCZOS_MAX_SITES:
+        return lanczos_energy(built.n_sites, built.bonds, built.field), "lanczos"
+    return None, None
+
+
+def lanczos_energy(n_sites: int, bonds, field: float = 0.0) -> float:
+    r"""Lowest eigenvalue of a spin-½ Hamiltonian in Pauli matrices, by Lanczos (``scipy``'s ``eigsh``).
+
+    .. math::
+
+        H_\mathrm{Heisenberg} = \sum_{(i,j,J)} J\,(\sigma^z_i\sigma^z_j + \sigma^x_i\sigma^x_j
+            + \sigma^y_i\sigma^y_j) \quad (h = 0), \qquad
+        H_\mathrm{Ising} = \sum_{(i,j,J)} J\,\sigma^z_i\sigma^z_j - h \sum_i \sigma^x_i \quad (h \ne 0).
+
+    Marshall's sign rule, which NetKet applies on bipartite bonds, is a unitary change of basis and
+    leaves the spectrum unchanged. The sparse matrix is built with bit operations over the
+    :math:`2^n` basis states (Heisenberg: the total-Sz = 0 ones), well under a second for 16 spins
+    (NetKet's ``lanczos_ed`` first compiles its operator conversion: about ten seconds here).
+
+    Examples:
+        >>> round(lanczos_energy(2, [(0, 1, 1.0)]), 10)  # one singlet: -3 in Pauli units
+        -3.0
+    """
+    import numpy as np
+    import scipy.sparse
+    import scipy.sparse.linalg
+
+    states = np.arange(2**n_sites, dtype=np.int64)
+    if field == 0.0 and n_sites % 2 == 0:
+        # H conserves total Sz and is SU(2) symmetric: every multiplet has a member with Sz = 0.
+        ones = sum((states >> i) & 1 for i in range(n_sites))
+        states = states[ones == n_sites // 2]
+    dim = states.size
+    index = np.arange(dim)
+    diag = np.zeros(dim)
+    rows, cols, vals = [index], [index], [diag]
+    for i, j, coupling in bonds:
+        differ = ((states >> i) ^ (states >> j)) & 1
+        diag += coupling * (1 - 2 * differ)  # σz σz
+        if field == 0.0:  # σx σx + σy σy = 2 (σ+ σ- + σ- σ+): flips an antiparallel pair
+            rows.append(index[differ == 1])
+            cols.append(np.searchsorted(states, states[differ == 1] ^ ((1 << i) | (1 << j))))
+            vals.append(np.full(rows[-1].size, 2.0 * coupling))
+    if field != 0.0:
+        for i in range(n_sites):
+            rows.append(index)
+            cols.append(states ^ (1 << i))  # all 2^n states: the index is the state
+            vals.append(np.full(dim, -field))
+    H = scipy.sparse.csr_matrix(
+        (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(dim, dim)
+    )
+    if dim <= 64:
+        return float(np.linalg.eigvalsh(H.toarray())[0])
+    v0 = np.random.default_rng(0).standard_normal(dim)
+    return float(scipy.sparse.linalg.eigsh(H, k=1, which="SA", v0=v0, tol=1e-11)[0][0])

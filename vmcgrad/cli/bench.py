@@ -1,0 +1,288 @@
+"""``vmcgrad bench``: vmcgrad against NetKet and unchunked JAX, all benchmarks in one process.
+
+Runs the benchmark modules of :mod:`vmcgrad.bench` that are present (``core``: ``batched_vjp``;
+``grad``: the VMC gradient; ``qgt``: QGT products and solves; ``vmc_step``: a full VMC + SR step) over
+a small sweep of sample counts N (at the first chunk size) and chunk sizes (at the largest N). Within
+a setting the candidates take turns (:func:`vmcgrad.bench.measure`), so a busy machine slows them
+alike. Prints the ratios vmcgrad/NetKet and vmcgrad/unchunked JAX (median time, compiled temp memory)
+and the collectives per call (inside loops / outside, from the compiled HLO), and writes
+``DIR/bench.json`` (after every benchmark, atomically) and ``DIR/bench.png`` (time and memory against
+N and against the chunk size).
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import importlib.util
+import inspect
+import platform
+import sys
+import time
+from pathlib import Path
+
+from . import _output
+from ._args import HelpFormatter, positive_int
+
+#: Benchmark modules of vmcgrad.bench, in the order they run.
+BENCHES = ("core", "grad", "qgt", "vmc_step")
+
+
+def add_parser(commands) -> None:
+    """Adds the ``bench`` sub-command and its options to ``commands`` (an argparse sub-parsers object)."""
+    p = commands.add_parser(
+        "bench",
+        help="time and memory of vmcgrad vs NetKet vs unchunked JAX, in one process",
+        description=__doc__.split("\n\n")[1].replace("\n", " "),
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("--only", nargs="+", choices=BENCHES, default=list(BENCHES), help="benchmarks to run")
+    p.add_argument("--L", type=positive_int, default=32, help="spins of the benchmark models")
+    p.add_argument("--samples", type=positive_int, nargs="+", default=[1024, 4096], help="sample counts N")
+    p.add_argument(
+        "--chunk-sizes", type=positive_int, nargs="+", default=[128, 512], help="chunk sizes (first: N sweep)"
+    )
+    p.add_argument("--repeats", type=positive_int, default=3, help="interleaved timed calls per candidate")
+    p.add_argument(
+        "--devices",
+        type=positive_int,
+        default=2,
+        help="fake CPU devices (so that the collectives show; 1 for a single device)",
+    )
+    p.add_argument("--out", default="vmcgrad-bench", metavar="DIR", help="output directory (bench.json/png)")
+    p.set_defaults(_command=sys.modules[__name__], _parser=p)
+
+
+def check(args, parser) -> None:
+    """Checks the options that depend on the file system; creates nothing."""
+    problem = _output.problem_with_out_dir(Path(args.out))
+    if problem:
+        parser.error(f"argument --out: {problem}")
+
+
+def settings(samples: list[int], chunk_sizes: list[int]) -> list[tuple[int, int]]:
+    """``(N, chunk)`` pairs: every N at the first chunk size, then every other chunk size at the largest N.
+
+    Examples:
+        >>> settings([1024, 4096], [128, 512])
+        [(1024, 128), (4096, 128), (4096, 512)]
+    """
+    first, largest = chunk_sizes[0], max(samples)
+    pairs = [(n, first) for n in samples]
+    pairs += [(largest, c) for c in chunk_sizes[1:] if (largest, c) not in pairs]
+    return pairs
+
+
+def _baseline(name: str) -> str | None:
+    if name.startswith("netket"):
+        return "netket"
+    if name.startswith("jax"):
+        return "jax"
+    return None
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """For every vmcgrad candidate: time and temp-memory ratios against the NetKet and plain-JAX rows of
+    the same benchmark and setting, and the collectives (in loops / outside) of each."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        setting = tuple((k, v) for k, v in r.items() if k not in _MEASURED)
+        groups.setdefault(setting, []).append(r)
+    out = []
+    for setting, group in groups.items():
+        bases = {}
+        for r in group:
+            b = _baseline(r["name"])
+            if b and b not in bases:
+                bases[b] = r
+        for r in group:
+            if not r["name"].startswith("vmcgrad"):
+                continue
+            entry = dict(setting, name=r["name"], median_s=r["median_s"], temp_bytes=r["temp_bytes"])
+            entry["setting_keys"] = [k for k, _ in setting]
+            entry["collectives"] = _coll(r)
+            for b, base in bases.items():
+                entry[f"time_vs_{b}"] = r["median_s"] / base["median_s"]
+                entry[f"memory_vs_{b}"] = (
+                    r["temp_bytes"] / base["temp_bytes"] if r["temp_bytes"] and base["temp_bytes"] else None
+                )
+                entry[f"collectives_{b}"] = _coll(base)
+            out.append(entry)
+    return out
+
+
+#: Keys of a row that are measurements; the others describe the setting.
+_MEASURED = {"name", "median_s", "times_s", "temp_bytes", "collectives_in_loops", "collectives_outside"}
+_SHOWN = {"bench", "N", "chunk", "L", "devices"}
+
+
+def _coll(row: dict) -> str | None:
+    if row.get("collectives_in_loops") is None:
+        return None
+    return f"{row['collectives_in_loops']}/{row['collectives_outside']}"
+
+
+def format_ratios(entries: list[dict]) -> str:
+    """The summary table: one line per vmcgrad candidate and setting."""
+
+    def num(x, fmt):
+        return "-" if x is None else format(x, fmt)
+
+    head = (
+        f"{'bench':<17}{'N':>7}{'chunk':>7} {'other':<12}{'vmcgrad impl':<15}{'ms':>9}"
+        f"{'t/netket':>10}{'m/netket':>10}{'t/jax':>8}{'m/jax':>8}  {'collectives loop/out: vg nk jax':<31}"
+    )
+    lines = [head, "-" * len(head)]
+    for e in entries:
+        coll = " ".join(
+            str(e.get(k) or "-") for k in ("collectives", "collectives_netket", "collectives_jax")
+        )
+        other = ",".join(str(v) for k, v in e.items() if k in e["setting_keys"] and k not in _SHOWN)
+        lines.append(
+            f"{e['bench']:<17}{e['N']:>7}{e['chunk']:>7} {other or '-':<12}{e['name']:<15}"
+            f"{e['median_s'] * 1e3:>9.2f}"
+            f"{num(e.get('time_vs_netket'), '.2f'):>10}{num(e.get('memory_vs_netket'), '.2f'):>10}"
+            f"{num(e.get('time_vs_jax'), '.2f'):>8}{num(e.get('memory_vs_jax'), '.2f'):>8}  {coll:<31}"
+        )
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    """Runs the benchmarks; returns 0, or 1 when a benchmark failed (its cross-check, say)."""
+    t_start = time.perf_counter()
+    import jax
+
+    out = Path(args.out)
+    available = [b for b in args.only if importlib.util.find_spec(f"vmcgrad.bench.{b}") is not None]
+    missing = [b for b in args.only if b not in available]
+    for b in missing:
+        print(f"vmcgrad bench: skipping {b}: vmcgrad/bench/{b}.py is not there", file=sys.stderr)
+    pairs = settings(args.samples, args.chunk_sizes)
+    result = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": _machine(),
+        "config": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+        "missing": missing,
+        "errors": [],
+        "rows": [],
+        "ratios": [],
+    }
+    print(
+        f"vmcgrad bench: {', '.join(available) or 'nothing'} on {jax.device_count()} "
+        f"{jax.devices()[0].platform} device(s), L={args.L}, (N, chunk) in {pairs}, {args.repeats} repeats"
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    for name in available:
+        module = importlib.import_module(f"vmcgrad.bench.{name}")
+        accepted = inspect.signature(module.run).parameters
+        for n, chunk in pairs:
+            tag = f"[{name} N={n} chunk={chunk}]"
+            kwargs = {"L": args.L, "n_samples": n, "chunk_size": chunk, "repeats": args.repeats}
+            kwargs["log"] = lambda line, tag=tag: print(f"{tag} {line}", flush=True)
+            kwargs = {k: v for k, v in kwargs.items() if k in accepted}
+            t0 = time.perf_counter()
+            try:
+                rows = module.run(**kwargs)
+            except Exception as error:  # report, keep the other benchmarks
+                message = f"{tag} failed: {type(error).__name__}: {error}"
+                print(message, file=sys.stderr, flush=True)
+                result["errors"].append(message)
+                continue
+            for row in rows:
+                d = row.as_dict()
+                d.update(L=args.L, N=n, chunk=chunk, devices=d.get("devices", jax.device_count()))
+                result["rows"].append(d)
+            print(f"{tag} {len(rows)} rows in {time.perf_counter() - t0:.1f} s", flush=True)
+            result["ratios"] = ratios(result["rows"])
+            _output.write_json_atomic(out / "bench.json", result)
+    result["ratios"] = ratios(result["rows"])
+    result["total_s"] = time.perf_counter() - t_start
+    _output.write_json_atomic(out / "bench.json", result)
+    if result["rows"]:
+        plot(result["rows"], out / "bench.png", chunk=args.chunk_sizes[0], n=max(args.samples))
+    print()
+    print(format_ratios(result["ratios"]))
+    print(
+        f"\nt/x, m/x: vmcgrad's median time and compiled temp memory over x's (NetKet, unchunked jax.vjp); "
+        f"collectives: inside loops/outside per call.\nwrote {out / 'bench.json'} and {out / 'bench.png'} "
+        f"in {result['total_s']:.0f} s"
+    )
+    if missing:
+        print(f"not run (modules missing): {', '.join(missing)}")
+    return 1 if result["errors"] else 0
+
+
+def _machine() -> dict:
+    import os
+
+    import jax
+
+    info = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "devices": [str(d) for d in jax.devices()],
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+    }
+    try:
+        import netket
+
+        info["netket"] = netket.__version__
+    except ImportError:
+        info["netket"] = None
+    return info
+
+
+def _series_key(row: dict) -> str:
+    other = ",".join(f"{v}" for k, v in row.items() if k not in _MEASURED | _SHOWN)
+    return f"{row['bench']} ({other})" if other else row["bench"]
+
+
+def plot(rows: list[dict], path: Path, *, chunk: int, n: int) -> None:
+    """One row of panels per benchmark: time and temp memory against N (at chunk size ``chunk``) and
+    against the chunk size (at ``n``), one line per implementation."""
+    plt = _output._pyplot()
+    groups = sorted({_series_key(r) for r in rows})
+    names = sorted({r["name"] for r in rows})
+    colors = {name: f"C{i}" for i, name in enumerate(names)}
+    fig, axes = plt.subplots(len(groups), 4, figsize=(14, 2.4 * len(groups) + 0.8), squeeze=False)
+    panels = [
+        ("N", "chunk", chunk, "median_s", "time [ms]"),
+        ("N", "chunk", chunk, "temp_bytes", "temp memory [MiB]"),
+        ("chunk", "N", n, "median_s", "time [ms]"),
+        ("chunk", "N", n, "temp_bytes", "temp memory [MiB]"),
+    ]
+    scale = {"median_s": 1e3, "temp_bytes": 2.0**-20}
+    for g_i, group in enumerate(groups):
+        for p_i, (x_key, fixed_key, fixed, y_key, ylabel) in enumerate(panels):
+            ax = axes[g_i, p_i]
+            for name in names:
+                sel = sorted(
+                    (
+                        r
+                        for r in rows
+                        if _series_key(r) == group
+                        and r["name"] == name
+                        and r[fixed_key] == fixed
+                        and r[y_key] is not None
+                    ),
+                    key=lambda r: r[x_key],
+                )
+                if sel:
+                    ys = [r[y_key] * scale[y_key] for r in sel]
+                    ax.plot([r[x_key] for r in sel], ys, "o-", ms=3, color=colors[name], label=name)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.grid(alpha=0.3)
+            ax.tick_params(labelsize=7)
+            ax.set_ylabel(ylabel, fontsize=8)
+            if g_i == len(groups) - 1:
+                ax.set_xlabel("samples N" if x_key == "N" else "chunk size", fontsize=8)
+            where = f"chunk {chunk}" if x_key == "N" else f"N={n}"
+            ax.set_title(f"{group}: {ylabel.split()[0]} vs {x_key} ({where})", fontsize=8)
+    handles = [plt.Line2D([], [], color=colors[name], marker="o", ms=3, label=name) for name in names]
+    fig.legend(handles=handles, loc="lower center", ncol=len(names), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.5 / (2.4 * len(groups) + 0.8), 1, 1))
+    _output.save_figure_atomic(fig, path)
+    plt.close(fig)
