@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,8 +41,11 @@ def parse() -> argparse.Namespace:
 
 
 def ratios(rows: list[dict]) -> str:
-    """vmcgrad / baseline for time and temp memory, with the bars, per setting."""
-    lines = [f"{'devices':>7} {'dtype':<11}{'vs':<9}{'time':>7}{'bar':>6}{'':>6}{'mem':>7}{'bar':>6}{'':>6}"]
+    """vmcgrad / baseline for time (medians; also fastest calls) and temp memory, with the bars."""
+    lines = [
+        f"{'devices':>7} {'dtype':<11}{'vs':<9}{'time':>7}{'bar':>6}{'':>6}{'mem':>7}{'bar':>6}{'':>6}"
+        f"{'t(min)':>8}{'cpu':>7}{'':>6}{'mem diff B':>12}"
+    ]
     groups: dict[tuple, dict[str, dict]] = {}
     for r in rows:
         groups.setdefault((r["devices"], r["dtype"]), {})[r["name"]] = r
@@ -52,8 +56,12 @@ def ratios(rows: list[dict]) -> str:
             m = me["temp_bytes"] / g[base]["temp_bytes"]
             t_ok = "ok" if t <= t_bar else "MISS"
             m_s, m_ok = (f"{m_bar:>6.2f}", "ok" if m <= m_bar else "MISS") if m_bar else ("-".rjust(6), "")
+            t_min = min(me["times_s"]) / min(g[base]["times_s"])
+            c = statistics.median(me["cpu_s"]) / statistics.median(g[base]["cpu_s"])
             lines.append(
                 f"{devices:>7} {dtype:<11}{base:<9}{t:>7.3f}{t_bar:>6.2f}{t_ok:>6}{m:>7.3f}{m_s}{m_ok:>6}"
+                f"{t_min:>8.3f}{c:>7.3f}{'ok' if c <= t_bar else 'MISS':>6}"
+                f"{me['temp_bytes'] - g[base]['temp_bytes']:>+12d}"
             )
     return "\n".join(lines)
 
@@ -90,15 +98,20 @@ def run_one(args: argparse.Namespace) -> list[dict]:
 
     from vmcgrad.bench.core import run
 
+    cpu: dict = {}
     rows = run(
         L=args.L,
         n_samples=args.n_samples,
         chunk_size=args.chunk_size,
         repeats=args.repeats,
         param_dtypes=tuple(args.dtypes),
+        cpu_times=cpu,
     )
     extra = {"L": args.L, "N": args.n_samples, "chunk": args.chunk_size}
-    return [{**r.as_dict(), **extra} for r in rows]
+    return [
+        {**r.as_dict(), **extra, "cpu_s": cpu[(r.setting["devices"], r.setting["dtype"], r.name)]}
+        for r in rows
+    ]
 
 
 def run_many(args: argparse.Namespace) -> list[dict]:
@@ -126,7 +139,9 @@ def main() -> None:
     print(f"\nNetKet RBM(alpha=1), L={r0['L']}, N={r0['N']}, chunk={r0['chunk']}, repeats={args.repeats}")
     print(table(rows))
     print()
-    print("vmcgrad / baseline (time: median per call; mem: compiled temp bytes per device)")
+    print("vmcgrad / baseline (time: median per call; mem: compiled temp bytes per device;")
+    print("t(min): fastest call / fastest call; cpu: median process CPU time per call, against the time bar;")
+    print("mem diff B: vmcgrad's temp bytes minus the baseline's)")
     print(ratios(rows))
 
 

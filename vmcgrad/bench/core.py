@@ -24,6 +24,7 @@ sharded the same way. The results are checked against each other before anything
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import jax
@@ -147,6 +148,18 @@ def candidates(
     return cands, {"max_rel_err_vs_jax.vjp": errs}
 
 
+def _cpu_timed(call: Any, record: list[float]) -> Any:
+    """``call`` that also appends its process CPU time (all threads) to ``record``."""
+
+    def timed():
+        t0 = time.process_time()
+        out = jax.block_until_ready(call())
+        record.append(time.process_time() - t0)
+        return out
+
+    return timed
+
+
 def run(
     *,
     L: int = 64,
@@ -155,10 +168,14 @@ def run(
     repeats: int = 5,
     param_dtypes: tuple[str, ...] = ("float64", "complex128"),
     log: Any = print,
+    cpu_times: dict | None = None,
 ) -> list[Row]:
     """Measures the three candidates for each parameter dtype on this process's devices.
 
     ``log`` receives one line per dtype with the cross-check errors (done before timing).
+    ``cpu_times``, when given, is filled with ``(devices, dtype, name) -> [s, ...]``: the process CPU
+    time of each timed call (the warm-up call dropped). On a shared, oversubscribed machine it is
+    a steadier measure of the work done than wall-clock medians.
 
     Returns:
         Rows of :func:`vmcgrad.bench.measure`, in the order vmcgrad, netket, jax.vjp per dtype; each
@@ -170,6 +187,11 @@ def run(
         cands, info = candidates(dtype, L=L, n_samples=n_samples, chunk_size=chunk_size)
         errs = ", ".join(f"{k} {e:.1e}" for k, e in info["max_rel_err_vs_jax.vjp"].items())
         log(f"[devices={jax.device_count()} {dtype}] results agree; max rel. error vs jax.vjp: {errs}")
+        records = {c.name: [] for c in cands}
+        cands = [Candidate(c.name, _cpu_timed(c.call, records[c.name]), c.compiled) for c in cands]
         setting = {"devices": jax.device_count(), "dtype": dtype}  # L, N, chunk: the caller's
         rows += measure("core_vjp", setting, cands, repeats=repeats)
+        if cpu_times is not None:
+            for name, rec in records.items():
+                cpu_times[(jax.device_count(), dtype, name)] = rec[1:]
     return rows
