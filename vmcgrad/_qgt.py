@@ -32,7 +32,7 @@ from . import _validation as check
 from ._chunking import plan_chunks
 from ._function import join_fun, split_fun
 from ._qgt_modes import choose_mode, from_rep, to_rep
-from ._qgt_passes import jacobian_pass, mean_pass, product_pass
+from ._qgt_passes import cached_product_pass, jacobian_pass, linearize_pass, mean_pass, product_pass
 from ._sharding import (
     SampleAxis,
     find_sample_axis,
@@ -135,6 +135,7 @@ class QGTOperator:
         tol: float = 1e-5,
         atol: float = 0.0,
         maxiter: int | None = None,
+        cache_bytes: int = 0,
     ) -> tuple[Any, CGInfo]:
         r"""Solves :math:`S_\text{eff}\, x = b` by conjugate gradient (one pass per iteration).
 
@@ -148,6 +149,11 @@ class QGTOperator:
             tol, atol: stop when :math:`\lVert r\rVert \le \max(\mathrm{tol}\lVert b\rVert,
                 \mathrm{atol})` (``jax.scipy.sparse.linalg.cg``'s rule and defaults).
             maxiter: iteration cap; None means ``10 * dim``.
+            cache_bytes: memory budget (bytes per device) for keeping every chunk's linearisation
+                (the forward activations ``jax.linearize`` saves) for the whole solve. When they fit,
+                they are computed once and each iteration only runs the jvp and its transpose (no
+                forward pass); otherwise (and by default, 0) each iteration recomputes them chunk by
+                chunk, holding one chunk's at a time.
 
         Returns:
             ``(x, info)``: ``x`` of the kind of ``b``, ``info`` a :class:`~vmcgrad.CGInfo`.
@@ -161,7 +167,12 @@ class QGTOperator:
                     "Fix: pass both as pytrees, or both flat."
                 )
         maxiter = 10 * self.dim if maxiter is None else maxiter
-        return _solve(self, b, x0, tol, atol, maxiter, kind=kind)
+        if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, (int, np.integer)) or cache_bytes < 0:
+            raise TypeError(
+                f"{_NAME}.solve: `cache_bytes` must be a non-negative int (bytes per device); got "
+                f"{cache_bytes!r}. Fix: pass e.g. cache_bytes=2**30, or 0 to recompute every iteration."
+            )
+        return _solve(self, b, x0, tol, atol, maxiter, kind=kind, cache_bytes=int(cache_bytes))
 
     def replace(self, **changes: Any) -> QGTOperator:
         """A copy with new ``diag_shift`` and/or ``diag_scale`` (computing diag(S) if needed)."""
@@ -352,28 +363,75 @@ def _prepare(op: QGTOperator) -> tuple[Any, int]:
     return samples, n_pad if op.where is None else n_pad // op.where.size
 
 
+def _local(op: QGTOperator, data: tuple, params: Any, n_local: int) -> tuple[Any, Any, jax.Array]:
+    """Inside the per-device body: ``(g, theta, weights)``; weights are 0 on padded rows."""
+    where = op.where
+    params = to_varying(params, where)
+    fun = join_fun(op.fun_static, data)
+    row = jnp.arange(n_local)
+    if where is not None:
+        row = row + jax.lax.axis_index(where.axis) * n_local
+    weights = (row < op.n_samples).astype(op._real_dtype())
+
+    def g(theta, x):
+        return fun(from_rep(op.mode, theta), x)
+
+    return g, to_rep(op.mode, params), weights
+
+
 def _run(op: QGTOperator, prepared: tuple[Any, int], local: Any, *extra: Any) -> Any:
     """Runs ``local(g, theta, samples, weights, plan, *extra)`` on each device and sums once."""
     samples, n_local = prepared
-    where, n = op.where, op.n_samples
     plan = plan_chunks(n_local, op.chunk_size)
 
     def body(data, params, samples, *extra):
-        params, extra = to_varying((params, extra), where)
-        fun = join_fun(op.fun_static, data)
-        row = jnp.arange(n_local)
-        if where is not None:
-            row = row + jax.lax.axis_index(where.axis) * n_local
-        weights = (row < n).astype(op._real_dtype())  # 0 on rows padded to divide over devices
-
-        def g(theta, x):
-            return fun(from_rep(op.mode, theta), x)
-
-        acc = local(g, to_rep(op.mode, params), samples, weights, plan, *extra)
-        return sum_over_devices(acc, where)
+        g, theta, weights = _local(op, data, params, n_local)
+        acc = local(g, theta, samples, weights, plan, *to_varying(extra, op.where))
+        return sum_over_devices(acc, op.where)
 
     specs = ("params", "params", "samples", *("params",) * len(extra))
-    return per_device(body, where, specs, "params")(op.fun_data, op.params, samples, *extra)
+    return per_device(body, op.where, specs, "params")(op.fun_data, op.params, samples, *extra)
+
+
+def _vary(x: jax.Array, where: SampleAxis | None) -> jax.Array:
+    """Casts ``x`` to device-varying over the sample axis unless it already is."""
+    if where is None:
+        return x
+    names = (where.axis,) if isinstance(where.axis, str) else tuple(where.axis)
+    missing = tuple(a for a in names if a not in jax.typeof(x).manual_axis_type.varying)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _linearize_all(op: QGTOperator, prepared: tuple[Any, int]) -> tuple[Any, ...]:
+    """Every chunk's linearisation on every device, kept (split over the devices)."""
+    samples, n_local = prepared
+    plan = plan_chunks(n_local, op.chunk_size)
+    box = {}
+
+    def body(data, params, samples):
+        g, theta, weights = _local(op, data, params, n_local)
+        vary = partial(_vary, where=op.where)
+        residuals, wts, box["treedef"] = linearize_pass(g, theta, samples, weights, plan, vary)
+        return residuals, wts
+
+    residuals, wts = per_device(body, op.where, ("params", "params", "samples"), "samples")(
+        op.fun_data, op.params, samples
+    )
+    return residuals, wts, box["treedef"], plan.count
+
+
+def _apply_cached(op: QGTOperator, cache: tuple[Any, ...], v: Any) -> Any:
+    """:func:`_apply` from kept linearisations (no forward pass)."""
+    residuals, wts, treedef, count = cache
+
+    def body(params, residuals, wts, obar, v):
+        params, obar, v = to_varying((params, obar, v), op.where)
+        acc = cached_product_pass(treedef, residuals, wts, to_rep(op.mode, params), obar, v, count)
+        return sum_over_devices(acc, op.where)
+
+    specs = ("params", "samples", "samples", "params", "params")
+    total = per_device(body, op.where, specs, "params")(op.params, residuals, wts, op.obar, v)
+    return _finish(op, total, v)
 
 
 @jax.jit
@@ -428,7 +486,11 @@ def _unflatten_like(flat: jax.Array, tree: Any) -> Any:
 
 def _apply(op: QGTOperator, prepared: tuple[Any, int], v: Any) -> Any:
     """:math:`S_\\text{eff} \\tilde v` for a representation pytree ``v``: one pass, one psum."""
-    total = _run(op, prepared, product_pass, op.obar, v)
+    return _finish(op, _run(op, prepared, product_pass, op.obar, v), v)
+
+
+def _finish(op: QGTOperator, total: Any, v: Any) -> Any:
+    """From the reduced :math:`\\sum_i \\overline{O_i} w_i` to :math:`S_\\text{eff} v`."""
     inv_n = 1.0 / op.n_samples
 
     def finish(t, x, d=None):
@@ -464,14 +526,25 @@ def _matmul(op: QGTOperator, v: Any, *, kind: str) -> Any:
     return _from_kind(op, _apply(op, _prepare(op), rep), kind)
 
 
-@partial(jax.jit, static_argnames=("kind",))
-def _solve(op: QGTOperator, b: Any, x0: Any, tol: Any, atol: Any, maxiter: Any, *, kind: str):
+@partial(jax.jit, static_argnames=("kind", "cache_bytes"))
+def _solve(
+    op: QGTOperator, b: Any, x0: Any, tol: Any, atol: Any, maxiter: Any, *, kind: str, cache_bytes: int
+):
     prepared = _prepare(op)  # padded once for all iterations
     b = _to_kind(op, b, kind)
     x0 = None if x0 is None else _to_kind(op, x0, kind)
 
     def matvec(y):
         return _apply(op, prepared, y)
+
+    if cache_bytes > 0:
+        cache = _linearize_all(op, prepared)
+        n_dev = 1 if op.where is None else op.where.size
+        kept = sum(r.size * r.dtype.itemsize for r in cache[0]) // n_dev
+        if kept <= cache_bytes:  # else the traced pass is unused and compiled away
+
+            def matvec(y):
+                return _apply_cached(op, cache, y)
 
     if op.diag_scale is None:
         x, info = cg(matvec, b, x0, tol=tol, atol=atol, maxiter=maxiter)

@@ -140,3 +140,42 @@ def jacobian_pass(
 
     for_each_chunk(body, plan)
     return jax.ref.freeze(acc)
+
+
+def linearize_pass(
+    g: Callable, theta: Any, samples: Any, weights: jax.Array, plan: ChunkPlan, vary: Callable
+):
+    """Every chunk's linearisation, kept: ``(residuals, weights, treedef)``.
+
+    ``residuals`` are the array leaves of each chunk's ``jax.linearize`` function, stacked along a
+    new leading chunk axis (``vary`` makes them device-varying so that they can leave
+    ``shard_map`` split over the devices); ``treedef`` rebuilds a chunk's linear map from its slice.
+    """
+    box = {}
+
+    def step(_, k):
+        x, wt = _chunk(samples, weights, plan, k)
+        _, f_jvp = jax.linearize(lambda p: g(p, x), theta)
+        leaves, box["treedef"] = jax.tree.flatten(f_jvp)
+        return None, ([vary(leaf) for leaf in leaves], wt)
+
+    _, (residuals, wts) = jax.lax.scan(step, None, jnp.arange(plan.count))
+    return residuals, wts, box["treedef"]
+
+
+def cached_product_pass(
+    treedef: Any, residuals: list, wts: jax.Array, theta: Any, obar: Any, v: Any, count: int
+) -> Any:
+    """:func:`product_pass` from kept linearisations: the tangent and transpose only, no forward."""
+    obar_v = sum(jnp.sum(o * t) for o, t in zip(jax.tree.leaves(obar), jax.tree.leaves(v)))
+    acc = _refs_like(theta)
+
+    def step(_, k):
+        f_jvp = treedef.unflatten([jax.lax.dynamic_index_in_dim(r, k, keepdims=False) for r in residuals])
+        dw = (f_jvp(v) - obar_v) * wts[k]
+        (ct,) = jax.linear_transpose(f_jvp, theta)(jnp.conj(dw))
+        _add_into(acc, ct)
+        return None, None
+
+    jax.lax.scan(step, None, jnp.arange(count))
+    return _freeze(acc)
