@@ -52,6 +52,7 @@ myst_heading_anchors = 3
 
 nb_execution_mode = "off"  # notebooks are executed (and asserted) by the notebook test step, not here
 nb_merge_streams = True
+nb_output_stderr = "remove"  # import-time warnings (tqdm, NetKet tips) are noise on the pages
 
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
