@@ -5,6 +5,8 @@ into other test files); every test here runs under NetKet's mesh (one Auto axis 
 devices), set by an autouse fixture, as it would be after a plain ``import netket``.
 """
 
+import functools
+import json
 import os
 
 import flax.linen as nn
@@ -216,3 +218,131 @@ def test_state_switch_bad_chunk_size():
     _, sampler = system("heisenberg_chain")
     with pytest.raises(ValueError, match="`chunk_size` must be a positive int"):
         vnk.MCState(sampler, model("rbm_real"), chunk_size=-3)
+
+
+# --- QGTOnTheFly ------------------------------------------------------------------------------
+
+QGT_CASES = [
+    ("rbm_real", None, None),
+    ("rbm_modphase", None, 0.1),
+    ("rbm_complex", True, None),
+    ("rbm_complex", False, 0.1),
+]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize(("model_name", "holomorphic", "diag_scale"), QGT_CASES)
+def test_qgt_to_dense_matches_jacobian_dense(model_name, holomorphic, diag_scale):
+    """Same matrix as QGTJacobianDense in NetKet's mode ('real', 'complex' split re/im, 'holomorphic')."""
+    _, vs = make_state(model_name, "heisenberg_chain")
+    kw = dict(diag_shift=0.01, diag_scale=diag_scale, holomorphic=holomorphic)
+    ref = nk.optimizer.qgt.QGTJacobianDense(vs, **kw)
+    ours = vnk.QGTOnTheFly(vs, chunk_size=CHUNK, **kw)
+    assert isinstance(ours, nk.optimizer.LinearOperator)
+    dense = ours.to_dense()
+    np.testing.assert_allclose(dense, ref.to_dense(), rtol=RTOL, atol=ATOL)
+    v = jax.tree.map(
+        lambda p: jnp.cos(jnp.arange(p.size).reshape(p.shape) + 0.5).astype(p.dtype), vs.parameters
+    )
+    assert_tree_allclose(ours @ v, ref @ v, rtol=1e-9, atol=ATOL)
+    if diag_scale is not None:
+        np.testing.assert_allclose(ours.diagonal(), jnp.diag(dense), rtol=RTOL, atol=ATOL)
+    else:  # NetKet's `+` adds to the shift in force (with diag_scale, to the scale)
+        np.testing.assert_allclose((ours + 0.5).to_dense(), (ref + 0.5).to_dense(), rtol=RTOL, atol=ATOL)
+
+
+def solver(name):
+    if name == "cg":
+        return functools.partial(jax.scipy.sparse.linalg.cg, tol=1e-14, maxiter=2000)
+    if name == "gmres":
+        return functools.partial(jax.scipy.sparse.linalg.gmres, tol=1e-14, restart=200, maxiter=20)
+    return {"cholesky": nk.optimizer.solver.cholesky, "pinv_smooth": nk.optimizer.solver.pinv_smooth}[name]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize(
+    ("model_name", "holomorphic", "solver_name"),
+    [
+        ("rbm_modphase", None, "cholesky"),
+        ("rbm_modphase", None, "cg"),
+        ("rbm_modphase", None, "gmres"),
+        ("rbm_complex", False, "pinv_smooth"),
+        ("rbm_complex", False, "cg"),
+    ],
+)
+def test_sr_update_matches_jacobian_dense(model_name, holomorphic, solver_name):
+    """NetKet's SR preconditioner: QGTJacobianDense vs vmcgrad's QGTOnTheFly (partial application)."""
+    H, vs = make_state(model_name, "heisenberg_chain")
+    _, grad = vs.expect_and_grad(H)
+    kw = dict(solver=solver(solver_name), diag_shift=0.01, holomorphic=holomorphic)
+    ref = nk.optimizer.SR(qgt=nk.optimizer.qgt.QGTJacobianDense, **kw)
+    ours = nk.optimizer.SR(qgt=vnk.QGTOnTheFly(chunk_size=CHUNK), **kw)
+    assert_tree_allclose(ours(vs, grad), ref(vs, grad), rtol=1e-8, atol=1e-10)
+    assert isinstance(ours._lhs, vnk.QGTOnTheFlyT)
+
+
+def test_qgt_takes_the_state_chunk_size():
+    _, vs = make_state("rbm_real", "heisenberg_chain", cls=vnk.MCState, chunk_size=CHUNK)
+    assert vnk.QGTOnTheFly(vs).qgt.chunk_size == CHUNK
+    assert vnk.QGTOnTheFly(vs, chunk_size=5).qgt.chunk_size == 5
+    with pytest.raises(TypeError, match=r"`vstate` must be a netket\.vqs\.MCState"):
+        vnk.QGTOnTheFly(object())
+
+
+# --- drivers ------------------------------------------------------------------------------------
+
+
+def run_vmc(cls, n_iter, model_name="rbm_modphase", qgt=None, out=None, callback=None, **kw):
+    H, vs = make_state(model_name, "heisenberg_chain", cls=cls, **kw)
+    sr = nk.optimizer.SR(qgt=qgt, solver=nk.optimizer.solver.cholesky, diag_shift=0.01)
+    driver = nk.driver.VMC(H, nk.optimizer.Sgd(0.05), variational_state=vs, preconditioner=sr)
+    driver.run(n_iter, out=out, callback=callback or (lambda *a: True), show_progress=False)
+    return vs, driver
+
+
+def test_vmc_sr_trajectory_matches_netket():
+    """10 VMC+SR steps, same seeds and sampler: the parameters follow NetKet's to 1e-8."""
+    ref, _ = run_vmc(nk.vqs.MCState, 10, qgt=nk.optimizer.qgt.QGTJacobianDense)
+    ours, _ = run_vmc(vnk.MCState, 10, qgt=vnk.QGTOnTheFly, chunk_size=CHUNK)
+    assert_tree_allclose(ours.parameters, ref.parameters, rtol=1e-8, atol=1e-10)
+
+
+def test_driver_loggers_and_callbacks_unchanged(tmp_path):
+    seen = []
+
+    def callback(step, log_data, driver):
+        seen.append((step, float(log_data["Energy"].mean.real)))
+        return True
+
+    _, driver = run_vmc(
+        vnk.MCState, 3, qgt=vnk.QGTOnTheFly, chunk_size=CHUNK, out=str(tmp_path / "run"), callback=callback
+    )
+    assert [s for s, _ in seen] == [0, 1, 2] and driver.step_count == 3
+    data = json.loads((tmp_path / "run.log").read_text())
+    np.testing.assert_allclose(np.asarray(data["Energy"]["Mean"]["real"]), [e for _, e in seen], rtol=1e-12)
+
+
+@pytest.mark.slow
+def test_heisenberg_chain_12_reaches_the_exact_energy():
+    """VMC+SR with the switch, exact sampling: the exact energy of the final state within 1e-3."""
+    g = nk.graph.Chain(12, pbc=True)
+    hi = nk.hilbert.Spin(0.5, g.n_nodes, total_sz=0)
+    H = nk.operator.Heisenberg(hi, g)
+    vs = vnk.MCState(
+        nk.sampler.ExactSampler(hi),
+        nk.models.RBM(alpha=1, param_dtype=jnp.complex128),
+        n_samples=512,
+        seed=1,
+        sampler_seed=2,
+        chunk_size=100,
+    )
+    sr = nk.optimizer.SR(
+        qgt=vnk.QGTOnTheFly(holomorphic=True), solver=nk.optimizer.solver.cholesky, diag_shift=0.01
+    )
+    nk.driver.VMC(H, nk.optimizer.Sgd(0.1), variational_state=vs, preconditioner=sr).run(
+        50, show_progress=False
+    )
+    psi = vs.to_array()
+    energy = float(jnp.vdot(psi, H.to_sparse() @ psi).real)
+    exact = -21.5495636696
+    assert abs(energy - exact) / abs(exact) < 1e-3, energy

@@ -93,9 +93,20 @@ def _log_psi(apply_fun, model_state, params, x):
     return apply_fun({"params": params, **model_state}, x)
 
 
-def log_psi(apply_fun: Any, model_state: Any) -> jax.tree_util.Partial:
-    """``logpsi(params, x)`` with the model state as traced data (a ``Partial``: no recompiles)."""
-    return jax.tree_util.Partial(HashablePartial(_log_psi, apply_fun), model_state)
+def _log_psi_no_state(apply_fun, state_def, params, x):
+    return apply_fun({"params": params, **jax.tree.unflatten(state_def, [])}, x)
+
+
+def log_psi(apply_fun: Any, model_state: Any) -> Any:
+    """``logpsi(params, x)`` for vmcgrad, compiled once per model.
+
+    With model-state arrays: a ``jax.tree_util.Partial`` whose arrays are traced (new values do not
+    recompile). Without: a ``HashablePartial`` equal across calls (a fresh ``Partial`` holding no
+    arrays would be static and, hashed by identity, recompile every step).
+    """
+    if jax.tree.leaves(model_state):
+        return jax.tree_util.Partial(HashablePartial(_log_psi, apply_fun), model_state)
+    return HashablePartial(_log_psi_no_state, apply_fun, jax.tree.structure(model_state))
 
 
 @partial(jax.jit, static_argnames=("kernel", "apply_fun", "chunk_size"))
