@@ -358,5 +358,5 @@ def test_bad_params_samples_and_output():
         vmcgrad.expect_grad(fun, {**params, "W": params["W"].astype(jnp.int32)}, samples, lv)
     with pytest.raises(ValueError, match=r"expect_grad: `samples` is empty"):
         vmcgrad.expect_grad(fun, params, samples[:0], lv[:0])
-    with pytest.raises(ValueError, match=r"expect_grad: `fun\(params, samples\)` must return one value"):
+    with pytest.raises(ValueError, match=r"expect_grad: `logpsi\(params, samples\)` must return one value"):
         vmcgrad.expect_grad(lambda p, x: fun(p, x).sum(), params, samples, lv)

@@ -134,7 +134,7 @@ def expect_grad(
     local_values = check.as_arrays(name, "local_values", local_values)
     check.check_params(name, params)
     n = check.check_samples(name, samples)
-    out = check.check_output(name, logpsi, params, samples, n)
+    out = check.check_output(name, logpsi, params, samples, n, arg="logpsi")
     check.check_local_values(name, local_values, n)
     where = find_sample_axis(samples)
     static, data = split_fun(logpsi)

@@ -95,14 +95,19 @@ def check_samples(where: str, samples: Any) -> int:
     return n
 
 
-def check_output(where: str, fun: Callable, params: Any, samples: Any, n: int) -> jax.ShapeDtypeStruct:
-    """Evaluates the shape of ``fun(params, samples)`` (no FLOPs) and checks it is ``(n,)``."""
+def check_output(
+    where: str, fun: Callable, params: Any, samples: Any, n: int, *, arg: str = "fun"
+) -> jax.ShapeDtypeStruct:
+    """Evaluates the shape of ``fun(params, samples)`` (no FLOPs) and checks it is ``(n,)``.
+
+    ``arg`` is the function's argument name in the caller's signature (``fun``, ``logpsi``).
+    """
     out = jax.eval_shape(fun, params, samples)
     if not isinstance(out, jax.ShapeDtypeStruct) or tuple(out.shape) != (n,):
         got = _describe(out) if isinstance(out, jax.ShapeDtypeStruct) else f"a {type(out).__name__}"
         raise ValueError(
-            f"{where}: `fun(params, samples)` must return one value per sample, an array of shape "
-            f"({n},); it returned {got}. Fix: make `fun` map a batch of samples to a "
+            f"{where}: `{arg}(params, samples)` must return one value per sample, an array of shape "
+            f"({n},); it returned {got}. Fix: make `{arg}` map a batch of samples to a "
             "vector, e.g. reduce the per-sample outputs or use jax.vmap over single samples."
         )
     return out
