@@ -8,6 +8,7 @@ prints one line on stderr naming the option and what it accepts, and exits with 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 
 from . import bench, vmc
@@ -57,4 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     command, sub = args._command, args._parser  # set by each command's add_parser
     command.check(args, sub)
     use_devices(getattr(args, "devices", None), sub)
-    return command.run(args)
+    try:
+        return command.run(args)
+    except KeyboardInterrupt:  # before or after the part that handles Ctrl-C itself
+        print(f"{sub.prog}: interrupted", file=sys.stderr)
+        return 130

@@ -13,11 +13,12 @@ from typing import Any
 SYSTEMS = ("heisenberg1d", "heisenberg2d", "ising1d", "j1j2")
 MODELS = ("rbm", "rbm-phase", "mlp")
 
+#: ``str.format`` templates with the field ``L``.
 DESCRIPTIONS = {
-    "heisenberg1d": "Heisenberg chain of L sites, periodic, total Sz = 0",
-    "heisenberg2d": "Heisenberg model on an L×L square lattice, periodic, total Sz = 0",
-    "ising1d": "transverse-field Ising chain of L sites, periodic, h = 1",
-    "j1j2": "J1-J2 Heisenberg model on an L×L square lattice, J2 = 0.5, periodic, total Sz = 0",
+    "heisenberg1d": "Heisenberg chain of {L} sites, periodic, total Sz = 0",
+    "heisenberg2d": "Heisenberg model on a {L}×{L} square lattice, periodic, total Sz = 0",
+    "ising1d": "transverse-field Ising chain of {L} sites, periodic, h = 1",
+    "j1j2": "J1-J2 Heisenberg model on a {L}×{L} square lattice, J2 = 0.5, periodic, total Sz = 0",
 }
 
 #: Exact diagonalisation, periodic boundaries, NetKet units (see shared/CONTEXT.md).

@@ -111,6 +111,8 @@ def ratios(rows: list[dict]) -> list[dict]:
     return out
 
 
+BASES = ("netket", "jax")
+
 #: Keys of a row that are measurements; the others describe the setting.
 _MEASURED = {"name", "median_s", "times_s", "temp_bytes", "collectives_in_loops", "collectives_outside"}
 _SHOWN = {"bench", "N", "chunk", "L", "devices"}
@@ -128,21 +130,22 @@ def format_ratios(entries: list[dict]) -> str:
     def num(x, fmt):
         return "-" if x is None else format(x, fmt)
 
+    def other(e):
+        return ",".join(str(v) for k, v in e.items() if k in e["setting_keys"] and k not in _SHOWN) or "-"
+
+    w = max([len("other"), *(len(other(e)) for e in entries)]) + 1
     head = (
-        f"{'bench':<17}{'N':>7}{'chunk':>7} {'other':<12}{'vmcgrad impl':<15}{'ms':>9}"
-        f"{'t/netket':>10}{'m/netket':>10}{'t/jax':>8}{'m/jax':>8}  {'collectives loop/out: vg nk jax':<31}"
+        f"{'bench':<17}{'N':>7}{'chunk':>7} {'other':<{w}}{'vmcgrad impl':<15}{'ms':>9}"
+        f"{'t/netket':>10}{'m/netket':>10}{'t/jax':>8}{'m/jax':>8}  collectives loop/out: vg nk jax"
     )
     lines = [head, "-" * len(head)]
     for e in entries:
-        coll = " ".join(
-            str(e.get(k) or "-") for k in ("collectives", "collectives_netket", "collectives_jax")
-        )
-        other = ",".join(str(v) for k, v in e.items() if k in e["setting_keys"] and k not in _SHOWN)
+        coll = " ".join(str(e.get(k) or "-") for k in ("collectives", *(f"collectives_{b}" for b in BASES)))
         lines.append(
-            f"{e['bench']:<17}{e['N']:>7}{e['chunk']:>7} {other or '-':<12}{e['name']:<15}"
+            f"{e['bench']:<17}{e['N']:>7}{e['chunk']:>7} {other(e):<{w}}{e['name']:<15}"
             f"{e['median_s'] * 1e3:>9.2f}"
             f"{num(e.get('time_vs_netket'), '.2f'):>10}{num(e.get('memory_vs_netket'), '.2f'):>10}"
-            f"{num(e.get('time_vs_jax'), '.2f'):>8}{num(e.get('memory_vs_jax'), '.2f'):>8}  {coll:<31}"
+            f"{num(e.get('time_vs_jax'), '.2f'):>8}{num(e.get('memory_vs_jax'), '.2f'):>8}  {coll}"
         )
     return "\n".join(lines)
 
@@ -178,6 +181,7 @@ def run(args) -> int:
         for n, chunk in pairs:
             tag = f"[{name} N={n} chunk={chunk}]"
             kwargs = {"L": args.L, "n_samples": n, "chunk_size": chunk, "repeats": args.repeats}
+            kwargs["n_chains"] = jax.device_count() * max(1, min(16, n // jax.device_count()))
             kwargs["log"] = lambda line, tag=tag: print(f"{tag} {line}", flush=True)
             kwargs = {k: v for k, v in kwargs.items() if k in accepted}
             t0 = time.perf_counter()
