@@ -17,6 +17,7 @@ import importlib
 import importlib.util
 import inspect
 import platform
+import re
 import sys
 import time
 from pathlib import Path
@@ -33,7 +34,7 @@ def add_parser(commands) -> None:
     p = commands.add_parser(
         "bench",
         help="time and memory of vmcgrad vs NetKet vs unchunked JAX, in one process",
-        description=__doc__.split("\n\n")[1].replace("\n", " "),
+        description=_plain(__doc__.split("\n\n")[1]),
         formatter_class=HelpFormatter,
     )
     p.add_argument("--only", nargs="+", choices=BENCHES, default=list(BENCHES), help="benchmarks to run")
@@ -51,6 +52,11 @@ def add_parser(commands) -> None:
     )
     p.add_argument("--out", default="vmcgrad-bench", metavar="DIR", help="output directory (bench.json/png)")
     p.set_defaults(_command=sys.modules[__name__], _parser=p)
+
+
+def _plain(rst: str) -> str:
+    """reStructuredText roles and literals as plain text, for ``--help``."""
+    return re.sub(r":\w+:`([^`]*)`", r"\1", rst).replace("``", "").replace("\n", " ")
 
 
 def check(args, parser) -> None:
