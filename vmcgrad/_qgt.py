@@ -32,7 +32,14 @@ from . import _validation as check
 from ._chunking import plan_chunks
 from ._function import join_fun, split_fun
 from ._qgt_modes import choose_mode, from_rep, to_rep
-from ._qgt_passes import cached_product_pass, jacobian_pass, linearize_pass, mean_pass, product_pass
+from ._qgt_passes import (
+    Rows,
+    cached_product_pass,
+    jacobian_pass,
+    linearize_pass,
+    mean_pass,
+    product_pass,
+)
 from ._sharding import (
     SampleAxis,
     find_sample_axis,
@@ -48,7 +55,7 @@ from ._solve import CGInfo, cg
 _NAME = "vmcgrad.QGT"
 
 
-@partial(jax.tree_util.register_dataclass)
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QGTOperator:
     r"""The regularised QGT :math:`S + \epsilon_1\operatorname{diag}(S) + \epsilon_2` of one set of samples.
@@ -156,7 +163,8 @@ class QGTOperator:
                 chunk, holding one chunk's at a time.
 
         Returns:
-            ``(x, info)``: ``x`` of the kind of ``b``, ``info`` a :class:`~vmcgrad.CGInfo`.
+            ``(x, info)``: ``x`` of the kind of ``b``, ``info`` a :class:`~vmcgrad.CGInfo` (with
+            ``diag_scale`` set, its residual norm and the tolerances refer to the rescaled system).
         """
         b, kind = self._vector(b, "b")
         if x0 is not None:
@@ -296,7 +304,10 @@ def QGT(
             :math:`1 + \epsilon_1` and :meth:`~QGTOperator.solve` is Jacobi-rescaled (NetKet's
             QGTJacobian ``diag_scale``).
         mode: 'real', 'complex', 'holomorphic', or None to choose as NetKet does: 'real' for real
-            parameters, 'complex' if any is complex, 'holomorphic' if ``holomorphic=True``.
+            parameters, 'complex' if any is complex, 'holomorphic' if ``holomorphic=True``. The
+            matrices equal NetKet's QGTOnTheFly, and QGTJacobianDense with NetKet's default mode
+            (for real parameters and a complex output NetKet names that mode 'complex'; its
+            explicit mode='real' there drops Im log ψ: pass ``logpsi(...).real`` to get it).
         holomorphic: whether ``logpsi`` is holomorphic in complex parameters (exclusive with ``mode``).
 
     Returns:
@@ -364,29 +375,27 @@ def _prepare(op: QGTOperator) -> tuple[Any, int]:
 
 
 def _local(op: QGTOperator, data: tuple, params: Any, n_local: int) -> tuple[Any, Any, jax.Array]:
-    """Inside the per-device body: ``(g, theta, weights)``; weights are 0 on padded rows."""
+    """Inside the per-device body: ``(g, theta, rows)``."""
     where = op.where
     params = to_varying(params, where)
     fun = join_fun(op.fun_static, data)
-    row = jnp.arange(n_local)
-    if where is not None:
-        row = row + jax.lax.axis_index(where.axis) * n_local
-    weights = (row < op.n_samples).astype(op._real_dtype())
+    first = 0 if where is None else jax.lax.axis_index(where.axis) * n_local
+    rows = Rows(first, op.n_samples, op._real_dtype())
 
     def g(theta, x):
         return fun(from_rep(op.mode, theta), x)
 
-    return g, to_rep(op.mode, params), weights
+    return g, to_rep(op.mode, params), rows
 
 
 def _run(op: QGTOperator, prepared: tuple[Any, int], local: Any, *extra: Any) -> Any:
-    """Runs ``local(g, theta, samples, weights, plan, *extra)`` on each device and sums once."""
+    """Runs ``local(g, theta, samples, rows, plan, *extra)`` on each device and sums once."""
     samples, n_local = prepared
     plan = plan_chunks(n_local, op.chunk_size)
 
     def body(data, params, samples, *extra):
-        g, theta, weights = _local(op, data, params, n_local)
-        acc = local(g, theta, samples, weights, plan, *to_varying(extra, op.where))
+        g, theta, rows = _local(op, data, params, n_local)
+        acc = local(g, theta, samples, rows, plan, *to_varying(extra, op.where))
         return sum_over_devices(acc, op.where)
 
     specs = ("params", "params", "samples", *("params",) * len(extra))
@@ -409,9 +418,9 @@ def _linearize_all(op: QGTOperator, prepared: tuple[Any, int]) -> tuple[Any, ...
     box = {}
 
     def body(data, params, samples):
-        g, theta, weights = _local(op, data, params, n_local)
+        g, theta, rows = _local(op, data, params, n_local)
         vary = partial(_vary, where=op.where)
-        residuals, wts, box["treedef"] = linearize_pass(g, theta, samples, weights, plan, vary)
+        residuals, wts, box["treedef"] = linearize_pass(g, theta, samples, rows, plan, vary)
         return residuals, wts
 
     residuals, wts = per_device(body, op.where, ("params", "params", "samples"), "samples")(
@@ -446,9 +455,9 @@ def _jacobian_stats(op: QGTOperator, *, dense: bool) -> jax.Array:
     dtype = op._rep_dtype() if complex_s else op._real_dtype()
     shape = (d, d) if dense else (d,)
 
-    def local(g, theta, samples, weights, plan, obar):
+    def local(g, theta, samples, rows, plan, obar):
         zeros = to_varying(jnp.zeros(shape, dtype), op.where)
-        return jacobian_pass(g, theta, samples, weights, plan, obar, op.out_dtype, dense=dense, zeros=zeros)
+        return jacobian_pass(g, theta, samples, rows, plan, obar, op.out_dtype, dense=dense, zeros=zeros)
 
     return _run(op, _prepare(op), local, op.obar) / op.n_samples
 

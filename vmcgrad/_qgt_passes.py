@@ -3,8 +3,8 @@ r"""The sample passes behind :class:`~vmcgrad.QGTOperator`, each one ``lax.scan`
 All passes work on the representation :math:`\tilde\theta` of the parameters (see
 :mod:`vmcgrad._qgt_modes`) and a function :math:`g(\tilde\theta, x)` of a batch, and return this
 device's *un-reduced* sums; the caller adds the one ``psum``. Rows carry a weight (1 for a sample,
-0 for a row padded to make the global count divisible by the devices); rows an earlier chunk
-already covered (``fresh`` False) get weight 0 too.
+0 for a row padded to make the global count divisible by the devices, computed per chunk from
+:class:`Rows`); rows an earlier chunk already covered (``fresh`` False) get weight 0 too.
 
 - :func:`mean_pass`: :math:`\sum_i O_i` (real and imaginary parts by two pullbacks of one
   linearisation when the output is complex and :math:`\tilde\theta` real).
@@ -21,18 +21,31 @@ already covered (``fresh`` False) get weight 0 too.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
-from ._chunking import ChunkPlan, for_each_chunk, take_chunk
+from ._chunking import ChunkPlan, chunk_start, for_each_chunk, take_chunk
 
 
-def _chunk(samples: Any, weights: jax.Array, plan: ChunkPlan, k: jax.Array) -> tuple[Any, jax.Array]:
-    (x, wt), fresh = take_chunk((samples, weights), plan, k)
-    return x, jnp.where(fresh, wt, jnp.zeros_like(wt))
+class Rows(NamedTuple):
+    """Where this device's samples sit: global index of its first row, and the global count N.
+
+    Rows at or past N were padded to divide the samples over the devices; they get weight 0.
+    """
+
+    first: Any
+    n: int
+    dtype: Any
+
+
+def _chunk(samples: Any, rows: Rows, plan: ChunkPlan, k: jax.Array) -> tuple[Any, jax.Array]:
+    """Chunk ``k`` and its row weights: 1, or 0 for padded rows and rows an earlier chunk covered."""
+    x, fresh = take_chunk(samples, plan, k)
+    index = rows.first + chunk_start(plan, k) + jnp.arange(plan.size)
+    return x, (fresh & (index < rows.n)).astype(rows.dtype)
 
 
 def _refs_like(tree: Any) -> Any:
@@ -54,14 +67,14 @@ def split_imag(theta: Any, out_dtype: Any) -> bool:
     return real_theta and jnp.issubdtype(out_dtype, jnp.complexfloating)
 
 
-def mean_pass(g: Callable, theta: Any, samples: Any, weights: jax.Array, plan: ChunkPlan, out_dtype) -> Any:
+def mean_pass(g: Callable, theta: Any, samples: Any, rows: Rows, plan: ChunkPlan, out_dtype) -> Any:
     """This device's :math:`\\sum_i w_i O_i` (complex where :math:`O` is)."""
     two = split_imag(theta, out_dtype)
     acc_re = _refs_like(theta)
     acc_im = _refs_like(theta) if two else None
 
     def body(k):
-        x, wt = _chunk(samples, weights, plan, k)
+        x, wt = _chunk(samples, rows, plan, k)
         _, f_vjp = jax.vjp(lambda p: g(p, x), theta)
         f_vjp.with_refs(acc_re)(wt.astype(out_dtype))
         if two:
@@ -74,7 +87,7 @@ def mean_pass(g: Callable, theta: Any, samples: Any, weights: jax.Array, plan: C
 
 
 def product_pass(
-    g: Callable, theta: Any, samples: Any, weights: jax.Array, plan: ChunkPlan, obar: Any, v: Any
+    g: Callable, theta: Any, samples: Any, rows: Rows, plan: ChunkPlan, obar: Any, v: Any
 ) -> Any:
     """This device's :math:`\\sum_i \\overline{O_i}\\,w_i (O_i v - \\bar O\\cdot v)` (real part for a real
     :math:`\\tilde\\theta`): one linearisation per chunk, its jvp and its transpose."""
@@ -82,7 +95,7 @@ def product_pass(
     acc = _refs_like(theta)
 
     def body(k):
-        x, wt = _chunk(samples, weights, plan, k)
+        x, wt = _chunk(samples, rows, plan, k)
         _, f_jvp = jax.linearize(lambda p: g(p, x), theta)
         dw = (f_jvp(v) - obar_v) * wt
         (ct,) = jax.linear_transpose(f_jvp, theta)(jnp.conj(dw))
@@ -114,7 +127,7 @@ def jacobian_pass(
     g: Callable,
     theta: Any,
     samples: Any,
-    weights: jax.Array,
+    rows: Rows,
     plan: ChunkPlan,
     obar: Any,
     out_dtype,
@@ -130,7 +143,7 @@ def jacobian_pass(
     acc = jax.new_ref(zeros)
 
     def body(k):
-        x, wt = _chunk(samples, weights, plan, k)
+        x, wt = _chunk(samples, rows, plan, k)
         d = (jacobian_rows(g, theta, x, out_dtype) - obar_flat) * wt[:, None]
         if dense:
             s = d.conj().T @ d
@@ -142,9 +155,7 @@ def jacobian_pass(
     return jax.ref.freeze(acc)
 
 
-def linearize_pass(
-    g: Callable, theta: Any, samples: Any, weights: jax.Array, plan: ChunkPlan, vary: Callable
-):
+def linearize_pass(g: Callable, theta: Any, samples: Any, rows: Rows, plan: ChunkPlan, vary: Callable):
     """Every chunk's linearisation, kept: ``(residuals, weights, treedef)``.
 
     ``residuals`` are the array leaves of each chunk's ``jax.linearize`` function, stacked along a
@@ -154,7 +165,7 @@ def linearize_pass(
     box = {}
 
     def step(_, k):
-        x, wt = _chunk(samples, weights, plan, k)
+        x, wt = _chunk(samples, rows, plan, k)
         _, f_jvp = jax.linearize(lambda p: g(p, x), theta)
         leaves, box["treedef"] = jax.tree.flatten(f_jvp)
         return None, ([vary(leaf) for leaf in leaves], wt)

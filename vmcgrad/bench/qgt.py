@@ -9,11 +9,12 @@ For NetKet's ``RBM`` with real float64 parameters (mode 'real'),
 - ``matvec``: ``S @ v`` with ``chunk_size`` samples per chunk:
   ``vmcgrad`` (operator built once, outside the timed call: :math:`\bar O` is computed when the
   operator is built), ``vmcgrad+build`` (building it, one extra pass, and one product),
-  ``vmcgrad c/2`` (the same with half the chunk size: about NetKet's temp memory on CPU), and
+  ``vmcgrad c/2`` (a product with half the chunk size: about NetKet's temp memory on CPU), and
   ``netket``: ``QGTOnTheFly_DefaultConstructor(...) @ v`` (its construction is lazy, so this is its
   product; a jvp pass, a centring all-reduce, a vjp pass);
 - ``solve``: an SR solve of 50 conjugate-gradient iterations (``tol=0``), operator construction
-  included: ``vmcgrad`` ``QGT(...).solve(b, tol=0, maxiter=50)`` and ``netket``
+  included: ``vmcgrad`` ``QGT(...).solve(b, tol=0, maxiter=50)``, ``vmcgrad cached`` (the same with
+  ``cache_bytes=2**30``: every chunk's linearisation kept, no forward pass per iteration) and ``netket``
   ``QGTOnTheFly(...).solve(partial(jax.scipy.sparse.linalg.cg, tol=0, maxiter=50), b)`` (the
   solver ``nk.optimizer.SR`` uses by default).
 
@@ -31,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from ._harness import Candidate, Row, measure
-from .core import check_agree
+from .core import _cpu_timed, check_agree
 
 
 def _setup(L: int, n_samples: int, seed: int = 0) -> dict[str, Any]:
@@ -57,7 +58,9 @@ def _setup(L: int, n_samples: int, seed: int = 0) -> dict[str, Any]:
     return {"model": model, "params": params, "model_state": model_state, "samples": samples, "v": v}
 
 
-def _functions(model: Any, model_state: Any, chunk_size: int, diag_shift: float) -> dict[str, Any]:
+def _functions(
+    model: Any, model_state: Any, chunk_size: int, diag_shift: float, cache_bytes: int = 2**30
+) -> dict[str, Any]:
     from netket.optimizer.qgt.qgt_onthefly import QGTOnTheFly_DefaultConstructor
 
     import vmcgrad
@@ -78,14 +81,18 @@ def _functions(model: Any, model_state: Any, chunk_size: int, diag_shift: float)
         "matvec": {
             "vmcgrad": jax.jit(lambda S, v: S @ v),
             "vmcgrad+build": jax.jit(lambda w, x, v: ours(w, x) @ v),
-            "vmcgrad c/2": jax.jit(lambda w, x, v: ours(w, x, chunk_size // 2) @ v),
+            "vmcgrad c/2": jax.jit(lambda S, v: S @ v),
             "netket": jax.jit(lambda w, x, v: theirs(w, x) @ v),
         },
         "solve": {
             "vmcgrad": jax.jit(lambda w, x, b: ours(w, x).solve(b, tol=0.0, maxiter=50)[0]),
+            "vmcgrad cached": jax.jit(
+                lambda w, x, b: ours(w, x).solve(b, tol=0.0, maxiter=50, cache_bytes=cache_bytes)[0]
+            ),
             "netket": jax.jit(lambda w, x, b: theirs(w, x).solve(solver, b)[0]),
         },
         "build": jax.jit(ours),
+        "build c/2": jax.jit(partial(ours, chunk_size=max(1, chunk_size // 2))),
     }
 
 
@@ -97,13 +104,19 @@ def run(
     diag_shift: float = 0.01,
     repeats: int = 5,
     log: Any = print,
+    cpu_times: dict | None = None,
 ) -> list[Row]:
-    """Measures the product and the solve; returns rows (settings: devices, bench)."""
+    """Measures the product and the solve; returns rows (settings: devices, N).
+
+    ``cpu_times``, when given, is filled with ``(bench, devices, name) -> [s, ...]``, the process CPU
+    time of each timed call (steadier than wall time on a shared machine; see :mod:`.core`).
+    """
     s = _setup(L, n_samples)
     fns = _functions(s["model"], s["model_state"], chunk_size, diag_shift)
     w, x, v = s["params"], s["samples"], s["v"]
     S = jax.block_until_ready(fns["build"](w, x))
-    args = {"vmcgrad": (S, v), "vmcgrad+build": (w, x, v), "vmcgrad c/2": (w, x, v), "netket": (w, x, v)}
+    S_half = jax.block_until_ready(fns["build c/2"](w, x))
+    args = {"vmcgrad": (S, v), "vmcgrad+build": (w, x, v), "vmcgrad c/2": (S_half, v), "netket": (w, x, v)}
     rows = []
     mv = fns["matvec"]
     results = {
@@ -114,14 +127,26 @@ def run(
     log(f"[devices={jax.device_count()}] S@v agree; max rel. error vs netket: {errs}")
     cands = [Candidate(n, (lambda f=f, a=args[n]: f(*a)), f.lower(*args[n]).compile()) for n, f in mv.items()]
     setting = {"devices": jax.device_count(), "N": n_samples}
-    rows += measure("qgt_matvec", setting, cands, repeats=repeats)
+    rows += _measure("qgt_matvec", setting, cands, repeats, cpu_times)
 
     sv = fns["solve"]
-    results = {name: jax.block_until_ready(sv[name](w, x, v)) for name in ("netket", "vmcgrad")}
+    results = {
+        name: jax.block_until_ready(sv[name](w, x, v)) for name in ("netket", "vmcgrad", "vmcgrad cached")
+    }
     errs = check_agree(results, rtol=1e-6)
     log(f"[devices={jax.device_count()}] 50-iteration CG solves agree; max rel. error vs netket: {errs}")
     cands = [Candidate(n, (lambda f=f: f(w, x, v)), f.lower(w, x, v).compile()) for n, f in sv.items()]
-    rows += measure("qgt_solve50", setting, cands, repeats=max(3, repeats // 2))
+    rows += _measure("qgt_solve50", setting, cands, max(3, repeats // 2), cpu_times)
+    return rows
+
+
+def _measure(bench: str, setting: dict, cands: list, repeats: int, cpu_times: dict | None) -> list[Row]:
+    records = {c.name: [] for c in cands}
+    cands = [Candidate(c.name, _cpu_timed(c.call, records[c.name]), c.compiled) for c in cands]
+    rows = measure(bench, setting, cands, repeats=repeats)
+    if cpu_times is not None:
+        for name, rec in records.items():
+            cpu_times[(bench, jax.device_count(), name)] = rec[1:]  # the warm-up call dropped
     return rows
 
 
