@@ -210,6 +210,19 @@ def test_solve_matches_jax_scipy_cg_iterates():
     np.testing.assert_allclose(x, x_ref, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("case", ["c2c_holo", "c2c_nonholo"])
+def test_jax_scipy_cg_over_products(case):
+    """NetKet's default SR solver, jax.scipy.sparse.linalg.cg, transposes the product for complex
+    vectors: S @ v carries its own transpose rule (the chunk loop is never transposed)."""
+    fun, params, samples = make_case(case, N)
+    b = tree_like(params, 13)
+    with setup("netket") as place:
+        S = vmcgrad.QGT(fun, params, place(samples), chunk_size=7, mode=MODES[case], diag_shift=0.05)
+        x_ours, _ = S.solve(b, tol=1e-12)
+        x_scipy, _ = jax.jit(lambda S, b: jax.scipy.sparse.linalg.cg(lambda y: S @ y, b, tol=1e-12))(S, b)
+    close(x_scipy, x_ours, jnp.float64, scale=1e3)
+
+
 @pytest.mark.parametrize("case", ["r2c", "c2c_nonholo", "layered"])
 def test_solve_with_kept_linearisations(case):
     """cache_bytes: the same solution; the forward pass runs once per chunk instead of per iteration."""

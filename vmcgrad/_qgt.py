@@ -531,8 +531,20 @@ def _from_kind(op: QGTOperator, rep: Any, kind: str) -> Any:
 
 @partial(jax.jit, static_argnames=("kind",))
 def _matmul(op: QGTOperator, v: Any, *, kind: str) -> Any:
+    samples, n_local = _prepare(op)
+
+    def product(res, y):
+        op, samples = res
+        return _apply(op, (samples, n_local), y)
+
+    def transposed(res, y):  # S is symmetric (real modes) or Hermitian: S^T y = conj(S conj(y))
+        return jax.tree.map(jnp.conj, product(res, jax.tree.map(jnp.conj, y)))
+
+    # linear_call: transposing S @ v (as jax.scipy.sparse.linalg.cg does for complex vectors) uses
+    # the rule above instead of transposing the chunk loop and its ref accumulators
     rep = _to_kind(op, v, kind)
-    return _from_kind(op, _apply(op, _prepare(op), rep), kind)
+    out = jax.custom_derivatives.linear_call(product, transposed, (op, samples), rep)
+    return _from_kind(op, out, kind)
 
 
 @partial(jax.jit, static_argnames=("kind", "cache_bytes"))
