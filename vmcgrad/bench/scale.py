@@ -282,8 +282,15 @@ def init_distributed(process_id: int, num_processes: int, port: int, devices_per
     """Joins JAX's distributed runtime on 127.0.0.1 (as ``tests/mp_worker.py`` does).
 
     Call before any other JAX work and before importing NetKet (its mesh spans ``jax.devices()``,
-    all processes' devices). Coordinator and gloo collectives are bound to loopback only.
+    all processes' devices). Coordinator and gloo collectives are bound to loopback only: JAX
+    0.10.2 creates gloo's TCP device without an address (gloo then binds to whatever the machine's
+    hostname resolves to), so the factory it calls is given ``hostname="127.0.0.1"`` here.
     """
+    from jax._src import xla_bridge  # private: the only place JAX builds the gloo collectives
+
+    make_gloo = xla_bridge._jax.make_gloo_tcp_collectives
+    if not isinstance(make_gloo, partial):
+        xla_bridge._jax.make_gloo_tcp_collectives = partial(make_gloo, hostname="127.0.0.1")
     jax.config.update("jax_num_cpu_devices", devices_per_process)
     jax.config.update("jax_enable_x64", True)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
