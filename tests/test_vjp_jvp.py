@@ -89,12 +89,13 @@ def test_float32(case):
     assert_tree_allclose(o, reference_jvp(fun, params, samples, t), rtol=rtol, atol=atol)
 
 
-@pytest.mark.parametrize("n", [1, 3, N_DEV * 5 + 1])
-def test_sample_counts_not_divisible_by_devices(n):
-    """Global N that does not split evenly over the devices (padded with zero cotangent)."""
+@pytest.mark.parametrize("kind", ["netket", "explicit"])
+@pytest.mark.parametrize("n", [1, 3, N_DEV * 5 + 1, N_DEV * 5])
+def test_replicated_samples_under_a_mesh(kind, n):
+    """Unsharded samples under a context mesh, N divisible by the devices or not (padded)."""
     fun, params, samples = make_case("r2c", n)
     ct, t = cotangent_for(fun, params, samples), tangent_for(params)
-    with setup("netket"):
+    with setup(kind):
         g = vmcgrad.batched_vjp(fun, params, samples, ct, chunk_size=2)
         o = vmcgrad.batched_jvp(fun, params, samples, t, chunk_size=2)
     assert_tree_allclose(g, reference_vjp(fun, params, samples, ct), rtol=1e-11, atol=1e-12)

@@ -22,6 +22,7 @@ from ._sharding import (
     repeat_last,
     replicate,
     to_varying,
+    unpad,
 )
 
 
@@ -101,4 +102,4 @@ def _batched_jvp(data, params, samples, tangent, *, static, chunk_size, where: S
 
     run = per_device(local, where, ("params", "params", "samples", "params"), "samples")
     out = run(data, params, samples, tangent)
-    return out if n_padded == n else out[:n]
+    return out if n_padded == n else unpad(out, n, where)

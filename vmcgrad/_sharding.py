@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 
@@ -115,6 +115,17 @@ def pad_to_devices(tree: Any, where: SampleAxis | None, fill: Any) -> tuple[Any,
     return jax.tree.map(lambda a, f: jnp.concatenate([a, f(a, pad)]), tree, fill), n + pad
 
 
+def unpad(x: jax.Array, n: int, where: SampleAxis | None) -> jax.Array:
+    """The first ``n`` rows of a per-sample result padded by :func:`pad_to_devices`.
+
+    A padded global count does not divide over the devices, so the result is gathered first on
+    Explicit axes (where slicing a sharded axis unevenly is a type error).
+    """
+    if where is not None and AxisType.Explicit in where.mesh.axis_types:
+        x = jax.sharding.reshard(x, P())
+    return x[:n]
+
+
 def per_device(
     body: Callable[..., Any],
     where: SampleAxis | None,
@@ -136,11 +147,24 @@ def per_device(
             return P(where.axis) if s == "samples" else P()
         return s  # a PartitionSpec or a pytree of them (parameter-sharded layouts)
 
-    return jax.shard_map(
-        body,
-        mesh=where.mesh,
-        in_specs=tuple(spec(s) for s in in_specs),
-        out_specs=spec(out_specs),
+    specs = tuple(spec(s) for s in in_specs)
+    run = jax.shard_map(body, mesh=where.mesh, in_specs=specs, out_specs=spec(out_specs))
+    if AxisType.Explicit not in where.mesh.axis_types:
+        return run
+
+    def run_explicit(*args):
+        # Explicit axes: shard_map takes inputs typed as its in_specs (e.g. replicated samples
+        # under an Explicit mesh, or samples just padded to the device count): reshard them.
+        return run(*(_reshard_to(a, s) for a, s in zip(args, specs)))
+
+    return run_explicit
+
+
+def _reshard_to(tree: Any, spec: Any) -> Any:
+    """``reshard`` every leaf of ``tree`` to ``spec`` (one spec, or a pytree prefix of specs)."""
+    is_spec = lambda s: isinstance(s, P)
+    return jax.tree.map(
+        lambda s, sub: jax.tree.map(lambda x: jax.sharding.reshard(x, s), sub), spec, tree, is_leaf=is_spec
     )
 
 
