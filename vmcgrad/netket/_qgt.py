@@ -6,9 +6,11 @@ import warnings
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import netket as nk
 from flax import struct
 from jax._src.state.discharge import discharge_state  # no public API on jax 0.10.2
+from jax.custom_derivatives import linear_call
 from jax.flatten_util import ravel_pytree
 from netket import jax as nkjax
 from netket.errors import HolomorphicUndeclaredWarning
@@ -146,18 +148,27 @@ def _matmul(self: QGTOnTheFlyT, vec: Any) -> Any:
 
 
 def _pure_matmul(op: Any, vec: Any) -> Any:
-    """``op @ vec`` with its ref accumulators discharged into plain values.
+    r"""``op @ vec`` for NetKet's iterative solvers: ref-free, with a declared transpose.
 
-    vmcgrad's products accumulate into ``jax.new_ref`` refs; on jax 0.10.2 NetKet's iterative
-    solvers (``jax.scipy.sparse.linalg.cg`` = ``lax.custom_linear_solve``, ``gmres``) cannot hold a
-    function with ref effects ("No state discharge rule implemented for primitive:
-    custom_linear_solve"). Discharging the product's jaxpr (refs become scan carries, the same
-    program for XLA) gives them a pure function with the same result.
+    vmcgrad's products accumulate into ``jax.new_ref`` refs; on jax 0.10.2 the solvers built on
+    ``lax.custom_linear_solve`` (``jax.scipy.sparse.linalg.cg``, ``gmres``) cannot hold a function
+    with ref effects ("No state discharge rule implemented for primitive: custom_linear_solve").
+    Discharging the product's jaxpr (refs become scan carries: the same program for XLA) gives a
+    pure function. ``gmres`` also transposes the operator, which cannot go through the chunk loop;
+    as NetKet's QGTOnTheFly does, the transpose is declared with ``linear_call``: :math:`S` is
+    Hermitian, so :math:`S^T v = \overline{S \bar v}` (just :math:`S v` when :math:`S` is real).
     """
-    closed, out_shape = jax.make_jaxpr(lambda op, v: op @ v, return_shape=True)(op, vec)
-    pure = discharge_state(closed)
-    out = jax.core.eval_jaxpr(pure.jaxpr, pure.consts, *jax.tree.leaves((op, vec)))
-    return jax.tree.unflatten(jax.tree.structure(out_shape), out)
+
+    def apply(op, v):
+        closed, out_shape = jax.make_jaxpr(lambda op, v: op @ v, return_shape=True)(op, v)
+        pure = discharge_state(closed)
+        out = jax.core.eval_jaxpr(pure.jaxpr, pure.consts, *jax.tree.leaves((op, v)))
+        return jax.tree.unflatten(jax.tree.structure(out_shape), out)
+
+    def transpose(op, ct):
+        return jax.tree.map(jnp.conj, apply(op, jax.tree.map(jnp.conj, ct)))
+
+    return linear_call(apply, transpose, op, vec)
 
 
 @jax.jit
