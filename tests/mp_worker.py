@@ -11,15 +11,12 @@ import sys
 import jax
 
 pid, nproc, port, out_file = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+from vmcgrad._distributed import initialize_distributed
+
 jax.config.update("jax_num_cpu_devices", 2)
 jax.config.update("jax_enable_x64", True)
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
-jax.distributed.initialize(
-    coordinator_address=f"127.0.0.1:{port}",
-    coordinator_bind_address=f"127.0.0.1:{port}",
-    num_processes=nproc,
-    process_id=pid,
-)
+# coordinator and gloo collectives both bound to 127.0.0.1
+initialize_distributed(f"127.0.0.1:{port}", nproc, pid)
 
 import numpy as np
 from jax.experimental import multihost_utils

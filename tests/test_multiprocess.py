@@ -66,3 +66,10 @@ def test_two_processes_match_one(tmp_path):
         assert results.keys() == single.keys()
         for key, value in single.items():
             np.testing.assert_allclose(results[key], value, rtol=1e-12, atol=1e-13, err_msg=key)
+
+
+def test_loopback_detection_pins_gloo_only_for_loopback_coordinators():
+    from vmcgrad._distributed import is_loopback
+
+    assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("[::1]")
+    assert not is_loopback("node001") and not is_loopback("192.0.2.1")  # TEST-NET, documentation

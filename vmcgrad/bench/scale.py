@@ -59,6 +59,7 @@ import jax
 import jax.numpy as jnp
 
 from .._auto_chunk import choose_for, program_bytes
+from .._distributed import initialize_distributed
 from .._hlo import collective_report
 from ._harness import Candidate, measure
 
@@ -279,27 +280,14 @@ def format_largest_n(rows: Sequence[dict]) -> str:
 
 
 def init_distributed(process_id: int, num_processes: int, port: int, devices_per_process: int) -> None:
-    """Joins JAX's distributed runtime on 127.0.0.1 (as ``tests/mp_worker.py`` does).
+    """Joins JAX's distributed runtime on 127.0.0.1 (coordinator and gloo bound to loopback).
 
     Call before any other JAX work and before importing NetKet (its mesh spans ``jax.devices()``,
-    all processes' devices). Coordinator and gloo collectives are bound to loopback only: JAX
-    0.10.2 creates gloo's TCP device without an address (gloo then binds to whatever the machine's
-    hostname resolves to), so the factory it calls is given ``hostname="127.0.0.1"`` here.
+    all processes' devices).
     """
-    from jax._src import xla_bridge  # private: the only place JAX builds the gloo collectives
-
-    make_gloo = xla_bridge._jax.make_gloo_tcp_collectives
-    if not isinstance(make_gloo, partial):
-        xla_bridge._jax.make_gloo_tcp_collectives = partial(make_gloo, hostname="127.0.0.1")
     jax.config.update("jax_num_cpu_devices", devices_per_process)
     jax.config.update("jax_enable_x64", True)
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{port}",
-        coordinator_bind_address=f"127.0.0.1:{port}",
-        num_processes=num_processes,
-        process_id=process_id,
-    )
+    initialize_distributed(f"127.0.0.1:{port}", num_processes, process_id)
 
 
 def free_port() -> int:

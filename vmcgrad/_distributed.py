@@ -1,0 +1,64 @@
+"""Joining JAX's multi-process runtime, bound to the addresses it is given.
+
+``jax.distributed.initialize`` binds its coordinator to all interfaces unless told otherwise, and on
+CPU (jax 0.10.2) creates gloo's TCP collectives without an address, so gloo binds to whatever the
+machine's hostname resolves to. :func:`initialize_distributed` binds the coordinator to the given
+address and, when that address is loopback (one machine: tests, a laptop), pins gloo to 127.0.0.1
+as well, so that nothing listens beyond loopback. On a cluster (a non-loopback coordinator) gloo
+keeps its default: the node's own address.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from functools import partial
+
+import jax
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and 127.0.0.0/8 or ``::1`` literals."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def initialize_distributed(coordinator: str, num_processes: int, process_id: int) -> None:
+    """``jax.distributed.initialize`` with the coordinator bound to ``coordinator`` (``HOST:PORT``).
+
+    Call before JAX computes anything (and before importing NetKet, whose mesh spans
+    ``jax.devices()``: all processes' devices). On CPU the collectives are gloo's.
+
+    Args:
+        coordinator: ``HOST:PORT`` of process 0's coordinator, e.g. ``127.0.0.1:12345``.
+        num_processes: total number of processes.
+        process_id: this process's index, ``0 <= process_id < num_processes``.
+    """
+    host = coordinator.rsplit(":", 1)[0]
+    if is_loopback(host):
+        _pin_gloo_to_loopback()
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=coordinator,
+        coordinator_bind_address=coordinator,
+        num_processes=num_processes,
+        process_id=process_id,
+    )
+
+
+def _pin_gloo_to_loopback() -> None:
+    # Private hook: the only place jax 0.10.2 builds the CPU gloo collectives. If a later JAX moves
+    # it, fail loudly rather than silently listen on a non-loopback address.
+    from jax._src import xla_bridge
+
+    make = getattr(xla_bridge._jax, "make_gloo_tcp_collectives", None)
+    if make is None:
+        raise RuntimeError(
+            "vmcgrad: cannot pin JAX's gloo collectives to 127.0.0.1 with this JAX version "
+            f"({jax.__version__}); refusing to start a loopback run that could listen elsewhere."
+        )
+    if not isinstance(make, partial):
+        xla_bridge._jax.make_gloo_tcp_collectives = partial(make, hostname="127.0.0.1")
