@@ -109,6 +109,9 @@ def test_short_run_writes_log_and_plot(tmp_path):
         "seed": 3,
         "devices": N_DEVICES,
         "out": str(out),
+        "coordinator": None,
+        "num_processes": None,
+        "process_id": None,
     }
     # The energy went down from the random start: the update is applied with the right sign.
     assert min(log["energy_mean"][1:]) < log["energy_mean"][0]
@@ -138,6 +141,7 @@ def test_exact_energy_off_the_table():
     assert _systems.exact_energy("ising1d", 18, built) == (None, None)
 
 
+MP = ["--num-processes", "2", "--process-id"]
 BAD = [
     (["--system", "kagome"], "argument --system: invalid choice: 'kagome' (choose from 'heisenberg1d'"),
     (["--model", "cnn"], "argument --model: invalid choice: 'cnn' (choose from 'rbm', 'rbm-phase', 'mlp')"),
@@ -152,6 +156,21 @@ BAD = [
     (["--lr", "-1"], "argument --lr: must be a positive number; got -1"),
     (["--diag-shift", "nan"], "argument --diag-shift: must be a non-negative number; got nan"),
     (["--devices", "0"], "argument --devices: must be a positive integer; got 0"),
+    (["--coordinator", "127.0.0.1"], "argument --coordinator: expected HOST:PORT, e.g. 127.0.0.1:12345"),
+    (["--coordinator", "127.0.0.1:http"], "argument --coordinator: expected HOST:PORT with a numeric port"),
+    (["--coordinator", "127.0.0.1:70000"], "argument --coordinator: the port must be in 1..65535; got 70000"),
+    (["--coordinator", "::1:1234"], "argument --coordinator: expected HOST:PORT with a host name or address"),
+    (["--coordinator", "127.0.0.1:1234"], "argument --num-processes: required with --coordinator;"),
+    (["--num-processes", "2", "--process-id", "0"], "argument --coordinator: required with --num-processes"),
+    (
+        ["--coordinator", "127.0.0.1:1234", "--num-processes", "0", "--process-id", "0"],
+        "argument --num-processes: must be a positive integer",
+    ),
+    (["--coordinator", "127.0.0.1:1234", *MP, "-1"], "argument --process-id: must be a non-negative integer"),
+    (
+        ["--coordinator", "127.0.0.1:1234", *MP, "2"],
+        "argument --process-id: must be in 0..1 for --num-processes 2",
+    ),
 ]
 
 

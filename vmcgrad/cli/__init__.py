@@ -1,7 +1,8 @@
 """The ``vmcgrad`` command line: ``vmcgrad vmc`` (ground-state search) and ``vmcgrad bench`` (benchmarks).
 
 Arguments are parsed and checked before JAX computes anything and before any file is written, so that
-``--devices`` can still set the number of fake CPU devices and a typo costs nothing. A usage mistake
+``--devices`` can still set the number of fake CPU devices, ``--coordinator`` can still join JAX's
+distributed runtime, and a typo costs nothing. A usage mistake
 prints one line on stderr naming the option and what it accepts, and exits with status 2.
 """
 
@@ -11,7 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from . import bench, vmc
+from . import _distributed, bench, vmc
 from ._args import Parser
 
 
@@ -58,8 +59,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     command, sub = args._command, args._parser  # set by each command's add_parser
     command.check(args, sub)
     use_devices(getattr(args, "devices", None), sub)
+    distributed = getattr(args, "coordinator", None) is not None
+    if distributed:  # --devices then counts this process's devices; jax.devices() spans all processes
+        _distributed.initialize(args, sub)
     try:
-        return command.run(args)
+        status = command.run(args)
     except KeyboardInterrupt:  # before or after the part that handles Ctrl-C itself
         print(f"{sub.prog}: interrupted", file=sys.stderr)
         return 130
+    if distributed:
+        _distributed.shutdown(args)
+    return status

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import _output, _systems
+from . import _distributed, _output, _systems
 from ._args import HelpFormatter, chunk_size, non_negative_float, positive_float, positive_int
 
 #: Samples per Metropolis chain are at least this many: chains per device = min(16, samples / devices / this).
@@ -61,11 +61,12 @@ def add_parser(commands) -> None:
         "--devices",
         type=positive_int,
         default=None,
-        help="fake this many CPU devices to try sharding; None: JAX's own devices",
+        help="fake this many CPU devices to try sharding (per process with --coordinator); None: JAX's own",
     )
     p.add_argument(
         "--out", default="vmcgrad-run", metavar="DIR", help="output directory (log.json, energy.png)"
     )
+    _distributed.add_arguments(p)
     p.set_defaults(_command=sys.modules[__name__], _parser=p)
 
 
@@ -74,9 +75,11 @@ def check(args, parser) -> None:
     problem = _systems.size_problem(args.system, args.L)
     if problem:
         parser.error(f"argument --L: {problem}")
-    problem = _output.problem_with_out_dir(Path(args.out))
-    if problem:
-        parser.error(f"argument --out: {problem}")
+    _distributed.check(args, parser)
+    if not args.process_id:  # only process 0 writes (the others may not even see the same disk)
+        problem = _output.problem_with_out_dir(Path(args.out))
+        if problem:
+            parser.error(f"argument --out: {problem}")
 
 
 def config_of(args) -> dict:
@@ -92,8 +95,11 @@ def run(args) -> int:
 
     import vmcgrad.netket as vnk
 
+    # Under the distributed runtime every process runs the same steps on global arrays; process 0 alone
+    # prints, shows the progress and writes the files.
+    main = jax.process_index() == 0
     system = _systems.build(args.system, args.L)
-    n_devices = jax.device_count()
+    n_devices = jax.device_count()  # all processes' devices
     per_device = max(1, min(_CHAINS_PER_DEVICE, args.samples // n_devices))
     n_chains = per_device * n_devices
     n_samples = math.ceil(args.samples / n_chains) * n_chains  # what NetKet would round to
@@ -107,7 +113,7 @@ def run(args) -> int:
         seed=args.seed,
         sampler_seed=args.seed + 1,
     )
-    exact, exact_source = _systems.exact_energy(args.system, args.L, system)
+    exact, exact_source = _systems.exact_energy(args.system, args.L, system) if main else (None, None)
 
     info = {
         "description": _systems.DESCRIPTIONS[args.system].format(L=args.L),
@@ -116,22 +122,12 @@ def run(args) -> int:
         "n_samples": n_samples,
         "n_chains": n_chains,
         "n_devices": n_devices,
+        "n_processes": jax.process_count(),
         "exact_energy_source": exact_source,
         "versions": {"vmcgrad": _version(), "netket": nk.__version__, "jax": jax.__version__},
     }
-    print(
-        f"vmcgrad vmc: {info['description']}; "
-        f"{args.model} with {info['n_parameters']} parameters; {n_samples} samples in {n_chains} chains "
-        f"on {n_devices} device(s), chunk size {args.chunk_size}; SR diag_shift {args.diag_shift}, "
-        f"lr {args.lr}, {args.steps} steps"
-    )
-    if exact is None:
-        print(
-            f"exact energy: unknown (not in the table; Lanczos only up to {_systems.LANCZOS_MAX_SITES} spins)"
-        )
-    else:
-        print(f"exact energy: {exact:.10f} ({exact_source})")
-    sys.stdout.flush()
+    if main:
+        _print_header(args, info, exact, exact_source)
 
     driver = nk.driver.VMC(
         system.hamiltonian,
@@ -143,8 +139,9 @@ def run(args) -> int:
     )
 
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    recorder = _Recorder(out, config_of(args), info, exact, args.steps)
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+    recorder = _Recorder(out, config_of(args), info, exact, args.steps, main=main)
     recorder.write()
     status = "interrupted"
     # Ctrl-C (or SIGTERM) asks the run to stop after the step in progress; a second one stops at once.
@@ -159,6 +156,13 @@ def run(args) -> int:
             signal.signal(sig, handler)
         recorder.close(status)
     n = len(recorder.records)
+    if not main:  # the same energies as process 0: they come from global, replicated arrays
+        if n:
+            print(
+                f"process {jax.process_index()} of {jax.process_count()}: {status} after {n} steps, "
+                f"final energy {recorder.final_energy!r}; process 0 wrote the log"
+            )
+        return 130 if status == "interrupted" else 0
     if recorder.relative_error is not None:
         print(
             f"final energy {recorder.final_energy:.6f} (mean of the last {recorder.n_final} steps), "
@@ -176,6 +180,24 @@ def run(args) -> int:
     return 0
 
 
+def _print_header(args, info: dict, exact: float | None, exact_source: str | None) -> None:
+    n = info["n_processes"]
+    processes = f" in {n} processes" if n > 1 else ""
+    print(
+        f"vmcgrad vmc: {info['description']}; "
+        f"{args.model} with {info['n_parameters']} parameters; {info['n_samples']} samples in "
+        f"{info['n_chains']} chains on {info['n_devices']} device(s){processes}, chunk size "
+        f"{args.chunk_size}; SR diag_shift {args.diag_shift}, lr {args.lr}, {args.steps} steps"
+    )
+    if exact is None:
+        print(
+            f"exact energy: unknown (not in the table; Lanczos only up to {_systems.LANCZOS_MAX_SITES} spins)"
+        )
+    else:
+        print(f"exact energy: {exact:.10f} ({exact_source})")
+    sys.stdout.flush()
+
+
 class _StopRequested(Exception):
     """Raised by the driver callback after a step when Ctrl-C asked the run to stop."""
 
@@ -189,15 +211,18 @@ def _version() -> str:
 class _Recorder:
     """NetKet driver callback: keeps the per-step statistics, rewrites the log, updates bar and plot."""
 
-    def __init__(self, out: Path, config: dict, info: dict, exact: float | None, steps: int):
+    def __init__(
+        self, out: Path, config: dict, info: dict, exact: float | None, steps: int, *, main: bool = True
+    ):
         self.out, self.config, self.info, self.exact = out, config, info, exact
+        self.main = main  # False on processes other than 0: no files, no progress bar
         # One tuple per completed step (mean, error, variance, acceptance, seconds), appended at once,
         # so that an interrupt never leaves the lists of different lengths.
         self.records: list[tuple] = []
         self.status = "running"
         self.final_energy = self.relative_error = None
         self.n_final = 0
-        self.bar = _progress_bar(steps)
+        self.bar = _progress_bar(steps, disable=not main)
         self.t_last = time.perf_counter()
         self.t_plot = self.t_last
         self.stop_requested = False
@@ -234,9 +259,21 @@ class _Recorder:
         if time.perf_counter() - self.t_plot > _PLOT_EVERY_S:
             self.plot()
         self.t_last = time.perf_counter()  # the plot is not counted in the next step's time
-        if self.stop_requested:
+        if self._stop_everywhere():
             raise _StopRequested
         return True
+
+    def _stop_everywhere(self) -> bool:
+        """Whether any process was asked to stop: all processes must leave after the same step."""
+        import jax
+
+        if jax.process_count() == 1:
+            return self.stop_requested
+        import numpy as np
+        from jax.experimental import multihost_utils
+
+        flags = multihost_utils.process_allgather(np.int32(self.stop_requested))
+        return bool(np.any(flags))
 
     def log(self) -> dict:
         columns = list(zip(*self.records)) if self.records else [()] * 5
@@ -255,9 +292,13 @@ class _Recorder:
         }
 
     def write(self) -> None:
+        if not self.main:
+            return
         _output.write_json_atomic(self.out / "log.json", self.log())
 
     def plot(self) -> None:
+        if not self.main:
+            return
         _output.plot_energy(self.log(), self.out / "energy.png")
         self.t_plot = time.perf_counter()
 
@@ -274,7 +315,7 @@ class _Recorder:
         self.plot()
 
 
-def _progress_bar(steps: int):
+def _progress_bar(steps: int, disable: bool = False):
     from tqdm.auto import tqdm
 
     return tqdm(
@@ -284,4 +325,5 @@ def _progress_bar(steps: int):
         mininterval=0.2,
         dynamic_ncols=True,
         bar_format="step {n_fmt}/{total_fmt} |{bar:12}| {desc} [{elapsed}<{remaining}]",
+        disable=disable,
     )
