@@ -9,11 +9,8 @@ computes anything and before NetKet is imported (its mesh is built from ``jax.de
 from __future__ import annotations
 
 import argparse
-import ipaddress
-from functools import partial
 
-#: Hosts taken as this machine's loopback interface: every process then runs on this machine.
-_LOOPBACK_NAMES = ("localhost",)
+from .._distributed import initialize_distributed
 
 
 def coordinator_address(text: str) -> str:
@@ -101,22 +98,6 @@ def check(args, parser) -> None:
         )
 
 
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (as in ``--coordinator``) names this machine's loopback interface.
-
-    Examples:
-        >>> is_loopback("127.0.0.1"), is_loopback("[::1]"), is_loopback("node001")
-        (True, True, False)
-    """
-    bare = host[1:-1] if host.startswith("[") else host
-    if bare.lower() in _LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(bare).is_loopback
-    except ValueError:
-        return False
-
-
 def initialize(args, parser) -> None:
     """Joins the distributed runtime when ``--coordinator`` is given; must run before JAX computes.
 
@@ -127,30 +108,11 @@ def initialize(args, parser) -> None:
     """
     if args.coordinator is None:
         return
-    import jax
-
-    host = args.coordinator.rpartition(":")[0]
-    if is_loopback(host):
-        _bind_gloo_to_loopback()
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:
-        jax.distributed.initialize(
-            coordinator_address=args.coordinator,
-            coordinator_bind_address=args.coordinator,
-            num_processes=args.num_processes,
-            process_id=args.process_id,
-        )
+        initialize_distributed(args.coordinator, args.num_processes, args.process_id)
     except RuntimeError as error:  # JAX already computed in this process, or initialize ran twice
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         parser.error(f"argument --coordinator: cannot join the distributed runtime: {first}")
-
-
-def _bind_gloo_to_loopback() -> None:
-    from jax._src import xla_bridge  # private: the only place JAX builds the gloo collectives
-
-    make_gloo = xla_bridge._jax.make_gloo_tcp_collectives
-    if not isinstance(make_gloo, partial):
-        xla_bridge._jax.make_gloo_tcp_collectives = partial(make_gloo, hostname="127.0.0.1")
 
 
 def shutdown(args) -> None:
