@@ -9,6 +9,10 @@ import vmcgrad
 N = 4 * 37 + 8  # 164 samples: 41 per device on 4 devices, not divisible by the chunk size
 
 
+#: rtol of the multi-process vs single-process comparison (1e-12 unless listed)
+RTOL = {"qgt_solve": 1e-9}
+
+
 def computations(place):
     """name -> no-argument callable; ``place`` puts a sample-shaped host array on the devices."""
     fun, params, samples = make_case("r2c", N)
@@ -20,4 +24,10 @@ def computations(place):
         "batched_vjp_jit": lambda: jax.jit(lambda p, x, c: vmcgrad.batched_vjp(fun, p, x, c, chunk_size=7))(
             params, x, c
         ),
+        "expect_grad": lambda: vmcgrad.expect_grad(fun, params, x, c, chunk_size=5),
+        "qgt_matmul": lambda: vmcgrad.QGT(fun, params, x, chunk_size=5, diag_shift=1e-3) @ params,
+        # a converged solve: its answer is defined to ~cond(S)·eps, not to the reduction order
+        "qgt_solve": lambda: vmcgrad.QGT(fun, params, x, chunk_size=5, diag_shift=1e-1).solve(
+            params, tol=1e-13, maxiter=500
+        )[0],
     }
