@@ -89,11 +89,12 @@ def test_float32(case):
     assert_tree_allclose(o, reference_jvp(fun, params, samples, t), rtol=rtol, atol=atol)
 
 
+@pytest.mark.parametrize("case", ["r2c", "pytree_samples"])
 @pytest.mark.parametrize("kind", ["netket", "explicit"])
 @pytest.mark.parametrize("n", [1, 3, N_DEV * 5 + 1, N_DEV * 5])
-def test_replicated_samples_under_a_mesh(kind, n):
+def test_replicated_samples_under_a_mesh(kind, n, case):
     """Unsharded samples under a context mesh, N divisible by the devices or not (padded)."""
-    fun, params, samples = make_case("r2c", n)
+    fun, params, samples = make_case(case, n)
     ct, t = cotangent_for(fun, params, samples), tangent_for(params)
     with setup(kind):
         g = vmcgrad.batched_vjp(fun, params, samples, ct, chunk_size=2)

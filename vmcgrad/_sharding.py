@@ -106,13 +106,19 @@ def pad_to_devices(tree: Any, where: SampleAxis | None, fill: Any) -> tuple[Any,
     """Pads the leading axis to a multiple of the device count.
 
     Only used when the global sample count does not divide evenly over the devices (which a sharded
-    array never does); ``fill(leaf, pad)`` gives the rows to append. Returns ``(tree, n_padded)``.
+    array never does); ``fill(leaf, pad)`` gives the rows to append. ``fill`` is one function or
+    a pytree prefix of ``tree`` (e.g. ``(repeat_last, zeros_rows)`` for ``(samples, cotangent)``,
+    whatever the structure of the samples). Returns ``(tree, n_padded)``.
     """
     n = jax.tree.leaves(tree)[0].shape[0]
     if where is None or n % where.size == 0:
         return tree, n
     pad = where.size - n % where.size
-    return jax.tree.map(lambda a, f: jnp.concatenate([a, f(a, pad)]), tree, fill), n + pad
+
+    def pad_subtree(f, sub):
+        return jax.tree.map(lambda a: jnp.concatenate([a, f(a, pad)]), sub)
+
+    return jax.tree.map(pad_subtree, fill, tree, is_leaf=callable), n + pad
 
 
 def unpad(x: jax.Array, n: int, where: SampleAxis | None) -> jax.Array:
