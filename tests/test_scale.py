@@ -160,3 +160,15 @@ def test_auto_chunk_default_budget_is_documented_on_cpu():
 
     assert default_memory_budget() == DEFAULT_MEMORY_BUDGET == 2 * 2**30
     np.testing.assert_equal(jax.devices()[0].memory_stats(), None)
+
+
+def test_qgt_chunk_size_auto():
+    fun, params, samples = make_case("r2c", N)
+    mesh = auto_mesh()
+    with jax.set_mesh(mesh):
+        x = jax.device_put(samples, NamedSharding(mesh, P("S")))
+        fixed = vmcgrad.QGT(fun, params, x, chunk_size=5, diag_shift=1e-3, diag_scale=1e-2)
+        auto = vmcgrad.QGT(fun, params, x, chunk_size="auto", diag_shift=1e-3, diag_scale=1e-2)
+        # the default budget (2 GiB on CPU) fits it all: the largest power of two <= 37 local samples
+        assert auto.chunk_size == 32
+        assert_tree_allclose(auto @ params, fixed @ params, rtol=1e-11, atol=1e-12)

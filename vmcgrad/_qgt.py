@@ -29,6 +29,7 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from . import _validation as check
+from ._auto_chunk import choose_chunk, default_memory_budget, signature
 from ._chunking import plan_chunks
 from ._function import join_fun, split_fun
 from ._qgt_modes import choose_mode, from_rep, to_rep
@@ -43,6 +44,7 @@ from ._qgt_passes import (
 from ._sharding import (
     SampleAxis,
     find_sample_axis,
+    local_count,
     pad_to_devices,
     per_device,
     repeat_last,
@@ -298,7 +300,9 @@ def QGT(
         params: the parameter pytree (real and/or complex floating leaves).
         samples: an array (or pytree of arrays) with the N samples along axis 0, sharded over
             devices or not; any N.
-        chunk_size: samples per chunk on each device (any positive int, or None for one chunk).
+        chunk_size: samples per chunk on each device (any positive int, or None for one chunk),
+            or ``"auto"``: the largest power of two whose ``S @ v`` program fits the memory budget
+            (:func:`vmcgrad.auto_chunk_size`'s rule, applied to the product).
         diag_shift: :math:`\epsilon_2`, added to the diagonal.
         diag_scale: :math:`\epsilon_1`, or None: the diagonal is also scaled by
             :math:`1 + \epsilon_1` and :meth:`~QGTOperator.solve` is Jacobi-rescaled (NetKet's
@@ -353,11 +357,13 @@ def QGT(
         diag_s=None,
         fun_data=data,
         fun_static=static,
-        chunk_size=chunk_size,
+        chunk_size=None if chunk_size == "auto" else chunk_size,
         mode=mode,
         where=where,
         out_dtype=np.dtype(out.dtype),
     )
+    if chunk_size == "auto":
+        op = dataclasses.replace(op, chunk_size=_auto_chunk_size(op))
     op = dataclasses.replace(op, obar=_mean(op))
     if diag_scale is not None:
         op = dataclasses.replace(op, diag_s=_diag_s(op))
@@ -441,6 +447,22 @@ def _apply_cached(op: QGTOperator, cache: tuple[Any, ...], v: Any) -> Any:
     specs = ("params", "samples", "samples", "params", "params")
     total = per_device(body, op.where, specs, "params")(op.params, residuals, wts, op.obar, v)
     return _finish(op, total, v)
+
+
+def _auto_chunk_size(op: QGTOperator) -> int:
+    """``chunk_size="auto"``: the largest power of two whose ``S @ v`` program fits the default
+    memory budget (see :mod:`vmcgrad._auto_chunk`), measured on the compiled product (nothing runs;
+    cached per function, shapes, mode and placement)."""
+    abstract = dataclasses.replace(op, obar=jax.eval_shape(_mean, op))
+    if op.diag_scale is not None:
+        abstract = dataclasses.replace(abstract, diag_s=jax.eval_shape(_diag_s, abstract))
+
+    def compile_at(c):
+        return _matmul.lower(dataclasses.replace(abstract, chunk_size=c), op.params, kind="tree").compile()
+
+    key = ("QGT @ v", op.fun_static, op.mode, op.where, signature((op.params, op.samples, op.fun_data)))
+    n_local = local_count(op.n_samples, op.where)
+    return choose_chunk(key, n_local, compile_at, default_memory_budget(), where=_NAME)
 
 
 @jax.jit
