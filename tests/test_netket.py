@@ -30,7 +30,9 @@ RTOL, ATOL = 1e-10, 1e-12
 
 
 def test_netket_sees_the_test_devices():
+    """conftest sets NETKET_EXPERIMENTAL_SHARDING_CPU before NetKet is imported; NetKet read it."""
     assert os.environ["NETKET_EXPERIMENTAL_SHARDING_CPU"] == str(N_DEV)
+    assert nk.config.netket_experimental_sharding_cpu == N_DEV
     assert jax.device_count() == N_DEV
     vs = nk.vqs.MCState(*system("heisenberg_chain")[1:2], nk.models.RBM(), n_samples=N_SAMPLES, seed=0)
     assert vs.samples.sharding.mesh.shape == {"S": N_DEV}
@@ -319,6 +321,7 @@ def test_driver_loggers_and_callbacks_unchanged(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:`ExactSampler.reset\\(\\)`:UserWarning")  # NetKet's, about its own state
 def test_heisenberg_chain_12_reaches_the_exact_energy():
     """VMC+SR with the switch and exact sampling: the exact energy of the final state within 1e-3.
 
@@ -345,3 +348,15 @@ def test_heisenberg_chain_12_reaches_the_exact_energy():
     energy = float(jnp.vdot(psi, H.to_sparse() @ psi).real)
     exact = -21.5495636696
     assert abs(energy - exact) / abs(exact) < 1e-3, energy
+
+
+def test_state_serialization_keeps_the_chunk_size():
+    from flax import serialization
+
+    _, vs = make_state("rbm_real", "heisenberg_chain", cls=vnk.MCState, chunk_size=CHUNK)
+    state = serialization.to_state_dict(vs)
+    assert state["vmcgrad_chunk_size"] == CHUNK and state["chunk_size"] is None
+    _, other = make_state("rbm_real", "heisenberg_chain", cls=vnk.MCState, chunk_size=5, seed=3)
+    restored = serialization.from_state_dict(other, state)
+    assert type(restored) is vnk.MCState and restored.vmcgrad_chunk_size == CHUNK
+    assert_tree_allclose(restored.parameters, vs.parameters, rtol=0)
