@@ -212,6 +212,21 @@ def test_state_switch_matches_netket(model_name):
     assert_tree_allclose(g2, g2_ref, rtol=RTOL, atol=ATOL)
 
 
+def test_chunk_size_auto():
+    """chunk_size="auto" in the switch, the function and the QGT: NetKet's unchunked numbers."""
+    H, ref = make_state("rbm_modphase", "heisenberg_chain")
+    H, ours = make_state("rbm_modphase", "heisenberg_chain", cls=vnk.MCState, chunk_size="auto")
+    expected_stats, expected_grad = ref.expect_and_grad(H)
+    for stats, grad in (ours.expect_and_grad(H), vnk.expect_and_grad(ref, H, chunk_size="auto")):
+        assert_stats_equal(stats, expected_stats)
+        assert_tree_allclose(grad, expected_grad, rtol=RTOL, atol=ATOL)
+    assert_stats_equal(ours.expect(H), ref.expect(H))
+    dense = nk.optimizer.qgt.QGTJacobianDense(ref).to_dense()
+    np.testing.assert_allclose(
+        vnk.QGTOnTheFly(ours, chunk_size="auto").to_dense(), dense, rtol=1e-10, atol=1e-12
+    )
+
+
 def test_state_switch_bad_chunk_size():
     _, sampler = system("heisenberg_chain")
     with pytest.raises(ValueError, match="`chunk_size` must be a positive int"):

@@ -44,7 +44,8 @@ def expect_and_grad(vstate: Any, operator: Any, *, chunk_size: int | None = None
     Args:
         vstate: an ``nk.vqs.MCState`` with a non-mutable model (``model_state`` is read, not updated).
         operator: a hermitian NetKet operator (``operator.is_hermitian``), not ``Squared``.
-        chunk_size: samples per chunk on each device (any positive int), or None for no chunking.
+        chunk_size: samples per chunk on each device (any positive int), None for no chunking,
+            or ``"auto"`` (:func:`vmcgrad.auto_chunk_size` of the gradient pass).
 
     Returns:
         ``(stats, grad)``: an ``nk.stats.Stats`` of the local values and a pytree like
@@ -56,6 +57,8 @@ def expect_and_grad(vstate: Any, operator: Any, *, chunk_size: int | None = None
     chunk_size = check.check_chunk_size(NAME, chunk_size)
     check_state_and_operator(vstate, operator)
     sigma, args = get_local_kernel_arguments(vstate, operator)
+    if chunk_size == "auto":
+        chunk_size = auto_chunk_size(vstate, sigma)
     if chunk_size is None:
         kernel = get_local_kernel(vstate, operator)
     else:
@@ -63,6 +66,16 @@ def expect_and_grad(vstate: Any, operator: Any, *, chunk_size: int | None = None
     return _expect_and_grad_step(
         kernel, vstate._apply_fun, chunk_size, vstate.parameters, vstate.model_state, sigma, args
     )
+
+
+def auto_chunk_size(vstate: Any, sigma: Any) -> int:
+    """``chunk_size="auto"``: :func:`vmcgrad.auto_chunk_size` of the gradient pass on these samples.
+
+    The same chunk then bounds the local-value kernels (their memory also grows with the chunk).
+    """
+    flat = sigma.reshape(-1, sigma.shape[-1]) if sigma.ndim >= 3 else sigma
+    logpsi = log_psi(vstate._apply_fun, vstate.model_state)
+    return vmcgrad.auto_chunk_size(logpsi, vstate.parameters, flat)
 
 
 def check_state_and_operator(vstate: Any, operator: Any) -> None:

@@ -11,7 +11,7 @@ from netket.vqs import expect as nk_expect
 from netket.vqs.mc.mc_state.state import deserialize_MCState, serialize_MCState
 
 from .. import _validation as check
-from ._expect_grad import expect_and_grad
+from ._expect_grad import auto_chunk_size, expect_and_grad
 
 
 class MCState(nk.vqs.MCState):
@@ -41,7 +41,8 @@ class MCState(nk.vqs.MCState):
     Args:
         sampler, model: as for ``nk.vqs.MCState``.
         chunk_size: samples per chunk on each device for vmcgrad's gradient and the local values
-            (any positive int: it need not divide anything), or None for no chunking.
+            (any positive int: it need not divide anything), None for no chunking, or ``"auto"``
+            (:func:`vmcgrad.auto_chunk_size` of the gradient pass, chosen at each call, cached).
         netket_chunk_size: NetKet's own ``chunk_size`` for the paths NetKet still computes (default None).
         **kwargs: every other keyword of ``nk.vqs.MCState`` (``n_samples``, ``seed``, ...).
     """
@@ -83,6 +84,8 @@ class MCState(nk.vqs.MCState):
     def expect(self, O: Any) -> Any:  # noqa: E741 (NetKet's argument name)
         """As ``nk.vqs.MCState.expect``, local values forward-chunked at ``vmcgrad_chunk_size``."""
         chunk_size = self.chunk_size if self.chunk_size is not None else self.vmcgrad_chunk_size
+        if chunk_size == "auto":
+            chunk_size = auto_chunk_size(self, self.samples)
         return nk_expect(self, O, chunk_size)
 
     def _replace_model(self, model=None, *, apply_fun=None, variables=None):
