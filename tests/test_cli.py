@@ -81,6 +81,16 @@ def _is_png(path):
     return True
 
 
+def test_chunk_size_auto_runs(tmp_path):
+    out = tmp_path / "run"
+    args = ["vmc", "--L", "8", "--samples", "128", "--chunk-size", "auto", "--steps", "2", "--out", str(out)]
+    rc, _, stderr = _vmcgrad([*args, "--devices", str(N_DEVICES)], tmp_path)
+    assert rc == 0, stderr
+    log = json.loads((out / "log.json").read_text())
+    assert log["config"]["chunk_size"] == "auto" and len(log["energy_mean"]) == 2
+    assert all(np.isfinite(log["energy_mean"]))
+
+
 def test_short_run_writes_log_and_plot(tmp_path):
     out = tmp_path / "run"
     args = ["vmc", *TINY, "--steps", "6", "--lr", "0.05", "--seed", "3", "--out", str(out)]
@@ -151,7 +161,7 @@ BAD = [
     (["--system", "j1j2", "--L", "2"], "argument --L: must be at least 4 for j1j2"),
     (["--samples", "-5"], "argument --samples: must be a positive integer; got -5"),
     (["--chunk-size", "0"], "argument --chunk-size: must be a positive integer; got 0"),
-    (["--chunk-size", "auto"], "argument --chunk-size: 'auto' is not supported by the command line yet"),
+    (["--chunk-size", "many"], "argument --chunk-size: expected a positive integer; got 'many'"),
     (["--steps", "0"], "argument --steps: must be a positive integer; got 0"),
     (["--lr", "-1"], "argument --lr: must be a positive number; got -1"),
     (["--diag-shift", "nan"], "argument --diag-shift: must be a non-negative number; got nan"),

@@ -40,18 +40,15 @@ def positive_int(text: str) -> int:
     return value
 
 
-def chunk_size(text: str) -> int:
-    """A positive integer; ``auto`` is planned (issue #6) and refused with a message saying so.
+def chunk_size(text: str) -> int | str:
+    """A positive integer, or ``auto`` (the largest power of two whose compiled program fits memory).
 
     Examples:
-        >>> chunk_size("256")
-        256
+        >>> chunk_size("256"), chunk_size("auto")
+        (256, 'auto')
     """
     if text.strip().lower() == "auto":
-        raise argparse.ArgumentTypeError(
-            "'auto' is not supported by the command line yet (planned: issue #6); "
-            "give a positive integer, e.g. --chunk-size 256"
-        )
+        return "auto"
     return positive_int(text)
 
 

@@ -51,7 +51,7 @@ def add_parser(commands) -> None:
         "--chunk-size",
         type=chunk_size,
         default=256,
-        help="samples per chunk in the gradient and QGT loops (any positive integer; no divisibility needed)",
+        help="samples per chunk in the gradient and QGT loops: a positive integer (no divisibility) or auto",
     )
     p.add_argument("--steps", type=positive_int, default=120, help="optimisation steps")
     p.add_argument("--lr", type=positive_float, default=0.03, help="learning rate (SGD on the SR update)")
