@@ -202,11 +202,7 @@ def auto_chunk_size(fun: Callable, params: Any, samples: Any, *, memory_budget: 
     from ._vjp import _batched_vjp
 
     name = "vmcgrad.auto_chunk_size"
-    params = check.as_arrays(name, "params", params)
-    samples = check.as_arrays(name, "samples", samples)
-    check.check_params(name, params)
-    n = check.check_samples(name, samples)
-    out = check.check_output(name, fun, params, samples, n)
+    params, samples, n, out = check.check_problem(name, fun, params, samples)
     if memory_budget is not None and (not isinstance(memory_budget, int) or memory_budget <= 0):
         raise ValueError(
             f"{name}: `memory_budget` must be a positive number of bytes; got {memory_budget!r}. "

@@ -129,12 +129,8 @@ def expect_grad(
     """
     name = "vmcgrad.expect_grad"
     chunk_size = check.check_chunk_size(name, chunk_size)
-    params = check.as_arrays(name, "params", params)
-    samples = check.as_arrays(name, "samples", samples)
+    params, samples, n, out = check.check_problem(name, logpsi, params, samples, arg="logpsi")
     local_values = check.as_arrays(name, "local_values", local_values)
-    check.check_params(name, params)
-    n = check.check_samples(name, samples)
-    out = check.check_output(name, logpsi, params, samples, n, arg="logpsi")
     check.check_local_values(name, local_values, n)
     where = find_sample_axis(samples)
     static, data = split_fun(logpsi)

@@ -67,12 +67,8 @@ def batched_jvp(
     """
     name = "vmcgrad.batched_jvp"
     chunk_size = check.check_chunk_size(name, chunk_size)
-    params = check.as_arrays(name, "params", params)
-    samples = check.as_arrays(name, "samples", samples)
+    params, samples, n, out = check.check_problem(name, fun, params, samples)
     tangent = check.as_arrays(name, "tangent", tangent)
-    check.check_params(name, params)
-    n = check.check_samples(name, samples)
-    out = check.check_output(name, fun, params, samples, n)
     check.check_tangent(name, tangent, params)
     where = find_sample_axis(samples)
     static, data = split_fun(fun)

@@ -335,11 +335,7 @@ def QGT(
         (True, True)
     """
     chunk_size = check.check_chunk_size(_NAME, chunk_size)
-    params = check.as_arrays(_NAME, "params", params)
-    samples = check.as_arrays(_NAME, "samples", samples)
-    check.check_params(_NAME, params)
-    n = check.check_samples(_NAME, samples)
-    out = check.check_output(_NAME, logpsi, params, samples, n)
+    params, samples, _, out = check.check_problem(_NAME, logpsi, params, samples, arg="logpsi")
     mode = choose_mode(_NAME, params, out, mode, holomorphic)
     real = jnp.finfo(jnp.result_type(*jax.tree.leaves(params))).dtype
     diag_shift = _scalar(_NAME, "diag_shift", 0.0 if diag_shift is None else diag_shift, real)

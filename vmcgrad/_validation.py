@@ -154,3 +154,19 @@ def check_local_values(where: str, local_values: Any, n: int) -> None:
             f"{where}: `local_values` must have one value per sample, shape ({n},); got "
             f"{_describe(local_values)}. {fix}"
         )
+
+
+def check_problem(
+    where: str, fun: Callable, params: Any, samples: Any, *, arg: str = "fun"
+) -> tuple[Any, Any, int, jax.ShapeDtypeStruct]:
+    """The checks every entry point shares: parameters, samples and the function's output.
+
+    Returns:
+        ``(params, samples, n, out)``: the inputs as JAX arrays, the sample count and the shape and
+        dtype of ``fun(params, samples)``.
+    """
+    params = as_arrays(where, "params", params)
+    samples = as_arrays(where, "samples", samples)
+    check_params(where, params)
+    n = check_samples(where, samples)
+    return params, samples, n, check_output(where, fun, params, samples, n, arg=arg)

@@ -82,12 +82,8 @@ def batched_vjp(
     """
     name = "vmcgrad.batched_vjp"
     chunk_size = check.check_chunk_size(name, chunk_size)
-    params = check.as_arrays(name, "params", params)
-    samples = check.as_arrays(name, "samples", samples)
+    params, samples, n, out = check.check_problem(name, fun, params, samples)
     cotangent = check.as_arrays(name, "cotangent", cotangent)
-    check.check_params(name, params)
-    n = check.check_samples(name, samples)
-    out = check.check_output(name, fun, params, samples, n)
     check.check_cotangent(name, "cotangent", cotangent, out)
     where = find_sample_axis(samples)
     static, data = split_fun(fun)
