@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -282,9 +283,14 @@ def test_bench_ratios_pair_vmcgrad_with_its_own_setting():
 def test_bench_writes_json_and_plot(tmp_path, capsys):
     out = tmp_path / "bench"
     sizes = ["--L", "6", "--samples", "32", "48", "--chunk-sizes", "8", "--repeats", "1"]
-    rc = main(["bench", "--only", "grad", *sizes, "--devices", str(N_DEVICES), "--out", str(out)])
-    stdout = capsys.readouterr().out
-    assert rc == 0, stdout
+    # NetKet's global mesh, as after a plain `import netket` (test modules import NetKet with the
+    # context mesh cleared, so that it does not leak into other tests)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("S",), axis_types=(jax.sharding.AxisType.Auto,))
+    with jax.set_mesh(mesh):
+        rc = main(["bench", "--only", "grad", *sizes, "--devices", str(N_DEVICES), "--out", str(out)])
+    captured = capsys.readouterr()
+    stdout = captured.out
+    assert rc == 0, stdout + captured.err
     result = json.loads((out / "bench.json").read_text())
     assert result["errors"] == [] and result["missing"] == []
     assert {(r["bench"], r["N"], r["chunk"]) for r in result["rows"]} == {
