@@ -47,7 +47,7 @@ one pullback gives every case at once, and :math:`g = 2\,\mathrm{vjp}(c)^*` leaf
 - mixed real and complex leaves: each leaf by its own rule, same cotangent, same pass.
 
 The mean :math:`\bar L` is over all samples on all devices (padding excluded); it is one scalar
-all-reduce before the loop. The pass itself is :func:`vmcgrad.batched_vjp`'s: one ``lax.scan`` of
+all-reduce before the loop. The pass itself is :func:`vmcgrad.batched_vjp`'s: one loop of
 chunks per device into ref accumulators and one ``psum`` after the loop (XLA emits it as one
 all-reduce per parameter dtype); the conjugate and the factor 2 are applied to the reduced,
 parameter-sized result.

@@ -49,7 +49,7 @@ def batched_vjp(
     with JAX's conventions for complex numbers (for real parameters and a complex output the
     result is :math:`\mathrm{Re} \sum_i c_i O_i`; pass ``conj(v)`` to get :math:`\mathrm{Re}(O^\dagger v)`).
 
-    On each device the local samples are walked ``chunk_size`` at a time by one ``lax.scan``; each
+    On each device the local samples are walked ``chunk_size`` at a time by one loop; each
     chunk's pullback is added into ``jax.new_ref`` accumulators with ``f_vjp.with_refs``. When the
     samples are split over a mesh axis (their sharding, or the context mesh as NetKet sets it), each
     device works on its own shard and one ``psum`` after the loop is the only communication.
@@ -118,7 +118,7 @@ def _batched_vjp(
 def accumulate_vjp(fun: Callable, params: Any, samples: Any, cotangent: jax.Array, plan: ChunkPlan) -> Any:
     """This device's Σ_i ct_i ∂f(θ, σ_i)/∂θ over its local samples, before any reduction.
 
-    One ``lax.scan`` over the chunks of ``plan``; every parameter leaf gets a ref accumulator (all
+    One loop over the chunks of ``plan``; every parameter leaf gets a ref accumulator (all
     leaves or none: mixing refs and values is wrong in jax 0.10.2 when ``fun`` scans, jax#32468).
     """
     accs = jax.tree.map(lambda p: jax.new_ref(jnp.zeros_like(p)), params)
