@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -88,13 +87,9 @@ def table(rows: list[dict]) -> str:
 
 def run_one(args: argparse.Namespace) -> list[dict]:
     (n,) = args.devices
-    os.environ["NETKET_EXPERIMENTAL_SHARDING_CPU"] = str(n)
-    os.environ.setdefault("JAX_ENABLE_X64", "1")
-    import jax
+    from vmcgrad.bench import use_cpu_devices
 
-    jax.config.update("jax_num_cpu_devices", n)
-    jax.config.update("jax_enable_x64", True)
-    import netket  # noqa: F401  (sets NetKet's global mesh, axis "S")
+    use_cpu_devices(n)
 
     from vmcgrad.bench.core import run
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -37,15 +36,11 @@ def parse() -> argparse.Namespace:
 
 def main() -> None:
     args = parse()
-    if args.devices is not None:
-        os.environ["NETKET_EXPERIMENTAL_SHARDING_CPU"] = str(args.devices)
-    os.environ.setdefault("JAX_ENABLE_X64", "1")
     import jax
 
-    if args.devices is not None:
-        jax.config.update("jax_num_cpu_devices", args.devices)
-    jax.config.update("jax_enable_x64", True)
-    import netket  # noqa: F401  (sets NetKet's global mesh, axis "S")
+    from vmcgrad.bench import use_cpu_devices
+
+    use_cpu_devices(args.devices)
 
     from vmcgrad.bench import format_table
     from vmcgrad.bench.grad import run

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -41,15 +40,11 @@ def parse() -> argparse.Namespace:
 
 def run_one(args: argparse.Namespace) -> list[dict]:
     (n,) = args.devices
-    os.environ["NETKET_EXPERIMENTAL_SHARDING_CPU"] = str(n)
-    os.environ.setdefault("JAX_ENABLE_X64", "1")
-    import jax
-
-    jax.config.update("jax_num_cpu_devices", n)
-    jax.config.update("jax_enable_x64", True)
     import statistics
 
-    import netket  # noqa: F401  (sets NetKet's global mesh, axis "S")
+    from vmcgrad.bench import use_cpu_devices
+
+    use_cpu_devices(n)
 
     from vmcgrad.bench.qgt import run, temp_memory
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -64,12 +63,9 @@ def child(args: argparse.Namespace) -> None:
 
         init_distributed(args.process_id, args.processes, args.port, devices_per_process=2)
     else:
-        n = args.devices[0] if args.child == "scaleout" else 1
-        os.environ["NETKET_EXPERIMENTAL_SHARDING_CPU"] = str(n)
-        import jax
+        from vmcgrad.bench import use_cpu_devices
 
-        jax.config.update("jax_num_cpu_devices", n)
-        jax.config.update("jax_enable_x64", True)
+        use_cpu_devices(args.devices[0] if args.child == "scaleout" else 1)
     import warnings
 
     import netket  # noqa: F401  (sets NetKet's global mesh "S" over jax.devices(): all processes')

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -45,14 +44,11 @@ def parse() -> argparse.Namespace:
 
 def main() -> None:
     args = parse()
-    os.environ["NETKET_EXPERIMENTAL_SHARDING_CPU"] = str(args.devices)
-    import jax
-
-    jax.config.update("jax_num_cpu_devices", args.devices)
-    jax.config.update("jax_enable_x64", True)
     import warnings
 
-    import netket  # noqa: F401  (sets NetKet's global mesh, axis "S")
+    from vmcgrad.bench import use_cpu_devices
+
+    use_cpu_devices(args.devices)
 
     from vmcgrad.bench import format_table
     from vmcgrad.bench.vmc_step import memory_scan, run

@@ -11,3 +11,4 @@ from ._harness import Candidate as Candidate
 from ._harness import Row as Row
 from ._harness import format_table as format_table
 from ._harness import measure as measure
+from ._harness import use_cpu_devices as use_cpu_devices

@@ -111,3 +111,19 @@ def format_table(rows: Sequence[Row], *, baseline: str) -> str:
                 f"{mem:>10}{m_ratio:>8}{coll:>16}"
             )
     return "\n".join(lines)
+
+
+def use_cpu_devices(n: int | None) -> None:
+    """Float64 and ``n`` fake CPU devices (None: JAX's own) for JAX and NetKet, then imports NetKet.
+
+    The benchmark scripts call this first: the device count is fixed once JAX's backend starts,
+    NetKet reads ``NETKET_EXPERIMENTAL_SHARDING_CPU`` when imported and sets its global mesh
+    (axis ``"S"`` over ``jax.devices()``) then.
+    """
+    import os
+
+    if n is not None:
+        os.environ["NETKET_EXPERIMENTAL_SHARDING_CPU"] = str(n)
+        jax.config.update("jax_num_cpu_devices", n)
+    jax.config.update("jax_enable_x64", True)
+    import netket  # noqa: F401
