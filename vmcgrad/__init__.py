@@ -1,6 +1,8 @@
 """vmcgrad: chunked, sharded, once-reduced per-sample derivatives for variational Monte Carlo."""
 
 from ._auto_chunk import auto_chunk_size as auto_chunk_size
+from ._auto_chunk import program_bytes as program_bytes
+from ._distributed import initialize_distributed as initialize_distributed
 from ._grad import expect_grad as expect_grad
 from ._hlo import CollectiveReport as CollectiveReport
 from ._hlo import collective_report as collective_report
@@ -22,4 +24,6 @@ __all__ = [
     "batched_vjp",
     "collective_report",
     "expect_grad",
+    "initialize_distributed",
+    "program_bytes",
 ]

@@ -167,20 +167,32 @@ def _key(jitted: Any, args: tuple, static_kwargs: dict) -> Hashable:
     return (jitted, signature(args), tuple(sorted(static_kwargs.items())))
 
 
-def auto_chunk_size(fun: Callable, params: Any, samples: Any, *, memory_budget: int | None = None) -> int:
-    """The chunk size ``chunk_size="auto"`` picks for :func:`vmcgrad.batched_vjp` on these inputs.
+ESTIMATORS = ("batched_vjp", "batched_jvp", "expect_grad", "QGT")
+
+
+def auto_chunk_size(
+    fun: Callable,
+    params: Any,
+    samples: Any,
+    *,
+    estimator: str = "batched_vjp",
+    memory_budget: float | None = None,
+) -> int:
+    """The chunk size ``chunk_size="auto"`` picks for ``estimator`` on these inputs.
 
     The largest power of two (at most the per-device sample count) whose compiled program —
     temporaries plus arguments and outputs, per device, from ``memory_analysis()`` — fits
-    ``memory_budget`` bytes. Nothing is run; choices are cached per function, shapes, dtypes,
-    shardings and budget.
+    ``memory_budget`` bytes. Nothing is run; choices are cached per estimator, function, shapes,
+    dtypes, shardings and budget.
 
     Args:
         fun: ``fun(params, batch) -> (batch_size,)``, as for :func:`vmcgrad.batched_vjp`.
         params: the parameter pytree.
         samples: the samples (array or pytree, N along axis 0), placed as they will be used.
-        memory_budget: bytes per device; default half the free device memory where the backend
-            reports it, else :data:`DEFAULT_MEMORY_BUDGET`.
+        estimator: the program to size: ``"batched_vjp"``, ``"batched_jvp"``, ``"expect_grad"``
+            or ``"QGT"`` (one product ``S @ v``).
+        memory_budget: bytes per device (any positive real number); default half the free device
+            memory where the backend reports it, else :data:`DEFAULT_MEMORY_BUDGET`.
 
     Returns:
         The chunk size, a power of two.
@@ -196,25 +208,9 @@ def auto_chunk_size(fun: Callable, params: Any, samples: Any, *, memory_budget: 
         >>> c & (c - 1) == 0 and c < 4096  # a power of two, smaller than N
         True
     """
-    from . import _validation as check
-    from ._function import split_fun
-    from ._sharding import find_sample_axis, local_count, param_layout, replicate
-    from ._vjp import _batched_vjp
+    from ._problem import auto_chunk_for
 
-    name = "vmcgrad.auto_chunk_size"
-    params, samples, n, out = check.check_problem(name, fun, params, samples)
-    if memory_budget is not None and (not isinstance(memory_budget, int) or memory_budget <= 0):
-        raise ValueError(
-            f"{name}: `memory_budget` must be a positive number of bytes; got {memory_budget!r}. "
-            "Fix: pass e.g. memory_budget=2**30, or None for the default."
-        )
-    where = find_sample_axis(samples)
-    static, data = split_fun(fun)
-    params, data = replicate((params, data), where)
-    cotangent = jax.ShapeDtypeStruct(out.shape, out.dtype, sharding=_leading_sharding(samples))
-    statics = dict(static=static, where=where, layout=param_layout(params, where))
-    args = (data, params, samples, cotangent)
-    return choose_for(name, _batched_vjp, args, statics, local_count(n, where), memory_budget=memory_budget)
+    return auto_chunk_for(fun, params, samples, estimator=estimator, memory_budget=memory_budget)
 
 
 def _leading_sharding(samples: Any) -> Any:

@@ -445,7 +445,7 @@ def _apply_cached(op: QGTOperator, cache: tuple[Any, ...], v: Any) -> Any:
     return _finish(op, total, v)
 
 
-def _auto_chunk_size(op: QGTOperator) -> int:
+def _auto_chunk_size(op: QGTOperator, budget: int | None = None) -> int:
     """``chunk_size="auto"``: the largest power of two whose ``S @ v`` program fits the default
     memory budget (see :mod:`vmcgrad._auto_chunk`), measured on the compiled product (nothing runs;
     cached per function, shapes, mode and placement)."""
@@ -458,7 +458,7 @@ def _auto_chunk_size(op: QGTOperator) -> int:
 
     key = ("QGT @ v", op.fun_static, op.mode, op.where, signature((op.params, op.samples, op.fun_data)))
     n_local = local_count(op.n_samples, op.where)
-    return choose_chunk(key, n_local, compile_at, default_memory_budget(), where=_NAME)
+    return choose_chunk(key, n_local, compile_at, budget or default_memory_budget(), where=_NAME)
 
 
 @jax.jit
