@@ -50,15 +50,11 @@ def initialize_distributed(coordinator: str, num_processes: int, process_id: int
 
 
 def _pin_gloo_to_loopback() -> None:
-    # Private hook: the only place jax 0.10.2 builds the CPU gloo collectives. If a later JAX moves
-    # it, fail loudly rather than silently listen on a non-loopback address.
-    from jax._src import xla_bridge
+    # The only place jax 0.10.2 builds the CPU gloo collectives (a private hook, found through
+    # vmcgrad._jax_private, which fails loudly if it moved rather than silently listen elsewhere).
+    from ._jax_private import gloo_tcp_collectives_module
 
-    make = getattr(xla_bridge._jax, "make_gloo_tcp_collectives", None)
-    if make is None:
-        raise RuntimeError(
-            "vmcgrad: cannot pin JAX's gloo collectives to 127.0.0.1 with this JAX version "
-            f"({jax.__version__}); refusing to start a loopback run that could listen elsewhere."
-        )
+    module = gloo_tcp_collectives_module()
+    make = module.make_gloo_tcp_collectives
     if not isinstance(make, partial):
-        xla_bridge._jax.make_gloo_tcp_collectives = partial(make, hostname="127.0.0.1")
+        module.make_gloo_tcp_collectives = partial(make, hostname="127.0.0.1")

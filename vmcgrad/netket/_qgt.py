@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 import netket as nk
 from flax import struct
-from jax._src.state.discharge import discharge_state  # no public API on jax 0.10.2
 from jax.custom_derivatives import linear_call
 from jax.flatten_util import ravel_pytree
 from netket import jax as nkjax
@@ -161,7 +160,9 @@ def _pure_matmul(op: Any, vec: Any) -> Any:
 
     def apply(op, v):
         closed, out_shape = jax.make_jaxpr(lambda op, v: op @ v, return_shape=True)(op, v)
-        pure = discharge_state(closed)
+        from .._jax_private import discharge_state
+
+        pure = discharge_state()(closed)
         out = jax.core.eval_jaxpr(pure.jaxpr, pure.consts, *jax.tree.leaves((op, v)))
         return jax.tree.unflatten(jax.tree.structure(out_shape), out)
 

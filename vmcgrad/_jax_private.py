@@ -1,0 +1,45 @@
+"""The one place vmcgrad touches JAX's private modules (``jax._src``), each feature-detected.
+
+Every function here imports what it needs when called and fails with vmcgrad's name and the JAX
+version if the private API has moved, instead of an ``ImportError`` deep inside a user's step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+
+class PrivateJaxAPIError(RuntimeError):
+    """A private JAX API vmcgrad relies on is missing in this JAX version."""
+
+
+def _missing(what: str, err: Exception | None = None) -> PrivateJaxAPIError:
+    return PrivateJaxAPIError(
+        f"vmcgrad: the private JAX API {what} is not available in jax {jax.__version__} "
+        f"(vmcgrad was written against jax 0.10.2){f': {err}' if err else ''}. "
+        "Fix: install jax==0.10.2, or report this to vmcgrad."
+    )
+
+
+def discharge_state() -> Callable[..., Any]:
+    """``jax._src.state.discharge.discharge_state``: a closed jaxpr with refs -> a pure one."""
+    try:
+        from jax._src.state.discharge import discharge_state as fn
+    except ImportError as err:
+        raise _missing("jax._src.state.discharge.discharge_state", err) from None
+    return fn
+
+
+def gloo_tcp_collectives_module() -> Any:
+    """The module holding ``make_gloo_tcp_collectives`` (``jax._src.xla_bridge._jax``)."""
+    try:
+        from jax._src import xla_bridge
+    except ImportError as err:
+        raise _missing("jax._src.xla_bridge", err) from None
+    module = getattr(xla_bridge, "_jax", None)
+    if module is None or getattr(module, "make_gloo_tcp_collectives", None) is None:
+        raise _missing("jax._src.xla_bridge._jax.make_gloo_tcp_collectives")
+    return module
