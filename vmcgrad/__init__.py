@@ -1,14 +1,16 @@
 """vmcgrad: chunked, sharded, once-reduced per-sample derivatives for variational Monte Carlo."""
 
-from ._auto_chunk import auto_chunk_size as auto_chunk_size
+from ._auto import auto_chunk_size as auto_chunk_size
 from ._auto_chunk import program_bytes as program_bytes
 from ._distributed import initialize_distributed as initialize_distributed
 from ._grad import expect_grad as expect_grad
 from ._hlo import CollectiveReport as CollectiveReport
 from ._hlo import collective_report as collective_report
 from ._jvp import batched_jvp as batched_jvp
+from ._problem import lower as lower
 from ._qgt import QGT as QGT
 from ._qgt import QGTOperator as QGTOperator
+from ._qgt_linearized import LinearizedQGT as LinearizedQGT
 from ._solve import CGInfo as CGInfo
 from ._vjp import batched_vjp as batched_vjp
 
@@ -18,6 +20,7 @@ __all__ = [
     "QGT",
     "CGInfo",
     "CollectiveReport",
+    "LinearizedQGT",
     "QGTOperator",
     "auto_chunk_size",
     "batched_jvp",
@@ -25,5 +28,6 @@ __all__ = [
     "collective_report",
     "expect_grad",
     "initialize_distributed",
+    "lower",
     "program_bytes",
 ]

@@ -1,11 +1,22 @@
-"""Chunking: split the local samples into equal chunks walked by one loop.
+"""Chunks with row weights: how one device walks its samples, and which rows count.
 
-A per-device sample count ``n`` and a requested ``chunk_size`` give a :class:`ChunkPlan` of
-``count`` chunks of ``size <= chunk_size`` samples each. No divisibility is required and no
-second copy of the loop body is compiled for a remainder: chunk ``k`` starts at
-``min(k * size, n - size)``, so the last chunk is shifted back onto valid samples, and the samples
-it shares with the previous chunk are masked out (``fresh`` is False for them). Nothing is padded
-or copied.
+A per-device sample count ``n_local`` and a requested ``chunk_size`` give a :class:`ChunkPlan` of
+``count`` chunks of ``size <= chunk_size`` rows each. No divisibility is required and no second copy
+of the loop body is compiled for a remainder: chunk ``k`` starts at ``min(k * size, n_local - size)``,
+so the last chunk is shifted back onto rows that exist.
+
+**The one rule for which rows count.** Every chunk comes with per-row weights
+
+.. math::
+
+    w_r = \\begin{cases} 1 & \\text{row } r \\text{ is a sample no earlier chunk covered} \\\\
+    0 & \\text{row } r \\text{ was padded (global index} \\ge N\\text{) or an earlier chunk covered it}
+    \\end{cases}
+
+Rows are padded only to divide N over the devices (see :mod:`vmcgrad._sharding`); the shifted last
+chunk re-reads up to ``count - 1`` rows. Every estimator multiplies its per-row quantity by ``w``
+(a cotangent, a centred tangent, a Jacobian row), and per-sample outputs keep an earlier chunk's
+value where ``w = 0``. Nothing else decides which rows count.
 """
 
 from __future__ import annotations
@@ -18,7 +29,7 @@ import jax.numpy as jnp
 
 
 class ChunkPlan(NamedTuple):
-    """How ``n`` local samples are walked: ``count`` chunks of ``size`` samples."""
+    """How ``n`` local rows are walked: ``count`` chunks of ``size`` rows."""
 
     n: int
     size: int
@@ -26,10 +37,10 @@ class ChunkPlan(NamedTuple):
 
 
 def plan_chunks(n: int, chunk_size: int | None) -> ChunkPlan:
-    """Returns the plan for ``n`` samples: the fewest chunks of at most ``chunk_size`` samples.
+    """Returns the plan for ``n`` rows: the fewest chunks of at most ``chunk_size`` rows.
 
     The chunks are balanced: ``count = ceil(n / chunk_size)`` chunks of ``ceil(n / count)``
-    samples, so the shifted last chunk recomputes fewer than ``count`` samples (4096 samples at
+    rows, so the shifted last chunk recomputes fewer than ``count`` rows (4096 samples at
     ``chunk_size=1000`` give 5 chunks of 820, not 5 of 1000 with 904 samples done twice).
     ``chunk_size=None`` or ``>= n`` means one chunk.
     """
@@ -40,53 +51,64 @@ def plan_chunks(n: int, chunk_size: int | None) -> ChunkPlan:
     return ChunkPlan(n=n, size=size, count=count)
 
 
-def chunk_start(plan: ChunkPlan, k: jax.Array) -> jax.Array:
-    """First sample of chunk ``k``; the last chunk is shifted back to end at ``n``."""
-    return jnp.minimum(k * plan.size, plan.n - plan.size)
+class Chunks(NamedTuple):
+    """This device's rows, chunked: the plan, and where the rows sit in the global sample order.
 
-
-def take_chunk(tree: Any, plan: ChunkPlan, k: jax.Array) -> tuple[Any, jax.Array]:
-    """Slices chunk ``k`` out of every leaf of ``tree`` (leading axis ``n``).
-
-    Returns:
-        ``(chunk, fresh)`` where ``fresh`` is a boolean mask of shape ``(size,)`` that is False
-        for the samples an earlier chunk already covered (only possible in the last chunk).
-    """
-    start = chunk_start(plan, k)
-    chunk = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, plan.size), tree)
-    fresh = start + jnp.arange(plan.size) >= k * plan.size
-    return chunk, fresh
-
-
-def for_each_chunk(body: Callable[[jax.Array], None], plan: ChunkPlan) -> None:
-    """Runs ``body(k)`` for every chunk index in one loop (bodies act through refs).
-
-    The loop is a ``lax.while_loop`` over an int32 counter rather than a ``lax.scan`` over
-    ``arange(count)``: the body accumulates into refs, so the loop is never reverse-differentiated,
-    and the scan's extra counter and index array cost temp memory (72 bytes more than NetKet's
-    ``vjp_chunked`` on the core benchmark). The compiled program is the same single ``while``.
+    Attributes:
+        plan: the :class:`ChunkPlan` over the ``n_local`` rows of this device.
+        first: global index of this device's first row (traced inside ``shard_map``).
+        n_total: N, the global number of real samples (rows at or past it are padding).
     """
 
-    def step(k):
-        body(k)
-        return k + 1
+    plan: ChunkPlan
+    first: Any
+    n_total: int
 
-    jax.lax.while_loop(lambda k: k < plan.count, step, jnp.int32(0))
+    def start(self, k: jax.Array) -> jax.Array:
+        """First local row of chunk ``k``; the last chunk is shifted back to end at ``n_local``."""
+        return jnp.minimum(k * self.plan.size, self.plan.n - self.plan.size)
 
+    def take(self, k: jax.Array, *trees: Any, dtype: Any = jnp.float32) -> tuple[Any, ...]:
+        """Chunk ``k`` of every tree (leading axis ``n_local``), and its row weights.
 
-def map_chunks(body: Callable[[Any], jax.Array], plan: ChunkPlan, tree: Any, init: jax.Array) -> jax.Array:
-    """Per-sample outputs ``body(chunk)`` for all ``n`` samples, computed chunk by chunk.
+        Returns:
+            ``(*chunks, w)`` with ``w`` of shape ``(size,)`` and ``dtype``: 1 for rows that count
+            here, 0 for padded rows and rows an earlier chunk covered (the module's one rule).
+        """
+        start = self.start(k)
+        sliced = tuple(
+            jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, self.plan.size), t) for t in trees
+        )
+        local = start + jnp.arange(self.plan.size)
+        fresh = local >= k * self.plan.size
+        real = self.first + local < self.n_total
+        return (*sliced, (fresh & real).astype(dtype))
 
-    ``init`` is the ``(n,)`` output buffer (zeros, typed like the outputs); it is the scan carry,
-    and rows already written by an earlier chunk are kept.
-    """
+    def loop(self, body: Callable[[jax.Array], None]) -> None:
+        """Runs ``body(k)`` for every chunk in one loop (bodies act through refs).
 
-    def step(buf, k):
-        chunk, fresh = take_chunk(tree, plan, k)
-        start = chunk_start(plan, k)
-        old = jax.lax.dynamic_slice_in_dim(buf, start, plan.size)
-        new = jnp.where(fresh, body(chunk), old)
-        return jax.lax.dynamic_update_slice_in_dim(buf, new, start, 0), None
+        A ``lax.while_loop`` over an int32 counter: the body accumulates into refs, so the loop is
+        never reverse-differentiated, and a scan's index array would cost temp memory.
+        """
 
-    buf, _ = jax.lax.scan(step, init, jnp.arange(plan.count))
-    return buf
+        def step(k):
+            body(k)
+            return k + 1
+
+        jax.lax.while_loop(lambda k: k < self.plan.count, step, jnp.int32(0))
+
+    def map(self, body: Callable[[Any], jax.Array], tree: Any, out: jax.Array) -> jax.Array:
+        """Per-row outputs ``body(chunk)`` for all local rows, chunk by chunk, into the buffer ``out``.
+
+        Rows of weight 0 keep what the buffer held (an earlier chunk's value, or ``out``'s fill for
+        padded rows).
+        """
+
+        def step(k, buf):
+            x, w = self.take(k, tree, dtype=jnp.bool_)
+            start = self.start(k)
+            old = jax.lax.dynamic_slice_in_dim(buf, start, self.plan.size)
+            new = jnp.where(w, body(x), old)
+            return jax.lax.dynamic_update_slice_in_dim(buf, new, start, 0)
+
+        return jax.lax.fori_loop(0, self.plan.count, step, out)

@@ -63,10 +63,9 @@ import jax
 import jax.numpy as jnp
 
 from . import _validation as check
-from ._auto_chunk import run_auto
-from ._function import split_fun
-from ._sharding import SampleAxis, find_sample_axis, local_count, param_layout, replicate
-from ._vjp import _batched_vjp
+from ._problem import Inputs, Problem, call, problem
+from ._runner import cast_like
+from ._vjp import vjp_sum
 
 
 def expect_grad(
@@ -75,7 +74,8 @@ def expect_grad(
     samples: Any,
     local_values: jax.Array,
     *,
-    chunk_size: int | None = None,
+    chunk_size: int | str | None = None,
+    memory_budget: float | None = None,
 ) -> Any:
     r"""The VMC gradient :math:`g` (NetKet's ``force_to_grad`` of the force) in one chunked pass.
 
@@ -109,7 +109,9 @@ def expect_grad(
         samples: an array, or pytree of arrays, with the N samples along axis 0.
         local_values: the local estimators :math:`L_i`, shape ``(N,)``, real or complex (complex
             local values with a real ``logpsi`` are allowed: only their real part enters).
-        chunk_size: samples per chunk on each device; any positive int, or None for one chunk.
+        chunk_size: samples per chunk on each device; any positive int, None for one chunk, or
+            ``"auto"`` (see :func:`vmcgrad.batched_vjp`).
+        memory_budget: bytes per device for ``chunk_size="auto"``; None for the default.
 
     Returns:
         A pytree like ``params`` (same structure and dtypes), replicated over the devices.
@@ -128,30 +130,20 @@ def expect_grad(
         True
     """
     name = "vmcgrad.expect_grad"
-    chunk_size = check.check_chunk_size(name, chunk_size)
-    params, samples, n, out = check.check_problem(name, logpsi, params, samples, arg="logpsi")
-    local_values = check.as_arrays(name, "local_values", local_values)
-    check.check_local_values(name, local_values, n)
-    where = find_sample_axis(samples)
-    static, data = split_fun(logpsi)
-    params, data = replicate((params, data), where)
-    layout = param_layout(params, where)
-    args = (data, params, samples, local_values)
-    statics = dict(static=static, where=where, out_dtype=out.dtype, layout=layout)
-    if chunk_size == "auto":
-        return run_auto(name, _expect_grad, args, statics, local_count(n, where))
-    return _expect_grad(*args, chunk_size=chunk_size, **statics)
-
-
-@partial(jax.jit, static_argnames=("static", "chunk_size", "where", "out_dtype", "layout"))
-def _expect_grad(
-    data, params, samples, local_values, *, static, chunk_size, where: SampleAxis | None, out_dtype, layout
-):
-    cotangent = centred_cotangent(local_values, out_dtype)
-    vjp = _batched_vjp(
-        data, params, samples, cotangent, static=static, chunk_size=chunk_size, where=where, layout=layout
+    prob, inputs, _ = problem(
+        name, logpsi, params, samples, chunk_size=chunk_size, memory_budget=memory_budget, arg="logpsi"
     )
-    return jax.tree.map(lambda g: 2 * jnp.conj(g) if jnp.iscomplexobj(g) else 2 * g, vjp)
+    local_values = check.as_arrays(name, "local_values", local_values)
+    check.check_local_values(name, local_values, prob.n)
+    return call(grad_program, prob, inputs, local_values)
+
+
+@partial(jax.jit, static_argnums=0)
+def grad_program(prob: Problem, inputs: Inputs, local_values: jax.Array) -> Any:
+    r"""The compiled ``expect_grad``: :math:`g = 2\,\mathrm{vjp}(c)^*`, cast to the parameters' dtypes."""
+    vjp = vjp_sum(prob, inputs, centred_cotangent(local_values, prob.out_dtype))
+    g = jax.tree.map(lambda g: 2 * jnp.conj(g) if jnp.iscomplexobj(g) else 2 * g, vjp)
+    return cast_like(g, inputs.params)
 
 
 def centred_cotangent(local_values: jax.Array, out_dtype: Any) -> jax.Array:

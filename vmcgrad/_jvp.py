@@ -10,20 +10,8 @@ import jax
 import jax.numpy as jnp
 
 from . import _validation as check
-from ._auto_chunk import run_auto
-from ._chunking import map_chunks, plan_chunks
-from ._function import join_fun, split_fun
-from ._sharding import (
-    SampleAxis,
-    find_sample_axis,
-    local_count,
-    pad_to_devices,
-    per_device,
-    repeat_last,
-    replicate,
-    to_varying,
-    unpad,
-)
+from ._problem import Inputs, Problem, call, problem
+from ._runner import SAMPLES, run
 
 
 def batched_jvp(
@@ -32,7 +20,8 @@ def batched_jvp(
     samples: Any,
     tangent: Any,
     *,
-    chunk_size: int | None = None,
+    chunk_size: int | str | None = None,
+    memory_budget: float | None = None,
 ) -> jax.Array:
     r"""Per-sample Jacobian-vector products of a batched function, chunk by chunk.
 
@@ -42,7 +31,7 @@ def batched_jvp(
 
         (O t)_i = \sum_k \frac{\partial f(\theta, \sigma_i)}{\partial \theta_k} \, t_k ,
 
-    walking each device's samples ``chunk_size`` at a time in one ``lax.scan``. The result is
+    walking each device's samples ``chunk_size`` at a time in one loop. The result is
     sharded like the samples and no data moves between devices.
 
     Args:
@@ -51,7 +40,9 @@ def batched_jvp(
         params: a pytree of real and/or complex floating arrays.
         samples: an array, or pytree of arrays, with the N samples along axis 0.
         tangent: a pytree with the structure, shapes and dtypes of ``params``.
-        chunk_size: samples per chunk on each device, any positive int, or None for one chunk.
+        chunk_size: samples per chunk on each device, any positive int, None for one chunk, or
+            ``"auto"`` (see :func:`vmcgrad.batched_vjp`).
+        memory_budget: bytes per device for ``chunk_size="auto"``; None for the default.
 
     Returns:
         An array of shape ``(N,)`` with the dtype of ``fun``'s output, sharded like the samples.
@@ -66,36 +57,25 @@ def batched_jvp(
         True
     """
     name = "vmcgrad.batched_jvp"
-    chunk_size = check.check_chunk_size(name, chunk_size)
-    params, samples, n, out = check.check_problem(name, fun, params, samples)
     tangent = check.as_arrays(name, "tangent", tangent)
-    check.check_tangent(name, tangent, params)
-    where = find_sample_axis(samples)
-    static, data = split_fun(fun)
-    params, tangent, data = replicate((params, tangent, data), where)
-    args = (data, params, samples, tangent)
-    statics = dict(static=static, where=where, out_dtype=out.dtype)
-    if chunk_size == "auto":
-        return run_auto(name, _batched_jvp, args, statics, local_count(n, where))
-    return _batched_jvp(*args, chunk_size=chunk_size, **statics)
+    prob, inputs, tangent = problem(
+        name, fun, params, samples, chunk_size=chunk_size, memory_budget=memory_budget, extra=tangent
+    )
+    check.check_tangent(name, tangent, inputs.params)
+    return call(jvp_program, prob, inputs, tangent)
 
 
-@partial(jax.jit, static_argnames=("static", "chunk_size", "where", "out_dtype"))
-def _batched_jvp(data, params, samples, tangent, *, static, chunk_size, where: SampleAxis | None, out_dtype):
-    n = jax.tree.leaves(samples)[0].shape[0]
-    samples, n_padded = pad_to_devices(samples, where, repeat_last)
-    n_local = n_padded if where is None else n_padded // where.size
+@partial(jax.jit, static_argnums=0)
+def jvp_program(prob: Problem, inputs: Inputs, tangent: Any) -> jax.Array:
+    """The compiled ``batched_jvp``: per-sample outputs, split like the samples (no reduction)."""
+    body = partial(jvp_body, out_dtype=prob.out_dtype)
+    return run(prob, body, inputs, (tangent, prob.layout), out=SAMPLES)
 
-    def local(data, params, samples, tangent):
-        params, tangent = to_varying((params, tangent), where)
-        fun = join_fun(static, data)
-        init = to_varying(jnp.zeros((n_local,), out_dtype), where)
 
-        def body(x):
-            return jax.jvp(lambda p: fun(p, x), (params,), (tangent,))[1]
+def jvp_body(fun: Callable, params: Any, samples: Any, chunks: Any, tangent: Any, *, out_dtype) -> jax.Array:
+    """This device's rows of :math:`O t`, chunk by chunk (rows of weight 0 keep earlier values)."""
 
-        return map_chunks(body, plan_chunks(n_local, chunk_size), samples, init)
+    def chunk(x):
+        return jax.jvp(lambda p: fun(p, x), (params,), (tangent,))[1]
 
-    run = per_device(local, where, ("params", "params", "samples", "params"), "samples")
-    out = run(data, params, samples, tangent)
-    return out if n_padded == n else unpad(out, n, where)
+    return chunks.map(chunk, samples, jnp.zeros((chunks.plan.n,), out_dtype))

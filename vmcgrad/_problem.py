@@ -1,53 +1,195 @@
-"""Interim: the automatic chunk for each estimator (to be replaced by the one Problem)."""
+"""The problem every estimator solves: one constructor for the prologue, one way to call a program.
+
+:func:`problem` does, once for every public entry point (``batched_vjp``, ``batched_jvp``,
+``expect_grad``, ``QGT``, ``auto_chunk_size``):
+
+1. validation of ``fun``, ``params`` and ``samples`` (:mod:`vmcgrad._validation`), before tracing;
+2. the sample axis (:func:`vmcgrad._sharding.find_sample_axis`);
+3. replication of concrete parameters and function data onto the sample mesh (one input signature
+   whatever their placement, so a second call does not compile again);
+4. the parameter layout (replicated or split leaves, :func:`vmcgrad._sharding.layout_of`);
+5. the per-device row count after padding to the device count;
+6. the chunk size, including ``"auto"`` and the memory budget.
+
+It returns a static, hashable :class:`Problem` and the traced :class:`Inputs`. An estimator's
+compiled program is ``program(problem, inputs, *args)`` (``problem`` static), which calls
+:func:`vmcgrad._runner.run` with its loop body; :func:`call` runs it, choosing ``"auto"`` chunks from
+the compiled program's memory and halving once after an out-of-memory error.
+"""
 
 from __future__ import annotations
 
+import contextvars
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
 import jax
+import numpy as np
 
 from . import _validation as check
-from ._auto_chunk import ESTIMATORS, _leading_sharding, choose_for
+from ._auto_chunk import choose_chunk, default_memory_budget, remember, run_with_oom_retry, signature
 from ._function import split_fun
-from ._sharding import find_sample_axis, local_count, param_layout, replicate
+from ._sharding import SampleAxis, find_sample_axis, layout_of, local_count, replicate
 
 
-def auto_chunk_for(fun, params, samples, *, estimator: str, memory_budget) -> int:
-    name = "vmcgrad.auto_chunk_size"
-    if estimator not in ESTIMATORS:
-        raise ValueError(
-            f"{name}: `estimator` must be one of {ESTIMATORS}; got {estimator!r}. "
-            "Fix: pass the name of the function whose chunk you want, e.g. estimator='expect_grad'."
-        )
-    params, samples, n, out = check.check_problem(name, fun, params, samples)
-    if memory_budget is not None and (
-        isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)) or memory_budget <= 0
-    ):
-        raise ValueError(
-            f"{name}: `memory_budget` must be a positive number of bytes; got {memory_budget!r}. "
-            "Fix: pass e.g. memory_budget=2**30, or None for the default."
-        )
-    memory_budget = None if memory_budget is None else int(memory_budget)
-    if estimator == "QGT":
-        from ._qgt import QGT, _auto_chunk_size
+class Inputs(NamedTuple):
+    """The traced data of a problem: the function's arrays, the parameters and the samples."""
 
-        op = QGT(fun, params, samples, chunk_size=1)
-        return _auto_chunk_size(op) if memory_budget is None else _auto_chunk_size(op, memory_budget)
+    fun_data: tuple
+    params: Any
+    samples: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """The static description of one estimator call (hashable: a static argument of ``jax.jit``).
+
+    Attributes:
+        name: the public function's name, for messages.
+        fun: the static part of the user's function (see :mod:`vmcgrad._function`).
+        where: the sample mesh axis, or None on one device.
+        layout: per parameter leaf, the dimension split over the sample axis, or None.
+        n: N, the global number of samples.
+        n_local: rows per device after padding to the device count.
+        out_dtype: the dtype of ``fun``'s per-sample output.
+        chunk_size: rows per chunk on each device, None for one chunk, or ``"auto"``.
+        memory_budget: bytes per device for ``"auto"``, or None for the default.
+    """
+
+    name: str
+    fun: Any
+    where: SampleAxis | None
+    layout: tuple
+    n: int
+    n_local: int
+    out_dtype: Any
+    chunk_size: int | str | None
+    memory_budget: int | None = None
+
+    def at_chunk(self, chunk_size: int | None) -> Problem:
+        """The same problem at a fixed chunk size."""
+        return dataclasses.replace(self, chunk_size=chunk_size)
+
+
+def problem(
+    name: str,
+    fun: Callable,
+    params: Any,
+    samples: Any,
+    *,
+    chunk_size: Any = None,
+    memory_budget: Any = None,
+    arg: str = "fun",
+    extra: Any = (),
+) -> tuple[Problem, Inputs, Any]:
+    """Validates and places the inputs of ``name`` and returns ``(problem, inputs, extra)``.
+
+    ``extra`` is a pytree of further concrete arrays to replicate with the parameters (a tangent,
+    shifts), returned placed.
+    """
+    chunk_size = check.check_chunk_size(name, chunk_size)
+    memory_budget = check.check_memory_budget(name, memory_budget)
+    params, samples, n, out = check.check_problem(name, fun, params, samples, arg=arg)
     where = find_sample_axis(samples)
     static, data = split_fun(fun)
-    params, data = replicate((params, data), where)
-    sh = _leading_sharding(samples)
-    per_sample = jax.ShapeDtypeStruct(out.shape, out.dtype, sharding=sh)
-    if estimator == "batched_vjp":
-        from ._vjp import _batched_vjp as jitted
+    params, data, extra = replicate((params, data, extra), where)
+    prob = Problem(
+        name=name,
+        fun=static,
+        where=where,
+        layout=layout_of(params, where),
+        n=n,
+        n_local=local_count(n, where),
+        out_dtype=np.dtype(out.dtype),
+        chunk_size=chunk_size,
+        memory_budget=memory_budget,
+    )
+    return prob, Inputs(data, params, samples), extra
 
-        statics = dict(static=static, where=where, layout=param_layout(params, where))
-    elif estimator == "expect_grad":
-        from ._grad import _expect_grad as jitted
 
-        statics = dict(static=static, where=where, out_dtype=out.dtype, layout=param_layout(params, where))
-    else:
-        from ._jvp import _batched_jvp as jitted
+def call(program: Any, prob: Problem, *args: Any) -> Any:
+    """Runs ``program(prob, *args)``; with ``chunk_size="auto"``, at the automatic chunk.
 
-        statics = dict(static=static, where=where, out_dtype=out.dtype)
-        per_sample = params
-    args = (data, params, samples, per_sample)
-    return choose_for(name, jitted, args, statics, local_count(n, where), memory_budget=memory_budget)
+    The chunk is the largest power of two whose compiled program fits the memory budget (cached per
+    program, problem and argument signature; nothing runs to choose it). An eager call that still runs
+    out of memory is retried once at half the chunk, with a warning, and the smaller chunk is
+    remembered.
+    """
+    if _LOWERING.get():
+        chunk = prob.chunk_size if prob.chunk_size != "auto" else auto_chunk(program, prob, *args)
+        return program.lower(prob.at_chunk(chunk), *args)
+    if prob.chunk_size != "auto":
+        return program(prob, *args)
+    chunk = auto_chunk(program, prob, *args)
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
+        return program(prob.at_chunk(chunk), *args)
+    key, budget = _key(program, prob, args), _budget(prob)
+    return run_with_oom_retry(
+        lambda c: program(prob.at_chunk(c), *args),
+        chunk,
+        lambda c: remember(key, prob.n_local, budget, c),
+        prob.name,
+    )
+
+
+def auto_chunk(program: Any, prob: Problem, *args: Any) -> int:
+    """The automatic chunk of ``program`` on ``args`` (see :func:`call`), compile only."""
+    abstract = _abstract(args)
+
+    def compile_at(c):
+        return program.lower(prob.at_chunk(c), *abstract).compile()
+
+    return choose_chunk(_key(program, prob, args), prob.n_local, compile_at, _budget(prob), where=prob.name)
+
+
+def _budget(prob: Problem) -> int:
+    return prob.memory_budget if prob.memory_budget is not None else default_memory_budget()
+
+
+def _key(program: Any, prob: Problem, args: tuple) -> Any:
+    return (program, prob.at_chunk("auto"), signature(args))
+
+
+def _abstract(tree: Any) -> Any:
+    """Tracers become ShapeDtypeStructs (lowering happens outside the user's trace)."""
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, jax.core.Tracer) else x, tree
+    )
+
+
+_LOWERING = contextvars.ContextVar("vmcgrad_lowering", default=False)
+
+
+def lower(estimator: Callable, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
+    """The lowered program an eager call ``estimator(*args, **kwargs)`` would run, without running it.
+
+    For :func:`vmcgrad.batched_vjp`, :func:`vmcgrad.batched_jvp` and :func:`vmcgrad.expect_grad`:
+    the same validation, placement and parameter layout as the eager call (parameter-sharded leaves
+    are read from the arrays' concrete shardings, which a user's ``jax.jit`` hides on Auto meshes),
+    and for ``chunk_size="auto"`` the chunk it would pick. ``.compile()`` it to read
+    ``memory_analysis()`` or :func:`vmcgrad.collective_report`. For a QGT product, lower
+    ``jax.jit(lambda S, v: S @ v)`` instead: the operator carries its layout.
+
+    Examples:
+        >>> import jax.numpy as jnp, vmcgrad
+        >>> fun = lambda w, x: jnp.tanh(x @ w)
+        >>> w, x, ct = jnp.ones(3), jnp.ones((10, 3)), jnp.ones(10)
+        >>> compiled = vmcgrad.lower(vmcgrad.batched_vjp, fun, w, x, ct, chunk_size=4).compile()
+        >>> vmcgrad.program_bytes(compiled) > 0
+        True
+    """
+    from . import _grad, _jvp, _vjp
+
+    allowed = (_vjp.batched_vjp, _jvp.batched_jvp, _grad.expect_grad)
+    if estimator not in allowed:
+        raise TypeError(
+            f"vmcgrad.lower: `estimator` must be vmcgrad.batched_vjp, vmcgrad.batched_jvp or "
+            f"vmcgrad.expect_grad; got {estimator!r}. Fix: for a QGT product lower "
+            "jax.jit(lambda S, v: S @ v).lower(S, v); for other functions use jax.jit(f).lower(...)."
+        )
+    token = _LOWERING.set(True)
+    try:
+        return estimator(*args, **kwargs)
+    finally:
+        _LOWERING.reset(token)

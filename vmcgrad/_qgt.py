@@ -9,50 +9,33 @@ r"""``QGT``: the quantum geometric tensor as an immutable, jit-friendly linear o
 applied as :math:`S_\text{eff}\,v = S v + \epsilon_1 \operatorname{diag}(S)\, v + \epsilon_2 v`
 with :math:`\epsilon_1` = ``diag_scale`` and :math:`\epsilon_2` = ``diag_shift`` (NetKet's
 QGTJacobian regularisation, Becca & Sorella 2017). The matrix taken in each mode (real part, real
-and imaginary parts split, holomorphic) is described in :mod:`vmcgrad._qgt_modes`.
+and imaginary parts split, holomorphic) is described in :mod:`vmcgrad._qgt_modes`; the kinds of
+vectors it takes in :mod:`vmcgrad._views`.
 
-Every product is one pass over the samples (see :mod:`vmcgrad._qgt_passes`): per chunk one
-linearisation, its jvp and its transpose; :math:`\bar O` is computed once, when the operator is
-built, so the centring is a cheap dot product; one ``psum`` per product, after the loop.
+The pieces: this module holds the operator and its builder; the loop bodies are in
+:mod:`vmcgrad._qgt_passes`, run by the one runner (:mod:`vmcgrad._runner`); the kept-linearisation
+operator is :class:`vmcgrad.LinearizedQGT` (:mod:`vmcgrad._qgt_linearized`); the solver is
+:mod:`vmcgrad._solve`. Every product is one pass over the samples: per chunk one linearisation, its
+jvp and its transpose; :math:`\bar O` is computed once, when the operator is built, so the centring is
+a cheap dot product; one reduction per product, after the loop.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from . import _validation as check
-from ._auto_chunk import choose_chunk, default_memory_budget, signature
-from ._chunking import plan_chunks
-from ._function import join_fun, split_fun
-from ._qgt_modes import choose_mode, from_rep, to_rep
-from ._qgt_passes import (
-    Rows,
-    cached_product_pass,
-    jacobian_pass,
-    linearize_pass,
-    mean_pass,
-    product_pass,
-)
-from ._sharding import (
-    SampleAxis,
-    find_sample_axis,
-    local_count,
-    pad_to_devices,
-    per_device,
-    repeat_last,
-    replicate,
-    sum_over_devices,
-    to_varying,
-)
+from ._problem import Inputs, Problem, auto_chunk, call, problem
+from ._qgt_modes import choose_mode, to_rep
+from ._qgt_passes import jacobian_body, mean_body, product_body
+from ._runner import REPLICATED, Laid, run
 from ._solve import CGInfo, cg
+from ._views import Views
 
 _NAME = "vmcgrad.QGT"
 
@@ -65,50 +48,54 @@ class QGTOperator:
     Build it with :func:`vmcgrad.QGT`. It is a pytree: the parameters, samples, :math:`\bar O`,
     the model state of a ``Partial`` ``logpsi`` and the shifts are leaves, so it can be passed
     into ``jax.jit`` and rebuilt every step without recompiling; ``logpsi``'s code, the chunk
-    size, the mode and the sample mesh axis are static.
+    size, the mode and the sample mesh axis are static (in its :class:`~vmcgrad._problem.Problem`).
 
     Vectors are pytrees like ``params``, flat vectors in ``ravel_pytree(params)`` order, or flat
     vectors in the mode's real representation (length :attr:`dim`, the order of :meth:`to_dense`);
     every method returns the kind it was given.
     """
 
-    params: Any
-    samples: Any
+    inputs: Inputs
     obar: Any  # the mean O, shaped like the representation of params (complex where O is)
     diag_shift: jax.Array
     diag_scale: jax.Array | None
     diag_s: Any  # diag of S (no shifts), shaped like the representation of params, or None
-    fun_data: tuple
-    fun_static: Any = dataclasses.field(metadata={"static": True})
-    chunk_size: int | None = dataclasses.field(metadata={"static": True})
+    problem: Problem = dataclasses.field(metadata={"static": True})
     mode: str = dataclasses.field(metadata={"static": True})
-    where: SampleAxis | None = dataclasses.field(metadata={"static": True})
-    out_dtype: Any = dataclasses.field(metadata={"static": True})
 
     # --- shapes --------------------------------------------------------------------------------
 
     @property
+    def params(self) -> Any:
+        """The parameters the QGT is taken at."""
+        return self.inputs.params
+
+    @property
+    def samples(self) -> Any:
+        """The samples :math:`\\sigma_1..\\sigma_N`."""
+        return self.inputs.samples
+
+    @property
     def n_samples(self) -> int:
         """N, the number of samples."""
-        return jax.tree.leaves(self.samples)[0].shape[0]
+        return self.problem.n
+
+    @property
+    def views(self) -> Views:
+        """The vector kinds this operator takes (:class:`vmcgrad._views.Views`)."""
+        return Views(self.params, self.mode)
 
     @property
     def dim(self) -> int:
         """D, the size of the matrix: P, plus the number of complex entries in 'complex' mode."""
-        leaves = jax.tree.leaves(self.params)
-        d = sum(math.prod(p.shape) for p in leaves)
-        if self.mode == "complex":
-            d += sum(math.prod(p.shape) for p in leaves if _is_complex(p))
-        return d
+        return self.views.dim
 
-    def _rep_dtype(self) -> Any:
-        leaves = jax.tree.leaves(self.params)
-        if self.mode == "complex":
-            return jnp.result_type(*(jnp.finfo(p.dtype).dtype for p in leaves))
-        return jnp.result_type(*(p.dtype for p in leaves))
-
-    def _real_dtype(self) -> Any:
-        return jnp.finfo(jnp.result_type(*jax.tree.leaves(self.params))).dtype
+    @property
+    def chunk_size(self) -> int | None:
+        """Samples per chunk of a product on each device (chosen here for ``chunk_size="auto"``)."""
+        if self.problem.chunk_size != "auto":
+            return self.problem.chunk_size
+        return auto_chunk(_matmul_program, self.problem, self, self.params, "tree")
 
     # --- public API ----------------------------------------------------------------------------
 
@@ -122,19 +109,18 @@ class QGTOperator:
         Returns:
             The product, of the same kind as ``v``.
         """
-        v, kind = self._vector(v, "v")
-        return _matmul(self, v, kind=kind)
+        v, kind = self.views.kind(f"{_NAME} (v)", "v", v)
+        return call(_matmul_program, self.problem, self, v, kind)
 
     def to_dense(self) -> jax.Array:
         """The ``(dim, dim)`` matrix, in the mode's representation (equal to NetKet's
         ``QGTJacobianDense(...).to_dense()``); one pass over the samples, holding a chunk's Jacobian."""
-        return _to_dense(self)
+        return call(_dense_program, self.problem, self)
 
     def diagonal(self) -> jax.Array:
         r"""The diagonal of :meth:`to_dense`, :math:`(1 + \epsilon_1) S_{kk} + \epsilon_2`, a flat
         ``(dim,)`` vector (without building the matrix)."""
-        diag_s = self.diag_s if self.diag_s is not None else _diag_s(self)
-        return _diagonal(self, diag_s)
+        return call(_diagonal_program, self.problem, self)
 
     def solve(
         self,
@@ -144,7 +130,6 @@ class QGTOperator:
         tol: float = 1e-5,
         atol: float = 0.0,
         maxiter: int | None = None,
-        cache_bytes: int = 0,
     ) -> tuple[Any, CGInfo]:
         r"""Solves :math:`S_\text{eff}\, x = b` by conjugate gradient (one pass per iteration).
 
@@ -152,37 +137,32 @@ class QGTOperator:
         :math:`D^{-1/2} S_\text{eff} D^{-1/2} y = D^{-1/2} b`, :math:`x = D^{-1/2} y`,
         :math:`D = \operatorname{diag}(S) + \epsilon_2/\epsilon_1`.
 
+        To keep every chunk's linearisation for the whole solve (no forward pass per iteration),
+        solve with ``S.linearize().solve(b)`` instead (:class:`vmcgrad.LinearizedQGT`).
+
         Args:
             b: right-hand side, a vector of any kind :meth:`__matmul__` takes.
             x0: initial guess of the same kind, or None for zeros.
             tol, atol: stop when :math:`\lVert r\rVert \le \max(\mathrm{tol}\lVert b\rVert,
                 \mathrm{atol})` (``jax.scipy.sparse.linalg.cg``'s rule and defaults).
             maxiter: iteration cap; None means ``10 * dim``.
-            cache_bytes: memory budget (bytes per device) for keeping every chunk's linearisation
-                (the forward activations ``jax.linearize`` saves) for the whole solve. When they fit,
-                they are computed once and each iteration only runs the jvp and its transpose (no
-                forward pass); otherwise (and by default, 0) each iteration recomputes them chunk by
-                chunk, holding one chunk's at a time.
 
         Returns:
             ``(x, info)``: ``x`` of the kind of ``b``, ``info`` a :class:`~vmcgrad.CGInfo` (with
             ``diag_scale`` set, its residual norm and the tolerances refer to the rescaled system).
         """
-        b, kind = self._vector(b, "b")
-        if x0 is not None:
-            x0, kind0 = self._vector(x0, "x0")
-            if kind0 != kind:
-                raise TypeError(
-                    f"{_NAME}.solve: `x0` must be the same kind of vector as `b` ({kind}); got {kind0}. "
-                    "Fix: pass both as pytrees, or both flat."
-                )
-        maxiter = 10 * self.dim if maxiter is None else maxiter
-        if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, (int, np.integer)) or cache_bytes < 0:
-            raise TypeError(
-                f"{_NAME}.solve: `cache_bytes` must be a non-negative int (bytes per device); got "
-                f"{cache_bytes!r}. Fix: pass e.g. cache_bytes=2**30, or 0 to recompute every iteration."
-            )
-        return _solve(self, b, x0, tol, atol, maxiter, kind=kind, cache_bytes=int(cache_bytes))
+        return _solve(self, b, x0=x0, tol=tol, atol=atol, maxiter=maxiter)
+
+    def linearize(self) -> Any:
+        """This operator with every chunk's linearisation kept (:class:`vmcgrad.LinearizedQGT`).
+
+        One forward pass over the samples now; every product and solve iteration afterwards runs only
+        the jvp and its transpose from the kept residuals. Costs the residuals' memory for all chunks
+        at once (:attr:`vmcgrad.LinearizedQGT.nbytes` per device).
+        """
+        from ._qgt_linearized import linearize
+
+        return linearize(self)
 
     def replace(self, **changes: Any) -> QGTOperator:
         """A copy with new ``diag_shift`` and/or ``diag_scale`` (computing diag(S) if needed)."""
@@ -192,66 +172,71 @@ class QGTOperator:
                 f"{_NAME}.replace: only `diag_shift` and `diag_scale` can be replaced; got {sorted(bad)}. "
                 "Fix: build a new operator with vmcgrad.QGT for new parameters or samples."
             )
-        real = self._real_dtype()
+        real = self.views.real_dtype
         if "diag_shift" in changes:
             changes["diag_shift"] = _scalar(f"{_NAME}.replace", "diag_shift", changes["diag_shift"], real)
         if "diag_scale" in changes and changes["diag_scale"] is not None:
             changes["diag_scale"] = _scalar(f"{_NAME}.replace", "diag_scale", changes["diag_scale"], real)
         new = dataclasses.replace(self, **changes)
         if new.diag_scale is not None and new.diag_s is None:
-            new = dataclasses.replace(new, diag_s=_diag_s(new))
+            new = dataclasses.replace(new, diag_s=call(_diag_s_program, new.problem, new))
         return new
 
     def __repr__(self) -> str:
         return (
             f"QGTOperator(mode={self.mode!r}, dim={self.dim}, n_samples={self.n_samples}, "
-            f"chunk_size={self.chunk_size}, diag_shift={self.diag_shift}, diag_scale={self.diag_scale})"
+            f"chunk_size={self.problem.chunk_size}, diag_shift={self.diag_shift}, "
+            f"diag_scale={self.diag_scale})"
         )
 
-    # --- input checks --------------------------------------------------------------------------
+    # --- traced pieces, shared with LinearizedQGT ---------------------------------------------
 
-    def _vector(self, v: Any, name: str) -> tuple[Any, str]:
-        """Returns ``(v, kind)``: kind 'tree', 'flat' (ravel of params) or 'rep' (representation)."""
-        where = f"{_NAME} ({name})"
-        v = check.as_arrays(where, name, v)
-        p_def = jax.tree.structure(self.params)
-        if jax.tree.structure(v) == p_def:
-            pairs = zip(jax.tree_util.tree_leaves_with_path(self.params), jax.tree.leaves(v))
-            bad = [(path, p, t) for (path, p), t in pairs if p.shape != t.shape or p.dtype != t.dtype]
-            if not bad:
-                return v, "tree"
-            single_flat = isinstance(v, jax.Array) and v.ndim == 1  # params is one array: maybe flat
-            if not single_flat:
-                path, p, t = bad[0]
-                raise TypeError(
-                    f"{where}: the leaf of `{name}` at {jax.tree_util.keystr(path)} must have the "
-                    f"shape {tuple(p.shape)} and dtype {p.dtype} of the parameter; got shape "
-                    f"{tuple(t.shape)} and dtype {t.dtype}. Fix: build `{name}` with jax.tree.map "
-                    "over `params`, or pass a flat vector."
-                )
-        if isinstance(v, jax.Array) and v.ndim == 1:
-            if v.shape == (self.dim,) and v.dtype == self._rep_dtype():
-                return v, "rep"
-            n_par = sum(math.prod(p.shape) for p in jax.tree.leaves(self.params))
-            flat_dtype = jnp.result_type(*jax.tree.leaves(self.params))
-            if v.shape == (n_par,) and v.dtype == flat_dtype:
-                return v, "flat"
-        raise TypeError(
-            f"{where}: `{name}` must be a pytree like `params` (structure {p_def}), a flat vector "
-            f"ravel_pytree(params)[0]-like, or a real representation of shape ({self.dim},) and "
-            f"dtype {self._rep_dtype()} ({self.mode!r} mode); got "
-            f"{_describe(v)}. Fix: pass e.g. jax.tree.map(jnp.ones_like, params)."
+    @property
+    def operator(self) -> QGTOperator:
+        """Itself (a :class:`vmcgrad.LinearizedQGT`'s is the operator it keeps linearisations of)."""
+        return self
+
+    def _at(self, prob: Problem) -> QGTOperator:
+        return dataclasses.replace(self, problem=prob)
+
+    def _rep_layout(self) -> tuple:
+        return self.views.rep_layout(self.problem.layout)
+
+    def _rep_like(self) -> Any:
+        return jax.eval_shape(partial(to_rep, self.mode), self.params)
+
+    def _apply_rep(self, rep: Any) -> Any:
+        """:math:`S_\\text{eff} \\tilde v` for a representation pytree: one pass, one reduction."""
+        layout = self._rep_layout()
+        body = partial(product_body, mode=self.mode)
+        total = run(
+            self.problem,
+            body,
+            self.inputs,
+            (self.obar, layout),
+            (rep, layout),
+            out=Laid(self._rep_like(), layout),
         )
+        return self._finish(total, rep)
 
+    def _finish(self, total: Any, v: Any) -> Any:
+        """From the reduced :math:`\\sum_i \\overline{O_i} w_i` to :math:`S_\\text{eff} v`."""
+        inv_n = 1.0 / self.problem.n
 
-def _is_complex(x: Any) -> bool:
-    return jnp.issubdtype(x.dtype, jnp.complexfloating)
+        def finish(t, x, d=None):
+            y = jnp.conj(t) * inv_n + self.diag_shift * x
+            if d is not None:
+                y = y + self.diag_scale * d * x
+            return y.astype(x.dtype)
 
+        if self.diag_scale is None:
+            return jax.tree.map(finish, total, v)
+        return jax.tree.map(finish, total, v, self.diag_s)
 
-def _describe(v: Any) -> str:
-    if isinstance(v, jax.Array):
-        return f"an array of shape {tuple(v.shape)} and dtype {v.dtype}"
-    return f"a pytree {jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), v)}"
+    def _jacobian_stats(self, *, dense: bool) -> jax.Array:
+        body = partial(jacobian_body, mode=self.mode, out_dtype=self.problem.out_dtype, dense=dense)
+        total = run(self.problem, body, self.inputs, (self.obar, self._rep_layout()), out=REPLICATED)
+        return total / self.problem.n
 
 
 def _scalar(where: str, name: str, x: Any, real_dtype: Any) -> jax.Array:
@@ -275,11 +260,12 @@ def QGT(
     params: Any,
     samples: Any,
     *,
-    chunk_size: int | None = None,
+    chunk_size: int | str | None = None,
     diag_shift: float | jax.Array = 0.0,
     diag_scale: float | jax.Array | None = None,
     mode: str | None = None,
     holomorphic: bool | None = None,
+    memory_budget: float | None = None,
 ) -> QGTOperator:
     r"""Builds the quantum geometric tensor of ``logpsi`` at ``params`` over ``samples``.
 
@@ -334,257 +320,128 @@ def QGT(
         >>> bool(jnp.allclose(x_sol, w, rtol=1e-4)), int(info.iterations) <= 3
         (True, True)
     """
-    chunk_size = check.check_chunk_size(_NAME, chunk_size)
-    params, samples, _, out = check.check_problem(_NAME, logpsi, params, samples, arg="logpsi")
-    mode = choose_mode(_NAME, params, out, mode, holomorphic)
-    real = jnp.finfo(jnp.result_type(*jax.tree.leaves(params))).dtype
+    prob, inputs, _ = problem(
+        _NAME, logpsi, params, samples, chunk_size=chunk_size, memory_budget=memory_budget, arg="logpsi"
+    )
+    out = jax.ShapeDtypeStruct((prob.n,), prob.out_dtype)
+    mode = choose_mode(_NAME, inputs.params, out, mode, holomorphic)
+    real = Views(inputs.params, mode).real_dtype
     diag_shift = _scalar(_NAME, "diag_shift", 0.0 if diag_shift is None else diag_shift, real)
     if diag_scale is not None:
         diag_scale = _scalar(_NAME, "diag_scale", diag_scale, real)
-    where = find_sample_axis(samples)
-    static, data = split_fun(logpsi)
-    params, data, diag_shift, diag_scale = replicate((params, data, diag_shift, diag_scale), where)
     op = QGTOperator(
-        params=params,
-        samples=samples,
+        inputs=inputs,
         obar=None,
         diag_shift=diag_shift,
         diag_scale=diag_scale,
         diag_s=None,
-        fun_data=data,
-        fun_static=static,
-        chunk_size=None if chunk_size == "auto" else chunk_size,
+        problem=prob,
         mode=mode,
-        where=where,
-        out_dtype=np.dtype(out.dtype),
     )
-    if chunk_size == "auto":
-        op = dataclasses.replace(op, chunk_size=_auto_chunk_size(op))
-    op = dataclasses.replace(op, obar=_mean(op))
+    op = dataclasses.replace(op, obar=call(_mean_program, prob, op))
     if diag_scale is not None:
-        op = dataclasses.replace(op, diag_s=_diag_s(op))
+        op = dataclasses.replace(op, diag_s=call(_diag_s_program, prob, op))
     return op
 
 
-# --- traced internals ----------------------------------------------------------------------------
+# --- compiled programs: program(problem, op, ...) with the problem static (see _problem.call) ----
 
 
-def _prepare(op: QGTOperator) -> tuple[Any, int]:
-    """Samples padded to a multiple of the device count; returns ``(samples, n_local)``."""
-    fill = jax.tree.map(lambda _: repeat_last, op.samples)
-    samples, n_pad = pad_to_devices(op.samples, op.where, fill)
-    return samples, n_pad if op.where is None else n_pad // op.where.size
+@partial(jax.jit, static_argnums=0)
+def _mean_program(prob: Problem, op: QGTOperator) -> Any:
+    op = op._at(prob)
+    body = partial(mean_body, mode=op.mode, out_dtype=prob.out_dtype)
+    total = run(prob, body, op.inputs, out=Laid(op._rep_like(), op._rep_layout()))
+    like = to_rep(op.mode, op.params)
+    complex_o = jnp.issubdtype(prob.out_dtype, jnp.complexfloating)
+
+    def mean(t, p):
+        dtype = jnp.result_type(p.dtype, jnp.complex64) if complex_o else p.dtype
+        return (t / prob.n).astype(dtype)
+
+    return jax.tree.map(mean, total, like)
 
 
-def _local(op: QGTOperator, data: tuple, params: Any, n_local: int) -> tuple[Any, Any, jax.Array]:
-    """Inside the per-device body: ``(g, theta, rows)``."""
-    where = op.where
-    params = to_varying(params, where)
-    fun = join_fun(op.fun_static, data)
-    first = 0 if where is None else jax.lax.axis_index(where.axis) * n_local
-    rows = Rows(first, op.n_samples, op._real_dtype())
-
-    def g(theta, x):
-        return fun(from_rep(op.mode, theta), x)
-
-    return g, to_rep(op.mode, params), rows
-
-
-def _run(op: QGTOperator, prepared: tuple[Any, int], local: Any, *extra: Any) -> Any:
-    """Runs ``local(g, theta, samples, rows, plan, *extra)`` on each device and sums once."""
-    samples, n_local = prepared
-    plan = plan_chunks(n_local, op.chunk_size)
-
-    def body(data, params, samples, *extra):
-        g, theta, rows = _local(op, data, params, n_local)
-        acc = local(g, theta, samples, rows, plan, *to_varying(extra, op.where))
-        return sum_over_devices(acc, op.where)
-
-    specs = ("params", "params", "samples", *("params",) * len(extra))
-    return per_device(body, op.where, specs, "params")(op.fun_data, op.params, samples, *extra)
-
-
-def _vary(x: jax.Array, where: SampleAxis | None) -> jax.Array:
-    """Casts ``x`` to device-varying over the sample axis unless it already is."""
-    if where is None:
-        return x
-    names = (where.axis,) if isinstance(where.axis, str) else tuple(where.axis)
-    missing = tuple(a for a in names if a not in jax.typeof(x).manual_axis_type.varying)
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-
-def _linearize_all(op: QGTOperator, prepared: tuple[Any, int]) -> tuple[Any, ...]:
-    """Every chunk's linearisation on every device, kept (split over the devices)."""
-    samples, n_local = prepared
-    plan = plan_chunks(n_local, op.chunk_size)
-    box = {}
-
-    def body(data, params, samples):
-        g, theta, rows = _local(op, data, params, n_local)
-        vary = partial(_vary, where=op.where)
-        residuals, wts, box["treedef"] = linearize_pass(g, theta, samples, rows, plan, vary)
-        return residuals, wts
-
-    residuals, wts = per_device(body, op.where, ("params", "params", "samples"), "samples")(
-        op.fun_data, op.params, samples
-    )
-    return residuals, wts, box["treedef"], plan.count
-
-
-def _apply_cached(op: QGTOperator, cache: tuple[Any, ...], v: Any) -> Any:
-    """:func:`_apply` from kept linearisations (no forward pass)."""
-    residuals, wts, treedef, count = cache
-
-    def body(params, residuals, wts, obar, v):
-        params, obar, v = to_varying((params, obar, v), op.where)
-        acc = cached_product_pass(treedef, residuals, wts, to_rep(op.mode, params), obar, v, count)
-        return sum_over_devices(acc, op.where)
-
-    specs = ("params", "samples", "samples", "params", "params")
-    total = per_device(body, op.where, specs, "params")(op.params, residuals, wts, op.obar, v)
-    return _finish(op, total, v)
-
-
-def _auto_chunk_size(op: QGTOperator, budget: int | None = None) -> int:
-    """``chunk_size="auto"``: the largest power of two whose ``S @ v`` program fits the default
-    memory budget (see :mod:`vmcgrad._auto_chunk`), measured on the compiled product (nothing runs;
-    cached per function, shapes, mode and placement)."""
-    abstract = dataclasses.replace(op, obar=jax.eval_shape(_mean, op))
-    if op.diag_scale is not None:
-        abstract = dataclasses.replace(abstract, diag_s=jax.eval_shape(_diag_s, abstract))
-
-    def compile_at(c):
-        return _matmul.lower(dataclasses.replace(abstract, chunk_size=c), op.params, kind="tree").compile()
-
-    key = ("QGT @ v", op.fun_static, op.mode, op.where, signature((op.params, op.samples, op.fun_data)))
-    n_local = local_count(op.n_samples, op.where)
-    return choose_chunk(key, n_local, compile_at, budget or default_memory_budget(), where=_NAME)
-
-
-@jax.jit
-def _mean(op: QGTOperator) -> Any:
-    total = _run(op, _prepare(op), partial(mean_pass, out_dtype=op.out_dtype))
-    return jax.tree.map(lambda t: t / op.n_samples, total)
-
-
-def _jacobian_stats(op: QGTOperator, *, dense: bool) -> jax.Array:
-    d = op.dim
-    complex_s = op.mode == "holomorphic"
-    dtype = op._rep_dtype() if complex_s else op._real_dtype()
-    shape = (d, d) if dense else (d,)
-
-    def local(g, theta, samples, rows, plan, obar):
-        zeros = to_varying(jnp.zeros(shape, dtype), op.where)
-        return jacobian_pass(g, theta, samples, rows, plan, obar, op.out_dtype, dense=dense, zeros=zeros)
-
-    return _run(op, _prepare(op), local, op.obar) / op.n_samples
-
-
-@jax.jit
-def _diag_s(op: QGTOperator) -> Any:
+@partial(jax.jit, static_argnums=0)
+def _diag_s_program(prob: Problem, op: QGTOperator) -> Any:
     """diag(S) as a real pytree shaped like the representation of the parameters."""
-    flat = _jacobian_stats(op, dense=False)
+    flat = op._at(prob)._jacobian_stats(dense=False)
     return _unflatten_like(flat, to_rep(op.mode, op.params))
 
 
-@jax.jit
-def _diagonal(op: QGTOperator, diag_s: Any) -> jax.Array:
+@partial(jax.jit, static_argnums=0)
+def _diagonal_program(prob: Problem, op: QGTOperator) -> jax.Array:
+    op = op._at(prob)
+    diag_s = op.diag_s if op.diag_s is not None else _diag_s_program(prob, op)
     flat = ravel_pytree(diag_s)[0]
     scale = 1.0 if op.diag_scale is None else 1.0 + op.diag_scale
-    return (scale * flat + op.diag_shift).astype(op._rep_dtype())
+    return (scale * flat + op.diag_shift).astype(op.views.rep_dtype)
 
 
-@jax.jit
-def _to_dense(op: QGTOperator) -> jax.Array:
-    s = _jacobian_stats(op, dense=True)
+@partial(jax.jit, static_argnums=0)
+def _dense_program(prob: Problem, op: QGTOperator) -> jax.Array:
+    op = op._at(prob)
+    s = op._jacobian_stats(dense=True)
     diag = jnp.full((op.dim,), op.diag_shift)
     if op.diag_scale is not None:
         diag = diag + op.diag_scale * ravel_pytree(op.diag_s)[0]
-    return (s + jnp.diag(diag)).astype(op._rep_dtype())
+    return (s + jnp.diag(diag)).astype(op.views.rep_dtype)
 
 
 def _unflatten_like(flat: jax.Array, tree: Any) -> Any:
     """Splits ``flat`` into leaves shaped like ``tree``'s, keeping ``flat``'s dtype."""
     leaves, treedef = jax.tree.flatten(tree)
-    sizes = np.cumsum([math.prod(x.shape) for x in leaves])[:-1]
-    parts = jnp.split(flat, sizes)
-    return treedef.unflatten([p.reshape(x.shape) for p, x in zip(parts, leaves)])
+    parts, start = [], 0
+    for x in leaves:
+        parts.append(flat[start : start + x.size].reshape(x.shape))
+        start += x.size
+    return treedef.unflatten(parts)
 
 
-def _apply(op: QGTOperator, prepared: tuple[Any, int], v: Any) -> Any:
-    """:math:`S_\\text{eff} \\tilde v` for a representation pytree ``v``: one pass, one psum."""
-    return _finish(op, _run(op, prepared, product_pass, op.obar, v), v)
+@partial(jax.jit, static_argnums=(0, 3))
+def _matmul_program(prob: Problem, op: QGTOperator, v: Any, kind: str) -> Any:
+    op = op._at(prob)
+    views = op.operator.views
+    return views.from_rep(symmetric_product(op._apply_rep, op, views.to_rep(v, kind)), kind)
 
 
-def _finish(op: QGTOperator, total: Any, v: Any) -> Any:
-    """From the reduced :math:`\\sum_i \\overline{O_i} w_i` to :math:`S_\\text{eff} v`."""
-    inv_n = 1.0 / op.n_samples
+def symmetric_product(apply: Any, op: Any, rep: Any) -> Any:
+    """``apply(rep)`` with its transpose declared (``linear_call``): :math:`S` is symmetric (real
+    modes) or Hermitian, so :math:`S^T y = \\overline{S \\bar y}`. Transposing ``S @ v`` (as
+    ``jax.scipy.sparse.linalg.cg`` does for complex vectors) then never transposes the chunk loop."""
 
-    def finish(t, x, d=None):
-        y = jnp.conj(t) * inv_n + op.diag_shift * x
-        if d is not None:
-            y = y + op.diag_scale * d * x
-        return y.astype(x.dtype)
+    def product(op, y):
+        return apply(y)
 
-    if op.diag_scale is None:
-        return jax.tree.map(finish, total, v)
-    return jax.tree.map(finish, total, v, op.diag_s)
+    def transposed(op, y):
+        return jax.tree.map(jnp.conj, apply(jax.tree.map(jnp.conj, y)))
 
-
-def _to_kind(op: QGTOperator, v: Any, kind: str) -> Any:
-    if kind == "tree":
-        return to_rep(op.mode, v)
-    if kind == "flat":
-        return to_rep(op.mode, ravel_pytree(op.params)[1](v))
-    return ravel_pytree(to_rep(op.mode, op.params))[1](v)
+    return jax.custom_derivatives.linear_call(product, transposed, op, rep)
 
 
-def _from_kind(op: QGTOperator, rep: Any, kind: str) -> Any:
-    if kind == "tree":
-        return from_rep(op.mode, rep)
-    if kind == "flat":
-        return ravel_pytree(from_rep(op.mode, rep))[0]
-    return ravel_pytree(rep)[0]
+def _solve(A: Any, b: Any, *, x0: Any, tol: Any, atol: Any, maxiter: Any) -> tuple[Any, CGInfo]:
+    """``A.solve``: checks the vectors, then runs the compiled solve (shared with LinearizedQGT)."""
+    where = f"{_NAME}.solve"
+    views = A.operator.views
+    b, kind = views.kind(f"{_NAME} (b)", "b", b)
+    if x0 is not None:
+        x0, kind0 = views.kind(f"{_NAME} (x0)", "x0", x0)
+        if kind0 != kind:
+            raise TypeError(
+                f"{where}: `x0` must be the same kind of vector as `b` ({kind}); got {kind0}. "
+                "Fix: pass both as pytrees, or both flat."
+            )
+    maxiter = 10 * A.dim if maxiter is None else maxiter
+    return call(_solve_program, A.problem, A, b, x0, tol, atol, maxiter, kind)
 
 
-@partial(jax.jit, static_argnames=("kind",))
-def _matmul(op: QGTOperator, v: Any, *, kind: str) -> Any:
-    samples, n_local = _prepare(op)
-
-    def product(res, y):
-        op, samples = res
-        return _apply(op, (samples, n_local), y)
-
-    def transposed(res, y):  # S is symmetric (real modes) or Hermitian: S^T y = conj(S conj(y))
-        return jax.tree.map(jnp.conj, product(res, jax.tree.map(jnp.conj, y)))
-
-    # linear_call: transposing S @ v (as jax.scipy.sparse.linalg.cg does for complex vectors) uses
-    # the rule above instead of transposing the chunk loop and its ref accumulators
-    rep = _to_kind(op, v, kind)
-    out = jax.custom_derivatives.linear_call(product, transposed, (op, samples), rep)
-    return _from_kind(op, out, kind)
-
-
-@partial(jax.jit, static_argnames=("kind", "cache_bytes"))
-def _solve(
-    op: QGTOperator, b: Any, x0: Any, tol: Any, atol: Any, maxiter: Any, *, kind: str, cache_bytes: int
-):
-    prepared = _prepare(op)  # padded once for all iterations
-    b = _to_kind(op, b, kind)
-    x0 = None if x0 is None else _to_kind(op, x0, kind)
-
-    def matvec(y):
-        return _apply(op, prepared, y)
-
-    if cache_bytes > 0:
-        cache = _linearize_all(op, prepared)
-        n_dev = 1 if op.where is None else op.where.size
-        kept = sum(r.size * r.dtype.itemsize for r in cache[0]) // n_dev
-        if kept <= cache_bytes:  # else the traced pass is unused and compiled away
-
-            def matvec(y):
-                return _apply_cached(op, cache, y)
-
+@partial(jax.jit, static_argnums=(0, 7))
+def _solve_program(prob: Problem, A: Any, b: Any, x0: Any, tol: Any, atol: Any, maxiter: Any, kind: str):
+    A = A._at(prob)
+    op, views = A.operator, A.operator.views
+    b = views.to_rep(b, kind)
+    x0 = None if x0 is None else views.to_rep(x0, kind)
+    matvec = A._apply_rep
     if op.diag_scale is None:
         x, info = cg(matvec, b, x0, tol=tol, atol=atol, maxiter=maxiter)
     else:
@@ -594,4 +451,4 @@ def _solve(
         y, info = cg(lambda y: div(matvec(div(y))), div(b), None if x0 is None else mul(x0), tol=tol,
                      atol=atol, maxiter=maxiter)  # fmt: skip
         x = div(y)
-    return _from_kind(op, x, kind), info
+    return views.from_rep(x, kind), info

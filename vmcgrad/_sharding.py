@@ -1,4 +1,4 @@
-"""Sharding: find the mesh axis the samples are split over and run a per-device body there.
+"""Sharding: which mesh axis the samples are split over, how leaves are laid out, the collectives.
 
 Where the sample axis comes from, in order:
 
@@ -11,20 +11,20 @@ Where the sample axis comes from, in order:
 A mesh of one device still goes through ``shard_map`` (so that Explicit-axis types are handled the
 same way whatever the device count); its ``psum`` is a no-op.
 
-:func:`per_device` wraps a body in ``jax.shard_map`` so that each device sees only its own samples;
-parameters stay replicated and are cast to device-varying (``pcast``) before being differentiated,
-so that no implicit reduction enters the loop (see CONTEXT: netket#2228).
+Leaves (parameters, vectors like them) are replicated or split along one dimension over the sample
+axis (parameter-sharded, FSDP-like models): :func:`layout_of` reads which, :func:`gather` all-gathers
+split leaves once before the loop and :func:`reduce` is the one reduction after it (``psum``, or
+``psum_scatter`` back to the shards). The per-device runner that uses them is :mod:`vmcgrad._runner`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 
@@ -90,116 +90,35 @@ def replicate(tree: Any, where: SampleAxis | None) -> Any:
     return jax.tree.map(place, tree)
 
 
-def to_varying(tree: Any, where: SampleAxis | None) -> Any:
-    """Casts replicated leaves to device-varying inside ``shard_map`` (no-op on one device)."""
-    if where is None:
-        return tree
-    return jax.tree.map(lambda x: jax.lax.pcast(x, where.axis, to="varying"), tree)
-
-
 def local_count(n: int, where: SampleAxis | None) -> int:
-    """Samples per device after :func:`pad_to_devices`: ``ceil(n / devices)``."""
+    """Rows per device after :func:`pad_to_devices`: ``ceil(n / devices)``."""
     return n if where is None else -(-n // where.size)
 
 
-def pad_to_devices(tree: Any, where: SampleAxis | None, fill: Any) -> tuple[Any, int]:
-    """Pads the leading axis to a multiple of the device count.
+def pad_to_devices(tree: Any, where: SampleAxis | None) -> Any:
+    """Pads the leading axis of every leaf to a multiple of the device count with copies of its last row.
 
-    Only used when the global sample count does not divide evenly over the devices (which a sharded
-    array never does); ``fill(leaf, pad)`` gives the rows to append. ``fill`` is one function or
-    a pytree prefix of ``tree`` (e.g. ``(repeat_last, zeros_rows)`` for ``(samples, cotangent)``,
-    whatever the structure of the samples). Returns ``(tree, n_padded)``.
+    Only when the global count does not divide over the devices (a sharded array always does). The
+    padded rows are valid inputs for the function and get weight 0 (:mod:`vmcgrad._chunking`).
     """
     n = jax.tree.leaves(tree)[0].shape[0]
     if where is None or n % where.size == 0:
-        return tree, n
+        return tree
     pad = where.size - n % where.size
-
-    def pad_subtree(f, sub):
-        return jax.tree.map(lambda a: jnp.concatenate([a, f(a, pad)]), sub)
-
-    return jax.tree.map(pad_subtree, fill, tree, is_leaf=callable), n + pad
+    return jax.tree.map(lambda a: jnp.concatenate([a, jnp.repeat(a[-1:], pad, axis=0)]), tree)
 
 
-def unpad(x: jax.Array, n: int, where: SampleAxis | None) -> jax.Array:
-    """The first ``n`` rows of a per-sample result padded by :func:`pad_to_devices`.
-
-    A padded global count does not divide over the devices, so the result is gathered first on
-    Explicit axes (where slicing a sharded axis unevenly is a type error).
-    """
-    if where is not None and AxisType.Explicit in where.mesh.axis_types:
-        x = jax.sharding.reshard(x, P())
-    return x[:n]
+# --- layouts: which dimension of each leaf is split over the sample axis -------------------------
 
 
-def per_device(
-    body: Callable[..., Any],
-    where: SampleAxis | None,
-    in_specs: tuple[Any, ...],
-    out_specs: Any,
-) -> Callable[..., Any]:
-    """Runs ``body`` on each device's shard.
-
-    A spec is ``"samples"`` (split over the sample axis), ``"params"`` (replicated), or a
-    ``PartitionSpec`` pytree (e.g. from :func:`param_specs`).
-
-    On one device ``body`` is returned unchanged.
-    """
-    if where is None:
-        return body
-
-    def spec(s):
-        if isinstance(s, str):
-            return P(where.axis) if s == "samples" else P()
-        return s  # a PartitionSpec or a pytree of them (parameter-sharded layouts)
-
-    specs = tuple(spec(s) for s in in_specs)
-    run = jax.shard_map(body, mesh=where.mesh, in_specs=specs, out_specs=spec(out_specs))
-    if AxisType.Explicit not in where.mesh.axis_types:
-        return run
-
-    def run_explicit(*args):
-        # Explicit axes: shard_map takes inputs typed as its in_specs (e.g. replicated samples
-        # under an Explicit mesh, or samples just padded to the device count): reshard them.
-        return run(*(_reshard_to(a, s) for a, s in zip(args, specs)))
-
-    return run_explicit
-
-
-def _reshard_to(tree: Any, spec: Any) -> Any:
-    """``reshard`` every leaf of ``tree`` to ``spec`` (one spec, or a pytree prefix of specs)."""
-    is_spec = lambda s: isinstance(s, P)
-    return jax.tree.map(
-        lambda s, sub: jax.tree.map(lambda x: jax.sharding.reshard(x, s), sub), spec, tree, is_leaf=is_spec
-    )
-
-
-def sum_over_devices(tree: Any, where: SampleAxis | None) -> Any:
-    """The one cross-device reduction: ``psum`` over the sample axis (no-op on one device)."""
-    return tree if where is None else jax.lax.psum(tree, where.axis)
-
-
-def repeat_last(a: jax.Array, pad: int) -> jax.Array:
-    """``pad`` copies of the last row of ``a``: valid samples to pad with."""
-    return jnp.repeat(a[-1:], pad, axis=0)
-
-
-def zeros_rows(a: jax.Array, pad: int) -> jax.Array:
-    """``pad`` zero rows shaped like the rows of ``a``: a cotangent that adds nothing."""
-    return jnp.zeros((pad, *a.shape[1:]), a.dtype)
-
-
-# --- parameter-sharded (FSDP-like) models -------------------------------------------------------
-
-
-def param_layout(params: Any, where: SampleAxis | None) -> tuple[int | None, ...]:
-    """For each parameter leaf, the dimension split over the sample axis, or None if replicated.
+def layout_of(tree: Any, where: SampleAxis | None) -> tuple[int | None, ...]:
+    """For each leaf, the dimension split over the sample axis, or None if replicated.
 
     Read from the leaves' concrete sharding (eager) or their type (Explicit axes). A static,
     hashable tuple in leaf order.
     """
     if where is None:
-        return tuple(None for _ in jax.tree.leaves(params))
+        return tuple(None for _ in jax.tree.leaves(tree))
 
     def dim(leaf):
         concrete = None if isinstance(leaf, jax.core.Tracer) else getattr(leaf, "sharding", None)
@@ -210,22 +129,24 @@ def param_layout(params: Any, where: SampleAxis | None) -> tuple[int | None, ...
                         return d
         return None
 
-    return tuple(dim(leaf) for leaf in jax.tree.leaves(params))
+    return tuple(dim(leaf) for leaf in jax.tree.leaves(tree))
 
 
-def param_specs(params: Any, layout: tuple[int | None, ...], where: SampleAxis) -> Any:
-    """``PartitionSpec`` pytree for ``params``: the sample axis on each sharded leaf's dimension."""
-    leaves, treedef = jax.tree.flatten(params)
-    specs = [P() if d is None else P(*([None] * d), where.axis) for d in layout]
-    del leaves
-    return jax.tree.unflatten(treedef, specs)
+def specs(tree: Any, layout: tuple[int | None, ...], where: SampleAxis) -> Any:
+    """``PartitionSpec`` pytree for ``tree``: the sample axis on each split leaf's dimension."""
+    treedef = jax.tree.structure(tree)
+    return jax.tree.unflatten(treedef, [P() if d is None else P(*([None] * d), where.axis) for d in layout])
 
 
-def gather_params(params: Any, layout: tuple[int | None, ...], where: SampleAxis | None) -> Any:
-    """Inside ``shard_map``, before the loop: all-gather sharded leaves once; cast the rest varying."""
+def gather(tree: Any, layout: tuple[int | None, ...], where: SampleAxis | None) -> Any:
+    """Inside ``shard_map``, before the loop: all-gather split leaves once; cast the rest varying.
+
+    The cast (``pcast(..., to='varying')``) keeps JAX from inserting an all-reduce inside the loop
+    when the leaf is differentiated (CONTEXT: netket#2228).
+    """
     if where is None:
-        return params
-    leaves, treedef = jax.tree.flatten(params)
+        return tree
+    leaves, treedef = jax.tree.flatten(tree)
     out = [
         jax.lax.pcast(x, where.axis, to="varying")
         if d is None
@@ -235,15 +156,16 @@ def gather_params(params: Any, layout: tuple[int | None, ...], where: SampleAxis
     return jax.tree.unflatten(treedef, out)
 
 
-def reduce_params(tree: Any, layout: tuple[int | None, ...], where: SampleAxis | None) -> Any:
-    """After the loop: ``psum`` replicated leaves, ``psum_scatter`` sharded ones back to shards."""
+def reduce(tree: Any, layout: tuple[int | None, ...] | None, where: SampleAxis | None) -> Any:
+    """The one reduction, after the loop: ``psum`` of replicated leaves (``layout`` None: all of
+    them), ``psum_scatter`` of split ones back to their shards (reduce-scatter)."""
     if where is None:
         return tree
     leaves, treedef = jax.tree.flatten(tree)
-    summed = jax.lax.psum([x for x, d in zip(leaves, layout) if d is None], where.axis)
-    it = iter(summed)
+    layout = layout or (None,) * len(leaves)
+    summed = iter(jax.lax.psum([x for x, d in zip(leaves, layout) if d is None], where.axis))
     out = [
-        next(it) if d is None else jax.lax.psum_scatter(x, where.axis, scatter_dimension=d, tiled=True)
+        next(summed) if d is None else jax.lax.psum_scatter(x, where.axis, scatter_dimension=d, tiled=True)
         for x, d in zip(leaves, layout)
     ]
     return jax.tree.unflatten(treedef, out)

@@ -43,7 +43,7 @@ class CGInfo(NamedTuple):
 
 def vdot(a: Any, b: Any) -> jax.Array:
     """:math:`\\sum_j \\bar a_j b_j` over all leaves of two pytrees of the same structure."""
-    terms = [jnp.vdot(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
+    terms = [jnp.sum(jnp.conj(x) * y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
     return sum(terms[1:], terms[0])
 
 

@@ -15,10 +15,20 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def _describe(x: Any) -> str:
+def describe(x: Any) -> str:
+    """A short description of a value for messages: shape and dtype, or an abbreviated repr."""
     if hasattr(x, "shape") and hasattr(x, "dtype"):
         return f"shape {tuple(x.shape)} and dtype {x.dtype}"
-    return f"{type(x).__name__} {x!r}"
+    if isinstance(x, (list, tuple, dict)) or jax.tree.leaves(x) != [x]:
+        leaves = jax.tree.leaves(x)
+        text = repr(x)
+        short = text if len(text) <= 80 else text[:60] + " ... " + text[-15:]
+        return f"a {type(x).__name__} with {len(leaves)} leaves: {short}"
+    text = repr(x)
+    return f"{type(x).__name__} {text if len(text) <= 80 else text[:60] + ' ...'}"
+
+
+_describe = describe
 
 
 def check_chunk_size(where: str, chunk_size: Any) -> int | None:
@@ -102,7 +112,11 @@ def check_output(
 
     ``arg`` is the function's argument name in the caller's signature (``fun``, ``logpsi``).
     """
-    out = jax.eval_shape(fun, params, samples)
+    # shapes only, without shardings: with Explicit-axis types a parameter-sharded leaf and the
+    # samples split over the same axis would make the full-batch product a sharding type error,
+    # while the per-device body sees them gathered and local
+    bare = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, samples))
+    out = jax.eval_shape(fun, *bare)
     if not isinstance(out, jax.ShapeDtypeStruct) or tuple(out.shape) != (n,):
         got = _describe(out) if isinstance(out, jax.ShapeDtypeStruct) else f"a {type(out).__name__}"
         raise ValueError(
@@ -170,3 +184,19 @@ def check_problem(
     check_params(where, params)
     n = check_samples(where, samples)
     return params, samples, n, check_output(where, fun, params, samples, n, arg=arg)
+
+
+def check_memory_budget(where: str, memory_budget: Any) -> int | None:
+    """A memory budget: None, or any positive finite real number of bytes (returned as an int)."""
+    if memory_budget is None:
+        return None
+    ok = isinstance(memory_budget, (int, float, np.integer, np.floating)) and not isinstance(
+        memory_budget, (bool, np.bool_)
+    )
+    if not ok or not np.isfinite(memory_budget) or memory_budget < 1:
+        raise ValueError(
+            f"{where}: `memory_budget` must be a positive number of bytes; got {memory_budget!r} "
+            "(expected bytes per device, a positive finite int or float). Fix: pass e.g. "
+            "memory_budget=2**30 (1 GiB), or None for the default."
+        )
+    return int(memory_budget)

@@ -10,23 +10,8 @@ import jax
 import jax.numpy as jnp
 
 from . import _validation as check
-from ._auto_chunk import run_auto
-from ._chunking import ChunkPlan, for_each_chunk, plan_chunks, take_chunk
-from ._function import join_fun, split_fun
-from ._sharding import (
-    SampleAxis,
-    find_sample_axis,
-    gather_params,
-    local_count,
-    pad_to_devices,
-    param_layout,
-    param_specs,
-    per_device,
-    reduce_params,
-    repeat_last,
-    replicate,
-    zeros_rows,
-)
+from ._problem import Inputs, Problem, call, problem
+from ._runner import SAMPLES, Laid, accumulators, cast_like, freeze, promote, run
 
 
 def batched_vjp(
@@ -35,7 +20,8 @@ def batched_vjp(
     samples: Any,
     cotangent: jax.Array,
     *,
-    chunk_size: int | None = None,
+    chunk_size: int | str | None = None,
+    memory_budget: float | None = None,
 ) -> Any:
     r"""Vector-Jacobian product of a batched function, summed over samples chunk by chunk.
 
@@ -53,6 +39,7 @@ def batched_vjp(
     chunk's pullback is added into ``jax.new_ref`` accumulators with ``f_vjp.with_refs``. When the
     samples are split over a mesh axis (their sharding, or the context mesh as NetKet sets it), each
     device works on its own shard and one ``psum`` after the loop is the only communication.
+    Accumulators are at float32 or better whatever the parameter dtype; the result is cast back.
 
     Args:
         fun: ``fun(params, batch) -> (batch_size,)`` array, real or complex. A plain callable is
@@ -62,10 +49,14 @@ def batched_vjp(
         samples: an array, or pytree of arrays, with the N samples along axis 0.
         cotangent: an array of shape ``(N,)`` with the dtype of ``fun``'s output.
         chunk_size: samples per chunk on each device; any positive int (it need not divide
-            anything), or None for one chunk per device.
+            anything), None for one chunk per device, or ``"auto"``: the largest power of two whose
+            compiled program fits ``memory_budget`` (see :func:`vmcgrad.auto_chunk_size`).
+        memory_budget: bytes per device for ``chunk_size="auto"`` (any positive number); None for
+            the default (half the free device memory, or 2 GiB where the backend does not say).
 
     Returns:
-        A pytree like ``params`` (same structure and dtypes), replicated over the devices.
+        A pytree like ``params`` (same structure and dtypes), replicated over the devices
+        (parameter-sharded leaves come back sharded the same way).
 
     Raises:
         TypeError, ValueError: for bad input, before anything is traced.
@@ -81,53 +72,39 @@ def batched_vjp(
         True
     """
     name = "vmcgrad.batched_vjp"
-    chunk_size = check.check_chunk_size(name, chunk_size)
-    params, samples, n, out = check.check_problem(name, fun, params, samples)
+    prob, inputs, _ = problem(name, fun, params, samples, chunk_size=chunk_size, memory_budget=memory_budget)
     cotangent = check.as_arrays(name, "cotangent", cotangent)
-    check.check_cotangent(name, "cotangent", cotangent, out)
-    where = find_sample_axis(samples)
-    static, data = split_fun(fun)
-    params, data = replicate((params, data), where)
-    layout = param_layout(params, where)
-    args = (data, params, samples, cotangent)
-    statics = dict(static=static, where=where, layout=layout)
-    if chunk_size == "auto":
-        return run_auto(name, _batched_vjp, args, statics, local_count(n, where))
-    return _batched_vjp(*args, chunk_size=chunk_size, **statics)
+    check.check_cotangent(name, "cotangent", cotangent, jax.ShapeDtypeStruct((prob.n,), prob.out_dtype))
+    return call(vjp_program, prob, inputs, cotangent)
 
 
-@partial(jax.jit, static_argnames=("static", "chunk_size", "where", "layout"))
-def _batched_vjp(
-    data, params, samples, cotangent, *, static, chunk_size, where: SampleAxis | None, layout=None
-):
-    (samples, cotangent), n = pad_to_devices((samples, cotangent), where, (repeat_last, zeros_rows))
-    n_local = n if where is None else n // where.size
-    layout = layout or param_layout(params, None)
-
-    def local(data, params, samples, cotangent):
-        params = gather_params(params, layout, where)
-        fun = join_fun(static, data)
-        acc = accumulate_vjp(fun, params, samples, cotangent, plan_chunks(n_local, chunk_size))
-        return reduce_params(acc, layout, where)
-
-    p_specs = "params" if where is None else param_specs(params, layout, where)
-    run = per_device(local, where, ("params", p_specs, "samples", "samples"), p_specs)
-    return run(data, params, samples, cotangent)
+@partial(jax.jit, static_argnums=0)
+def vjp_program(prob: Problem, inputs: Inputs, cotangent: jax.Array) -> Any:
+    """The compiled ``batched_vjp``: the summed pullback, cast to the parameters' dtypes."""
+    return cast_like(vjp_sum(prob, inputs, cotangent), inputs.params)
 
 
-def accumulate_vjp(fun: Callable, params: Any, samples: Any, cotangent: jax.Array, plan: ChunkPlan) -> Any:
-    """This device's Σ_i ct_i ∂f(θ, σ_i)/∂θ over its local samples, before any reduction.
+def vjp_sum(prob: Problem, inputs: Inputs, cotangent: jax.Array) -> Any:
+    """Σ_i ct_i ∂f_i/∂θ over all devices, at the accumulation dtype (one reduction)."""
+    return run(prob, vjp_body, inputs, (cotangent, SAMPLES), out=Laid(inputs.params, prob.layout))
 
-    One loop over the chunks of ``plan``; every parameter leaf gets a ref accumulator (all
-    leaves or none: mixing refs and values is wrong in jax 0.10.2 when ``fun`` scans, jax#32468).
+
+def vjp_body(fun: Callable, params: Any, samples: Any, chunks: Any, cotangent: jax.Array) -> Any:
+    """This device's Σ_i w_i ct_i ∂f(θ, σ_i)/∂θ: one loop of chunk pullbacks into ref accumulators.
+
+    Every parameter leaf gets a ref (all leaves or none: mixing refs and values is wrong in jax
+    0.10.2 when ``fun`` scans, jax#32468). The pullback is taken with respect to the parameters at
+    the accumulation dtype (:func:`vmcgrad._runner.acc_dtype`; ``fun`` sees them cast back), so the
+    chunk's cotangent arrives in the accumulators' dtype.
     """
-    accs = jax.tree.map(lambda p: jax.new_ref(jnp.zeros_like(p)), params)
+    theta = promote(params)
+    accs = accumulators(params)
+    real = jnp.finfo(cotangent.dtype).dtype
 
     def body(k):
-        (x, ct), fresh = take_chunk((samples, cotangent), plan, k)
-        ct = jnp.where(fresh, ct, jnp.zeros_like(ct))
-        _, f_vjp = jax.vjp(lambda p: fun(p, x), params)
-        f_vjp.with_refs(accs)(ct)
+        x, ct, w = chunks.take(k, samples, cotangent, dtype=real)
+        _, f_vjp = jax.vjp(lambda p: fun(cast_like(p, params), x), theta)
+        f_vjp.with_refs(accs)(ct * w)
 
-    for_each_chunk(body, plan)
-    return jax.tree.map(jax.ref.freeze, accs)
+    chunks.loop(body)
+    return freeze(accs)

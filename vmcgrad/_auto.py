@@ -1,0 +1,87 @@
+"""``auto_chunk_size``: what ``chunk_size="auto"`` picks for an estimator, without running it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from ._grad import grad_program
+from ._jvp import jvp_program
+from ._problem import auto_chunk, problem
+from ._qgt import QGT
+from ._vjp import vjp_program
+
+ESTIMATORS = ("batched_vjp", "batched_jvp", "expect_grad", "QGT")
+
+
+def auto_chunk_size(
+    fun: Callable,
+    params: Any,
+    samples: Any,
+    *,
+    estimator: str = "batched_vjp",
+    memory_budget: float | None = None,
+) -> int:
+    """The chunk size ``chunk_size="auto"`` picks for ``estimator`` on these inputs.
+
+    The largest power of two (at most the per-device sample count) whose compiled program —
+    temporaries plus arguments and outputs, per device, from ``memory_analysis()`` — fits
+    ``memory_budget`` bytes. Nothing is run; choices are cached per estimator, function, shapes,
+    dtypes, shardings and budget (the same cache the estimators use, so calling them with
+    ``chunk_size="auto"`` afterwards compiles no candidate again).
+
+    Args:
+        fun: ``fun(params, batch) -> (batch_size,)``, as for :func:`vmcgrad.batched_vjp`.
+        params: the parameter pytree.
+        samples: the samples (array or pytree, N along axis 0), placed as they will be used.
+        estimator: the program to size: ``"batched_vjp"``, ``"batched_jvp"``, ``"expect_grad"``
+            or ``"QGT"`` (one product ``S @ v``).
+        memory_budget: bytes per device (any positive real number); default half the free device
+            memory where the backend reports it, else 2 GiB.
+
+    Returns:
+        The chunk size, a power of two.
+
+    Raises:
+        MemoryError: if even one sample per chunk does not fit.
+
+    Examples:
+        >>> import jax.numpy as jnp, vmcgrad
+        >>> fun = lambda w, x: jnp.tanh(x @ w).sum(-1)
+        >>> w, x = jnp.ones((16, 256)), jnp.ones((4096, 16))
+        >>> c = vmcgrad.auto_chunk_size(fun, w, x, memory_budget=2**20)  # 1 MiB per device
+        >>> c & (c - 1) == 0 and c < 4096  # a power of two, smaller than N
+        True
+    """
+    name = "vmcgrad.auto_chunk_size"
+    if estimator not in ESTIMATORS:
+        raise ValueError(
+            f"{name}: `estimator` must be one of {ESTIMATORS}; got {estimator!r}. "
+            "Fix: pass the name of the function whose chunk you want, e.g. estimator='expect_grad'."
+        )
+    if estimator == "QGT":
+        # the operator's own rule: its products' program at the budget (builds Ō once)
+        op = QGT(fun, params, samples, chunk_size="auto", memory_budget=_checked(name, memory_budget))
+        return op.chunk_size
+    prob, inputs, _ = problem(name, fun, params, samples, chunk_size="auto", memory_budget=memory_budget)
+    per_sample = jax.ShapeDtypeStruct((prob.n,), prob.out_dtype, sharding=_leading_sharding(samples))
+    if estimator == "batched_jvp":
+        return auto_chunk(jvp_program, prob, inputs, inputs.params)
+    program = vjp_program if estimator == "batched_vjp" else grad_program
+    return auto_chunk(program, prob, inputs, per_sample)
+
+
+def _checked(name: str, memory_budget: Any) -> Any:
+    from ._validation import check_memory_budget
+
+    return check_memory_budget(name, memory_budget)
+
+
+def _leading_sharding(samples: Any) -> Any:
+    leaf = jax.tree.leaves(samples)[0]
+    sharding = None if isinstance(leaf, jax.core.Tracer) else getattr(leaf, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[:1]))
+    return None

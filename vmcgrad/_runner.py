@@ -1,0 +1,183 @@
+"""The one per-device runner: every estimator's loop body runs here, and its result is reduced once.
+
+``run(problem, body, inputs, *extra, out=...)`` does, for every estimator:
+
+1. pads the sample-shaped arguments to a multiple of the device count (copies of the last row);
+2. runs ``body`` inside ``jax.shard_map`` over the sample axis (or directly, on one device), after
+   all-gathering parameter-sharded leaves once and casting replicated ones to device-varying;
+3. hands the body a :class:`~vmcgrad._chunking.Chunks` — the chunk plan of this device's rows and
+   the row weights rule (:mod:`vmcgrad._chunking`);
+4. reduces the body's result once after the loop (``psum``, or ``psum_scatter`` for split leaves),
+   or returns it split over the devices and cut to N rows for per-sample outputs.
+
+The body has the signature ``body(fun, params, samples, chunks, *extra) -> result``: ``fun`` is the
+user's function, ``params`` the full parameters (varying), ``samples`` this device's rows. A feature
+added here (a layout, a precision rule, a placement) holds for every estimator.
+
+**Typing of the body.** The body is run with ``check_vma=False``: values inside are not typed by
+which mesh axes they vary over. Models that branch on data (``lax.cond`` in equinox's runtime checks,
+e.g. NetKet's ``LogStateVector``) otherwise fail with "cond branches must have equal output types"
+when one branch returns a constant (not varying) and the other a sample-dependent value. Without the
+typing JAX also inserts no implicit reduction when a replicated parameter is differentiated, which is
+what the one reduction after the loop needs (the explicit ``pcast`` in :func:`vmcgrad._sharding.gather`
+is kept for the typed case).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+from ._chunking import Chunks, plan_chunks
+from ._function import join_fun
+from ._sharding import gather, pad_to_devices, reduce, specs
+
+#: Placements: one row per sample (padded, split, cut back to N on the way out); replicated; and
+#: per device (an output block per device, concatenated along axis 0; an input split the same way).
+SAMPLES, REPLICATED, PER_DEVICE = "samples", "replicated", "per_device"
+
+
+def run(problem: Any, body: Any, inputs: Any, *extra: tuple[Any, Any], out: Any) -> Any:
+    """Runs ``body`` on every device's rows and reduces its result once.
+
+    Args:
+        problem: the static :class:`vmcgrad._problem.Problem`.
+        body: ``body(fun, params, samples, chunks, *extra) -> result`` (this device's, unreduced).
+        inputs: the problem's :class:`~vmcgrad._problem.Inputs` (function data, params, samples).
+        *extra: ``(value, placement)`` pairs: placement :data:`SAMPLES` (one row per sample, padded
+            and split like the samples), :data:`PER_DEVICE` (split into equal blocks along axis 0),
+            :data:`REPLICATED`, or a layout tuple (one entry per leaf:
+            the split dimension or None; split leaves are all-gathered before the loop).
+        out: how the result leaves the devices: a :class:`Laid` (reduce-scatter split leaves, psum
+            the rest), :data:`REPLICATED` (psum everything) or :data:`SAMPLES` (no reduction: a
+            per-row result, split like the samples and cut to the N real rows) or
+            :data:`PER_DEVICE` (no reduction: each device's block, concatenated along axis 0).
+
+    Returns:
+        The reduced result (or the per-sample one), outside ``shard_map``.
+    """
+    where = problem.where
+    values = [v for v, _ in extra]
+    kinds = [k for _, k in extra]
+    samples = pad_to_devices(inputs.samples, where)
+    values = [pad_to_devices(v, where) if k == SAMPLES else v for v, k in zip(values, kinds)]
+
+    def local(fun_data, params, samples, *values):
+        fun = join_fun(problem.fun, fun_data)
+        params = gather(params, problem.layout, where)
+        values = [_enter(v, k, where) for v, k in zip(values, kinds)]
+        first = 0 if where is None else jax.lax.axis_index(where.axis) * problem.n_local
+        chunks = Chunks(plan_chunks(problem.n_local, problem.chunk_size), first, problem.n)
+        result = body(fun, params, samples, chunks, *values)
+        if out in (SAMPLES, PER_DEVICE):
+            return result
+        return reduce(result, None if out == REPLICATED else out.layout, where)
+
+    args = (inputs.fun_data, inputs.params, samples, *values)
+    if where is None:
+        result = local(*args)
+    else:
+        in_specs = tuple(
+            _spec(a, k, where) for a, k in zip(args, (REPLICATED, problem.layout, SAMPLES, *kinds))
+        )
+        out_specs = _out_spec(out, where)
+        mapped = jax.shard_map(
+            local, mesh=where.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+        )
+        if AxisType.Explicit in where.mesh.axis_types:
+            # Explicit axes: shard_map takes inputs typed as its in_specs (replicated samples under an
+            # Explicit mesh, or samples just padded to the device count): reshard them.
+            args = tuple(_reshard(a, s) for a, s in zip(args, in_specs))
+        result = mapped(*args)
+    if out == SAMPLES:
+        result = _cut(result, problem.n, where)
+    return result
+
+
+def _enter(value: Any, kind: Any, where: Any) -> Any:
+    """An extra argument inside the body: split ones as they are, others gathered / cast varying."""
+    if kind in (SAMPLES, PER_DEVICE):
+        return value
+    layout = (None,) * len(jax.tree.leaves(value)) if kind == REPLICATED else kind
+    return gather(value, layout, where)
+
+
+def _spec(value: Any, kind: Any, where: Any) -> Any:
+    if kind in (SAMPLES, PER_DEVICE):
+        return P(where.axis)
+    if kind == REPLICATED:
+        return P()
+    return specs(value, kind, where)
+
+
+class Laid(NamedTuple):
+    """An output placement: a result with the structure of ``like``, its leaves laid out by ``layout``
+    (split leaves are reduce-scattered back to their shards, the rest all-reduced)."""
+
+    like: Any
+    layout: tuple
+
+
+def _out_spec(out: Any, where: Any) -> Any:
+    if out in (SAMPLES, PER_DEVICE):
+        return P(where.axis)
+    if out == REPLICATED:
+        return P()
+    return specs(out.like, out.layout, where)
+
+
+def _reshard(tree: Any, spec: Any) -> Any:
+    is_spec = lambda s: isinstance(s, P)
+    return jax.tree.map(
+        lambda s, sub: jax.tree.map(lambda x: jax.sharding.reshard(x, s), sub), spec, tree, is_leaf=is_spec
+    )
+
+
+def _cut(x: Any, n: int, where: Any) -> Any:
+    """The first ``n`` rows of a per-sample result padded to the device count (gathered first on
+    Explicit axes, where slicing a sharded axis unevenly is a type error)."""
+
+    def cut(a):
+        if a.shape[0] == n:
+            return a
+        if where is not None and AxisType.Explicit in where.mesh.axis_types:
+            a = jax.sharding.reshard(a, P())
+        return a[:n]
+
+    return jax.tree.map(cut, x)
+
+
+def accumulators(tree: Any) -> Any:
+    """Zero ref accumulators for ``tree``'s leaves, at float32 or better (see :func:`acc_dtype`)."""
+    return jax.tree.map(lambda p: jax.new_ref(jnp.zeros(p.shape, acc_dtype(p.dtype))), tree)
+
+
+def freeze(refs: Any) -> Any:
+    """The accumulated values of :func:`accumulators`."""
+    return jax.tree.map(jax.ref.freeze, refs)
+
+
+def acc_dtype(dtype: Any) -> Any:
+    """The accumulation dtype of a leaf: its own, promoted to at least float32 (complex64).
+
+    Sums over chunks run at this precision whatever the parameters' dtype (bfloat16, float16), so
+    the chunked sum is as accurate as one reduction over all samples; the result is cast back.
+    """
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        return jnp.promote_types(dtype, jnp.complex64)
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def promote(tree: Any) -> Any:
+    """``tree`` with every leaf cast to its accumulation dtype (:func:`acc_dtype`)."""
+    return jax.tree.map(lambda p: p.astype(acc_dtype(p.dtype)), tree)
+
+
+def cast_like(tree: Any, like: Any) -> Any:
+    """``tree`` cast leaf by leaf to the dtypes of ``like``."""
+    return jax.tree.map(lambda a, b: a.astype(b.dtype), tree, like)
