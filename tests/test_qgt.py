@@ -432,7 +432,7 @@ def test_matches_netket_qgt_jacobian_dense(nk, model, nk_mode, our_mode, diag_sc
         assert_tree_allclose(ours @ v, theirs @ v, rtol=1e-10, atol=1e-13)
         x_ours, _ = ours.solve(v, tol=1e-12)
         x_theirs, _ = theirs.solve(nk.optimizer.solver.cholesky, v)
-        assert_tree_allclose(x_ours, x_theirs, rtol=1e-6, atol=1e-9)
+        assert_tree_allclose(x_ours, x_theirs, rtol=1e-10, atol=1e-12)
         if diag_scale is None:
             otf = QGTOnTheFly_DefaultConstructor(
                 net.apply, params, state, x, chunk_size=4, diag_shift=0.01, holomorphic=False
