@@ -155,7 +155,10 @@ def test_exact_energy_off_the_table():
 MP = ["--num-processes", "2", "--process-id"]
 BAD = [
     (["--system", "kagome"], "argument --system: invalid choice: 'kagome' (choose from 'heisenberg1d'"),
-    (["--model", "cnn"], "argument --model: invalid choice: 'cnn' (choose from 'rbm', 'rbm-phase', 'mlp')"),
+    (
+        ["--model", "cnn"],
+        "argument --model: invalid choice: 'cnn' (choose from 'rbm', 'rbm-phase', 'mlp', 'rbm-symm'",
+    ),
     (["--L", "0"], "argument --L: must be a positive integer; got 0"),
     (["--L", "seven"], "argument --L: expected a positive integer; got 'seven'"),
     (["--L", "7"], "argument --L: must be even for heisenberg1d"),

@@ -39,23 +39,33 @@ def add_parser(commands) -> None:
             "vmcgrad's chunked, sharded gradients and QGT products. The defaults run the Heisenberg chain "
             "L=16 to within 1e-3 of the exact energy in well under 90 s on two CPU cores."
         ),
+        epilog=_systems.defaults_help(),
         formatter_class=HelpFormatter,
     )
     p.add_argument("--system", choices=_systems.SYSTEMS, default="heisenberg1d", help="lattice model")
     p.add_argument(
-        "--L", type=positive_int, default=16, help="linear size: sites of a chain, side of a square"
+        "--L",
+        type=positive_int,
+        default=_systems.PER_SYSTEM,
+        help="linear size: sites of a chain, side of a square",
     )
-    p.add_argument("--model", choices=_systems.MODELS, default="rbm", help="network for log ψ")
-    p.add_argument("--samples", type=positive_int, default=1024, help="Monte Carlo samples per step")
+    p.add_argument("--model", choices=_systems.MODELS, default=_systems.PER_SYSTEM, help="network for log ψ")
+    p.add_argument(
+        "--samples", type=positive_int, default=_systems.PER_SYSTEM, help="Monte Carlo samples per step"
+    )
     p.add_argument(
         "--chunk-size",
         type=chunk_size,
-        default=256,
+        default=_systems.PER_SYSTEM,
         help="samples per chunk in the gradient and QGT loops: a positive integer (no divisibility) or auto",
     )
     p.add_argument("--steps", type=positive_int, default=120, help="optimisation steps")
-    p.add_argument("--lr", type=positive_float, default=0.03, help="learning rate (SGD on the SR update)")
-    p.add_argument("--diag-shift", type=non_negative_float, default=0.01, help="SR diagonal shift")
+    p.add_argument(
+        "--lr", type=positive_float, default=_systems.PER_SYSTEM, help="learning rate (SGD on the SR update)"
+    )
+    p.add_argument(
+        "--diag-shift", type=non_negative_float, default=_systems.PER_SYSTEM, help="SR diagonal shift"
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the parameters and the sampler")
     p.add_argument(
         "--devices",
@@ -72,6 +82,7 @@ def add_parser(commands) -> None:
 
 def check(args, parser) -> None:
     """Checks the options that depend on each other or on the file system; creates nothing."""
+    _systems.fill_defaults(args)
     problem = _systems.size_problem(args.system, args.L)
     if problem:
         parser.error(f"argument --L: {problem}")
@@ -103,7 +114,7 @@ def run(args) -> int:
     per_device = max(1, min(_CHAINS_PER_DEVICE, args.samples // n_devices))
     n_chains = per_device * n_devices
     n_samples = math.ceil(args.samples / n_chains) * n_chains  # what NetKet would round to
-    model = _systems.make_model(args.model)
+    model = _systems.make_model(args.model, system)
     vstate = vnk.MCState(
         system.make_sampler(n_chains),
         model,
