@@ -3,7 +3,9 @@
 Arguments are parsed and checked before JAX computes anything and before any file is written, so that
 ``--devices`` can still set the number of fake CPU devices, ``--coordinator`` can still join JAX's
 distributed runtime, and a typo costs nothing. A usage mistake
-prints one line on stderr naming the option and what it accepts, and exits with status 2.
+prints one line on stderr naming the option and what it accepts, and exits with status 2. The
+output directory is then created and locked (:mod:`._lock`): a second run into it exits with status 2
+at once.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
-from . import _distributed, bench, vmc
+from . import _distributed, _lock, _output, bench, vmc
 from ._args import Parser
 
 
@@ -48,25 +51,54 @@ def use_devices(n: int | None, parser: Parser) -> None:
             )
 
 
+def claim_out_dir(out: Path, parser: Parser) -> _lock.OutDirLock:
+    """Creates ``out`` and locks it for this run; a usage error (exit 2) when another run holds it."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        lock = _lock.OutDirLock.acquire(out)
+    except _lock.Busy as busy:
+        parser.error(f"argument --out: {busy}")
+    except OSError as error:
+        parser.error(f"argument --out: cannot create {str(out)!r}: {_output.reason(error)}")
+    if lock.stale_pid is not None:
+        print(
+            f"{parser.prog}: note: took over the lock file {lock.path} of process {lock.stale_pid}, "
+            "which has ended",
+            file=sys.stderr,
+        )
+    return lock
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``vmcgrad`` console script and of ``python -m vmcgrad``.
 
     Returns:
-        The exit status: 0 on success, 2 on a usage error, 130 when interrupted.
+        The exit status: 0 on success, 1 when a file could not be written (a one-line error; what was
+        written before is kept) or a benchmark failed, 2 on a usage error (including an ``--out``
+        that another run is using), 130 when interrupted.
     """
     parser = build_parser()
     args = parser.parse_args(argv)
     command, sub = args._command, args._parser  # set by each command's add_parser
     command.check(args, sub)
-    use_devices(getattr(args, "devices", None), sub)
-    distributed = getattr(args, "coordinator", None) is not None
-    if distributed:  # --devices then counts this process's devices; jax.devices() spans all processes
-        _distributed.initialize(args, sub)
+    out = command.out_dir(args)
+    lock = claim_out_dir(out, sub) if out is not None else None
     try:
-        status = command.run(args)
-    except KeyboardInterrupt:  # before or after the part that handles Ctrl-C itself
-        print(f"{sub.prog}: interrupted", file=sys.stderr)
-        return 130
-    if distributed:
-        _distributed.shutdown(args)
-    return status
+        use_devices(getattr(args, "devices", None), sub)
+        distributed = getattr(args, "coordinator", None) is not None
+        if distributed:  # --devices then counts this process's devices; jax.devices() spans all processes
+            _distributed.initialize(args, sub)
+        try:
+            status = command.run(args)
+        except KeyboardInterrupt:  # before or after the part that handles Ctrl-C itself
+            print(f"{sub.prog}: interrupted", file=sys.stderr)
+            return 130
+        except _output.OutputError as error:
+            print(f"{sub.prog}: error: {error}", file=sys.stderr)
+            status = 1
+        if distributed:
+            _distributed.shutdown(args)
+        return status
+    finally:
+        if lock is not None:
+            lock.release()

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import _output
+from . import _interrupt, _output
 from ._args import HelpFormatter, positive_int
 
 #: Benchmark modules of vmcgrad.bench, in the order they run.
@@ -61,9 +61,38 @@ def _plain(rst: str) -> str:
 
 def check(args, parser) -> None:
     """Checks the options that depend on the file system; creates nothing."""
-    problem = _output.problem_with_out_dir(Path(args.out))
+    problem = _output.problem_with_out_dir(Path(args.out), ("bench.json", "bench.png"))
     if problem:
         parser.error(f"argument --out: {problem}")
+
+
+def out_dir(args) -> Path:
+    """The directory this run writes (and locks)."""
+    return Path(args.out)
+
+
+def divisible_samples(samples: list[int], n_devices: int) -> tuple[list[int], str | None]:
+    """Each sample count rounded up to a multiple of the device count (the samples are split evenly
+    over the devices), duplicates dropped; and a note saying so when any count changed.
+
+    Examples:
+        >>> divisible_samples([10, 12, 1024], 3)[0]
+        [12, 1026]
+        >>> print(divisible_samples([10], 3)[1])
+        note: --samples 10 is not a multiple of the 3 devices; using 12 (each device takes an equal share)
+        >>> divisible_samples([1024], 2)
+        ([1024], None)
+    """
+    rounded = [-(-n // n_devices) * n_devices for n in samples]
+    changed = [str(n) for n, r in zip(samples, rounded) if n != r]
+    used = list(dict.fromkeys(rounded))
+    if not changed:
+        return used, None
+    what = "is not a multiple" if len(changed) == 1 else "are not multiples"
+    return used, (
+        f"note: --samples {' '.join(changed)} {what} of the {n_devices} devices; using "
+        f"{' '.join(map(str, used))} (each device takes an equal share)"
+    )
 
 
 def settings(samples: list[int], chunk_sizes: list[int]) -> list[tuple[int, int]]:
@@ -157,59 +186,88 @@ def format_ratios(entries: list[dict]) -> str:
 
 
 def run(args) -> int:
-    """Runs the benchmarks; returns 0, or 1 when a benchmark failed (its cross-check, say)."""
+    """Runs the benchmarks; returns 0, 1 when a benchmark failed (its cross-check, say), or 130 when
+    interrupted (the first Ctrl-C stops after the setting in progress, a second one at once; both
+    keep ``bench.json`` with the rows measured so far)."""
     t_start = time.perf_counter()
+    result: dict = {}
+    out = Path(args.out)
+
+    def keep() -> str | None:
+        if not result.get("rows"):
+            return None
+        _output.write_json_atomic(out / "bench.json", {**result, "status": "interrupted"})
+        return f"kept {out / 'bench.json'} ({len(result['rows'])} rows)"
+
+    with _interrupt.Interrupts(
+        "vmcgrad bench", "stopping after this setting (Ctrl-C again to stop at once)", keep
+    ) as interrupts:
+        return _run(args, interrupts, result, t_start)
+
+
+def _run(args, interrupts, result: dict, t_start: float) -> int:
     import jax
 
     out = Path(args.out)
-    available = [b for b in args.only if importlib.util.find_spec(f"vmcgrad.bench.{b}") is not None]
-    missing = [b for b in args.only if b not in available]
+    names = args.only
+    available = [b for b in names if importlib.util.find_spec(f"vmcgrad.bench.{b}") is not None]
+    missing = [b for b in names if b not in available]
     for b in missing:
         print(f"vmcgrad bench: skipping {b}: vmcgrad/bench/{b}.py is not there", file=sys.stderr)
-    pairs = settings(args.samples, args.chunk_sizes)
-    result = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": _machine(),
-        "config": {k: v for k, v in vars(args).items() if not k.startswith("_")},
-        "missing": missing,
-        "errors": [],
-        "rows": [],
-        "ratios": [],
-    }
+    samples, note = divisible_samples(args.samples, jax.device_count())
+    if note:
+        print(f"vmcgrad bench: {note}", flush=True)
+    pairs = settings(samples, args.chunk_sizes)
+    result.update(
+        {
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "machine": _machine(),
+            "config": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+            "benches": available,
+            "samples_used": samples,
+            "missing": missing,
+            "errors": [],
+            "rows": [],
+            "ratios": [],
+            "status": "running",
+        }
+    )
     print(
         f"vmcgrad bench: {', '.join(available) or 'nothing'} on {jax.device_count()} "
         f"{jax.devices()[0].platform} device(s), L={args.L}, (N, chunk) in {pairs}, {args.repeats} repeats"
     )
-    out.mkdir(parents=True, exist_ok=True)
-    for name in available:
+    todo = [(name, n, chunk) for name in available for n, chunk in pairs]
+    for name, n, chunk in todo:
+        if interrupts.requested:
+            break
         module = importlib.import_module(f"vmcgrad.bench.{name}")
         accepted = inspect.signature(module.run).parameters
-        for n, chunk in pairs:
-            tag = f"[{name} N={n} chunk={chunk}]"
-            kwargs = {"L": args.L, "n_samples": n, "chunk_size": chunk, "repeats": args.repeats}
-            kwargs["n_chains"] = jax.device_count() * max(1, min(16, n // jax.device_count()))
-            kwargs["log"] = lambda line, tag=tag: print(f"{tag} {line}", flush=True)
-            kwargs = {k: v for k, v in kwargs.items() if k in accepted}
-            t0 = time.perf_counter()
-            try:
-                rows = module.run(**kwargs)
-            except Exception as error:  # report, keep the other benchmarks
-                message = f"{tag} failed: {type(error).__name__}: {error}"
-                print(message, file=sys.stderr, flush=True)
-                result["errors"].append(message)
-                continue
-            for row in rows:
-                d = row.as_dict()
-                d.update(L=args.L, N=n, chunk=chunk, devices=d.get("devices", jax.device_count()))
-                result["rows"].append(d)
-            print(f"{tag} {len(rows)} rows in {time.perf_counter() - t0:.1f} s", flush=True)
-            result["ratios"] = ratios(result["rows"])
-            _output.write_json_atomic(out / "bench.json", result)
+        tag = f"[{name} N={n} chunk={chunk}]"
+        kwargs = {"L": args.L, "n_samples": n, "chunk_size": chunk, "repeats": args.repeats}
+        kwargs["n_chains"] = jax.device_count() * max(1, min(16, n // jax.device_count()))
+        kwargs["log"] = lambda line, tag=tag: print(f"{tag} {line}", flush=True)
+        kwargs = {k: v for k, v in kwargs.items() if k in accepted}
+        t0 = time.perf_counter()
+        try:
+            rows = module.run(**kwargs)
+        except Exception as error:  # report, keep the other benchmarks
+            message = f"{tag} failed: {type(error).__name__}: {error}"
+            print(message, file=sys.stderr, flush=True)
+            result["errors"].append(message)
+            continue
+        for row in rows:
+            d = row.as_dict()
+            d.update(L=args.L, N=n, chunk=chunk, devices=d.get("devices", jax.device_count()))
+            result["rows"].append(d)
+        print(f"{tag} {len(rows)} rows in {time.perf_counter() - t0:.1f} s", flush=True)
+        result["ratios"] = ratios(result["rows"])
+        _output.write_json_atomic(out / "bench.json", result)
+    result["status"] = "interrupted" if interrupts.requested else "finished"
     result["ratios"] = ratios(result["rows"])
     result["total_s"] = time.perf_counter() - t_start
     _output.write_json_atomic(out / "bench.json", result)
     if result["rows"]:
-        plot(result["rows"], out / "bench.png", chunk=args.chunk_sizes[0], n=max(args.samples))
+        plot(result["rows"], out / "bench.png", chunk=args.chunk_sizes[0], n=max(samples))
     print()
     print(format_ratios(result["ratios"]))
     print(
@@ -219,6 +277,9 @@ def run(args) -> int:
     )
     if missing:
         print(f"not run (modules missing): {', '.join(missing)}")
+    if interrupts.requested:
+        print(f"interrupted; kept the {len(result['rows'])} rows measured")
+        return 130
     return 1 if result["errors"] else 0
 
 

@@ -9,24 +9,31 @@ One step is NetKet's ``nk.driver.VMC`` with an ``nk.optimizer.SR`` preconditione
 
 with the force :math:`F` from :class:`vmcgrad.netket.MCState` and the products :math:`S v` from
 :class:`vmcgrad.netket.QGTOnTheFly` (chunked, sharded over the devices, one reduction each).
-After every step ``DIR/log.json`` is rewritten atomically, so an interrupted run keeps every completed
-step; ``DIR/energy.png`` follows every few seconds and at the end.
+After every step ``DIR/log.json`` is rewritten atomically (strict JSON: a NaN, such as the error of
+the mean of too few samples per chain, is written as null and listed under ``"nonfinite"``), so an
+interrupted run keeps every completed step; ``DIR/energy.png`` follows every few seconds and at the end.
+``DIR`` is locked for the run (a second run into it exits with status 2 at once). The first Ctrl-C stops
+after the step in progress; a second one ends the process at once, even during a compilation, keeping
+the log (:mod:`._interrupt`). A file that cannot be written (full disk, ...) stops the run after the
+step with a one-line error and status 1; the log then holds every step written before.
+With ``--chunk-size auto`` the chunks are picked once, before the first step, and printed.
 """
 
 from __future__ import annotations
 
 import math
-import signal
 import sys
 import time
 from pathlib import Path
 
-from . import _distributed, _output, _systems
+from . import _distributed, _interrupt, _output, _systems
 from ._args import HelpFormatter, chunk_size, non_negative_float, positive_float, positive_int
 
 #: Samples per Metropolis chain are at least this many: chains per device = min(16, samples / devices / this).
 _CHAINS_PER_DEVICE = 16
 _PLOT_EVERY_S = 10.0
+#: What a run writes in ``--out``.
+FILES = ("log.json", "energy.png")
 
 
 def add_parser(commands) -> None:
@@ -88,7 +95,7 @@ def check(args, parser) -> None:
         parser.error(f"argument --L: {problem}")
     _distributed.check(args, parser)
     if not args.process_id:  # only process 0 writes (the others may not even see the same disk)
-        problem = _output.problem_with_out_dir(Path(args.out))
+        problem = _output.problem_with_out_dir(Path(args.out), FILES)
         if problem:
             parser.error(f"argument --out: {problem}")
 
@@ -98,9 +105,40 @@ def config_of(args) -> dict:
     return {k: v for k, v in vars(args).items() if not k.startswith("_")}
 
 
+def out_dir(args) -> Path | None:
+    """The directory this process writes (and locks): ``--out`` on process 0, None on the others."""
+    return None if args.process_id else Path(args.out)
+
+
 def run(args) -> int:
-    """Runs the optimisation; returns the exit status (0, or 130 when interrupted)."""
+    """Runs the optimisation; returns the exit status (0, or 130 when interrupted).
+
+    Raises:
+        _output.OutputError: when a file of ``--out`` could not be written (after stopping the run;
+            ``log.json`` then keeps every step written before).
+    """
     t_start = time.perf_counter()
+    kept: dict = {}  # the recorder, once there is one: what a second Ctrl-C writes before leaving
+    interrupts = _interrupt.Interrupts(
+        "vmcgrad vmc", "stopping after this step (Ctrl-C again to stop at once)", lambda: _keep(kept)
+    )
+    with interrupts:
+        return _run(args, interrupts, kept, t_start)
+
+
+def _keep(kept: dict) -> str | None:
+    """On a second Ctrl-C: the log as it stands, with the status "interrupted"."""
+    recorder = kept.get("recorder")
+    if recorder is None or not recorder.main:
+        return None
+    recorder.finish("interrupted")
+    recorder.write()
+    if recorder.log_error is not None:
+        return str(recorder.log_error)
+    return f"kept {recorder.out / 'log.json'} ({len(recorder.records)} steps)"
+
+
+def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) -> int:
     import jax
     import netket as nk
 
@@ -120,10 +158,12 @@ def run(args) -> int:
         model,
         n_samples=n_samples,
         n_discard_per_chain=8,
-        chunk_size=args.chunk_size,
+        chunk_size=None if args.chunk_size == "auto" else args.chunk_size,
         seed=args.seed,
         sampler_seed=args.seed + 1,
     )
+    chunks = _chunk_sizes(args.chunk_size, vstate)
+    vstate.vmcgrad_chunk_size = chunks["gradient"]
     exact, exact_source = _systems.exact_energy(args.system, args.L, system) if main else (None, None)
 
     info = {
@@ -134,6 +174,7 @@ def run(args) -> int:
         "n_chains": n_chains,
         "n_devices": n_devices,
         "n_processes": jax.process_count(),
+        "chunk_size": chunks,
         "exact_energy_source": exact_source,
         "versions": {"vmcgrad": _version(), "netket": nk.__version__, "jax": jax.__version__},
     }
@@ -145,27 +186,23 @@ def run(args) -> int:
         nk.optimizer.Sgd(learning_rate=args.lr),
         variational_state=vstate,
         preconditioner=nk.optimizer.SR(
-            qgt=vnk.QGTOnTheFly(chunk_size=args.chunk_size), diag_shift=args.diag_shift
+            qgt=vnk.QGTOnTheFly(chunk_size=chunks["qgt"]), diag_shift=args.diag_shift
         ),
     )
 
     out = Path(args.out)
-    if main:
-        out.mkdir(parents=True, exist_ok=True)
-    recorder = _Recorder(out, config_of(args), info, exact, args.steps, main=main)
+    recorder = _Recorder(out, config_of(args), info, exact, args.steps, interrupts, main=main)
+    kept["recorder"] = recorder
     recorder.write()
     status = "interrupted"
-    # Ctrl-C (or SIGTERM) asks the run to stop after the step in progress; a second one stops at once.
-    previous = {sig: signal.signal(sig, recorder.request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        driver.run(args.steps, callback=recorder, show_progress=False)
-        status = "finished"
-    except (KeyboardInterrupt, _StopRequested):
+        if not (interrupts.requested or recorder.failed):  # Ctrl-C (or a full disk) during the set-up
+            driver.run(args.steps, callback=recorder, show_progress=False)
+            status = "finished"
+    except _StopRequested:
         pass
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        recorder.close(status)
+        recorder.close("failed" if recorder.failed else status)
     n = len(recorder.records)
     if not main:  # the same energies as process 0: they come from global, replicated arrays
         if n:
@@ -181,6 +218,8 @@ def run(args) -> int:
         )
     elif n:
         print(f"final energy {recorder.final_energy:.6f} (mean of the last {recorder.n_final} steps)")
+    if recorder.failed:
+        raise _output.OutputError(recorder.failure())
     wall = time.perf_counter() - t_start
     if status == "interrupted":
         print(
@@ -191,15 +230,49 @@ def run(args) -> int:
     return 0
 
 
+def _chunk_sizes(chunk_size: int | str, vstate) -> dict[str, int]:
+    """The chunk of the gradient and of the QGT products: ``--chunk-size``, or for ``auto`` the
+    largest power of two whose compiled program fits the memory budget, for each of the two programs
+    (:func:`vmcgrad.auto_chunk_size` with ``estimator="expect_grad"`` and ``"QGT"``, on this state's
+    parameters and samples as they are sharded). The shapes do not change during the run, so neither
+    does the choice."""
+    if chunk_size != "auto":
+        return {"gradient": chunk_size, "qgt": chunk_size}
+    import jax
+
+    import vmcgrad
+
+    apply, model_state = vstate.model.apply, vstate.model_state
+    logpsi = jax.tree_util.Partial(lambda ms, w, x: apply({"params": w, **ms}, x), model_state)
+    samples = jax.jit(lambda s: s.reshape(-1, s.shape[-1]))(vstate.samples)
+    return {
+        name: vmcgrad.auto_chunk_size(logpsi, vstate.parameters, samples, estimator=estimator)
+        for name, estimator in (("gradient", "expect_grad"), ("qgt", "QGT"))
+    }
+
+
 def _print_header(args, info: dict, exact: float | None, exact_source: str | None) -> None:
     n = info["n_processes"]
     processes = f" in {n} processes" if n > 1 else ""
+    chunks = info["chunk_size"]
+    chunk = (
+        str(chunks["gradient"])
+        if chunks["gradient"] == chunks["qgt"]
+        else (f"{chunks['gradient']} (gradient), {chunks['qgt']} (QGT)")
+    )
+    if args.chunk_size == "auto":
+        chunk = f"auto: {chunk}"
     print(
         f"vmcgrad vmc: {info['description']}; "
         f"{args.model} with {info['n_parameters']} parameters; {info['n_samples']} samples in "
         f"{info['n_chains']} chains on {info['n_devices']} device(s){processes}, chunk size "
-        f"{args.chunk_size}; SR diag_shift {args.diag_shift}, lr {args.lr}, {args.steps} steps"
+        f"{chunk}; SR diag_shift {args.diag_shift}, lr {args.lr}, {args.steps} steps"
     )
+    if args.chunk_size == "auto":
+        print(
+            f"chunk size auto: picked {chunks['gradient']} for the gradient and {chunks['qgt']} for the "
+            "QGT products (the largest powers of two whose compiled programs fit the memory budget)"
+        )
     if exact is None:
         print(
             f"exact energy: unknown (not in the table; Lanczos only up to {_systems.LANCZOS_MAX_SITES} spins)"
@@ -220,12 +293,25 @@ def _version() -> str:
 
 
 class _Recorder:
-    """NetKet driver callback: keeps the per-step statistics, rewrites the log, updates bar and plot."""
+    """NetKet driver callback: keeps the per-step statistics, rewrites the log, updates bar and plot.
+
+    A file that cannot be written (full disk, ...) stops the run after the step, on every process;
+    the error is kept (:attr:`log_error`, :attr:`plot_error`) and reported by :meth:`failure`.
+    """
 
     def __init__(
-        self, out: Path, config: dict, info: dict, exact: float | None, steps: int, *, main: bool = True
+        self,
+        out: Path,
+        config: dict,
+        info: dict,
+        exact: float | None,
+        steps: int,
+        interrupts: _interrupt.Interrupts,
+        *,
+        main: bool = True,
     ):
         self.out, self.config, self.info, self.exact = out, config, info, exact
+        self.interrupts = interrupts
         self.main = main  # False on processes other than 0: no files, no progress bar
         # One tuple per completed step (mean, error, variance, acceptance, seconds), appended at once,
         # so that an interrupt never leaves the lists of different lengths.
@@ -233,17 +319,24 @@ class _Recorder:
         self.status = "running"
         self.final_energy = self.relative_error = None
         self.n_final = 0
+        self.n_logged = 0  # steps in the last log.json that was written
+        self.log_error: _output.OutputError | None = None
+        self.plot_error: _output.OutputError | None = None
         self.bar = _progress_bar(steps, disable=not main)
         self.t_last = time.perf_counter()
         self.t_plot = self.t_last
-        self.stop_requested = False
 
-    def request_stop(self, signum, frame) -> None:
-        """Signal handler: the first signal stops the run after the current step, the second at once."""
-        if self.stop_requested:
-            raise KeyboardInterrupt
-        self.stop_requested = True
-        sys.stderr.write("\nstopping after this step (Ctrl-C again to stop at once)\n")
+    @property
+    def failed(self) -> bool:
+        return self.log_error is not None or self.plot_error is not None
+
+    def failure(self) -> str:
+        """One line: what could not be written, why, and what the log keeps."""
+        log = self.out / "log.json"
+        if self.log_error is not None:
+            return f"{self.log_error}; run stopped, {log} keeps the {self.n_logged} steps written before"
+        stopped = "" if self.status == "finished" else "run stopped, "
+        return f"{self.plot_error}; {stopped}{log} has all {self.n_logged} steps run"
 
     def __call__(self, step, log_data, driver) -> bool:
         import numpy as np
@@ -278,12 +371,13 @@ class _Recorder:
         """Whether any process was asked to stop: all processes must leave after the same step."""
         import jax
 
+        stop = self.interrupts.requested or self.failed
         if jax.process_count() == 1:
-            return self.stop_requested
+            return stop
         import numpy as np
         from jax.experimental import multihost_utils
 
-        flags = multihost_utils.process_allgather(np.int32(self.stop_requested))
+        flags = multihost_utils.process_allgather(np.int32(stop))
         return bool(np.any(flags))
 
     def log(self) -> dict:
@@ -303,25 +397,41 @@ class _Recorder:
         }
 
     def write(self) -> None:
-        if not self.main:
+        """Rewrites ``log.json`` (strict JSON, atomically); a failure is kept, not raised."""
+        if not self.main or self.log_error is not None:
             return
-        _output.write_json_atomic(self.out / "log.json", self.log())
+        log = self.log()
+        try:
+            _output.write_json_atomic(self.out / "log.json", log)
+        except _output.OutputError as error:
+            self.log_error = error
+        else:
+            self.n_logged = len(log["energy_mean"])
 
     def plot(self) -> None:
-        if not self.main:
+        """Redraws ``energy.png`` (atomically); a failure is kept, not raised."""
+        if not self.main or self.plot_error is not None:
             return
-        _output.plot_energy(self.log(), self.out / "energy.png")
+        try:
+            _output.plot_energy(self.log(), self.out / "energy.png")
+        except _output.OutputError as error:
+            self.plot_error = error
         self.t_plot = time.perf_counter()
 
-    def close(self, status: str) -> None:
-        """Final figures: the energy averaged over the last tenth of the steps and its relative error."""
-        self.bar.close()
+    def finish(self, status: str) -> None:
+        """The status, and the energy averaged over the last tenth of the steps and its relative error."""
         self.status = status
-        if self.records:
-            self.n_final = max(1, len(self.records) // 10)
-            self.final_energy = sum(r[0] for r in self.records[-self.n_final :]) / self.n_final
+        records = list(self.records)
+        if records:
+            self.n_final = max(1, len(records) // 10)
+            self.final_energy = sum(r[0] for r in records[-self.n_final :]) / self.n_final
             if self.exact is not None:
                 self.relative_error = abs(self.final_energy - self.exact) / abs(self.exact)
+
+    def close(self, status: str) -> None:
+        """Final figures and files."""
+        self.bar.close()
+        self.finish(status)
         self.write()
         self.plot()
 

@@ -1,0 +1,333 @@
+"""The command line under hostile conditions: non-finite numbers, two runs into one ``--out``, special and
+unwritable paths, a full disk, a second Ctrl-C during the first compile, ``--chunk-size auto``, sample
+counts the devices do not divide.
+
+Full runs go through subprocesses (``python -m vmcgrad``) as a user would start them, except the full-disk
+cases, which patch the writer in-process (the only portable way to fill a disk at a chosen write).
+"""
+
+import errno
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from test_cli import N_DEVICES, TINY, _check_log, _finish, _is_png, _start, _vmcgrad
+
+from vmcgrad.cli import _lock, _output, main, vmc
+
+
+def _strict(text):
+    """``json.loads`` as a strict parser (or JavaScript's ``JSON.parse``) reads it: no NaN/Infinity."""
+
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def _dead_pid():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def _one_line_error(err, *parts):
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    for part in parts:
+        assert part in err, err
+
+
+# --- strict JSON ----------------------------------------------------------------------------------
+
+
+def test_json_log_writes_nonfinite_numbers_as_null_with_the_reason(tmp_path):
+    path = tmp_path / "log.json"
+    _output.write_json_atomic(
+        path, {"energy_error": [0.5, float("nan")], "final": float("inf"), "np": np.float64("-inf")}
+    )
+    log = _strict(path.read_text())
+    assert log["energy_error"] == [0.5, None] and log["final"] is None and log["np"] is None
+    assert log["nonfinite"]["values"] == {"energy_error[1]": "nan", "final": "inf", "np": "-inf"}
+    assert "null" in log["nonfinite"]["reason"]
+    _output.write_json_atomic(path, {"x": [1.0]})  # all finite: no "nonfinite" key
+    assert _strict(path.read_text()) == {"x": [1.0]}
+
+
+def test_few_samples_auto_chunk_and_a_stale_lock_in_a_real_run(tmp_path):
+    """16 samples in 16 chains: NetKet's error of the mean is NaN. The log must still be strict JSON;
+    ``--chunk-size auto`` prints what it picked; a lock file left by a dead process is taken over."""
+    out = tmp_path / "run"
+    out.mkdir()
+    stale = _dead_pid()
+    (out / _lock.LOCK_NAME).write_text(f"{stale}\n")
+    args = ["vmc", "--L", "8", "--samples", "16", "--chunk-size", "auto", "--steps", "2", "--out", str(out)]
+    rc, stdout, stderr = _vmcgrad([*args, "--devices", str(N_DEVICES)], tmp_path)
+    assert rc == 0, stderr
+    log = _strict((out / "log.json").read_text())
+    assert log["energy_error"] == [None, None]
+    assert set(log["nonfinite"]["values"]) == {"energy_error[0]", "energy_error[1]"}
+    assert all(np.isfinite(log["energy_mean"])) and log["status"] == "finished"
+    picked = re.search(r"chunk size auto: picked (\d+) for the gradient and (\d+) for the QGT", stdout)
+    assert picked, stdout
+    chunks = {"gradient": int(picked.group(1)), "qgt": int(picked.group(2))}
+    assert log["info"]["chunk_size"] == chunks
+    per_device = 16 // N_DEVICES
+    assert all(c & (c - 1) == 0 and 1 <= c <= per_device for c in chunks.values()), chunks
+    assert f"took over the lock file {out / _lock.LOCK_NAME} of process {stale}" in stderr
+    assert sorted(p.name for p in out.iterdir()) == ["energy.png", "log.json"]  # lock released
+
+
+# --- two runs into one --out ----------------------------------------------------------------------
+
+
+def test_second_run_into_a_locked_out_refuses_at_once(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    held = _lock.OutDirLock.acquire(out)  # as a first run holds it
+    try:
+        with pytest.raises(SystemExit) as exc:  # in-process (a tiny run, should it start)
+            main(["vmc", *TINY, "--steps", "1", "--out", str(out)])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        _one_line_error(
+            err,
+            "vmcgrad vmc: error: argument --out:",
+            f"in use by another vmcgrad run (process {os.getpid()}",
+        )
+        t0 = time.monotonic()
+        rc, stdout, stderr = _vmcgrad(["bench", "--out", str(out)], tmp_path, timeout=60)  # another process
+        assert rc == 2 and stdout == "" and time.monotonic() - t0 < 30
+        _one_line_error(stderr, "vmcgrad bench: error: argument --out:", "in use by another vmcgrad run")
+        assert not (out / "bench.json").exists()
+    finally:
+        held.release()
+    assert not (out / _lock.LOCK_NAME).exists()
+    again = _lock.OutDirLock.acquire(out)  # free again
+    assert again.stale_pid is None
+    again.release()
+
+
+def test_a_lock_whose_process_is_dead_is_taken_over(tmp_path):
+    stale = _dead_pid()
+    (tmp_path / _lock.LOCK_NAME).write_text(f"{stale}\n")
+    lock = _lock.OutDirLock.acquire(tmp_path)
+    try:
+        assert lock.stale_pid == stale
+        assert (tmp_path / _lock.LOCK_NAME).read_text() == f"{os.getpid()}\n"
+    finally:
+        lock.release()
+
+
+def test_concurrent_writers_never_share_a_temporary(tmp_path):
+    """Two writers of one file (as two runs once did): every write lands whole, none fails."""
+    path, errors = tmp_path / "log.json", []
+
+    def writer(k):
+        try:
+            for i in range(300):
+                _output.write_json_atomic(path, {"writer": k, "i": i, "pad": "x" * 5000})
+        except Exception as error:  # collected: a failing thread must fail the test
+            errors.append(error)
+
+    threads = [threading.Thread(target=writer, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    reads = 0
+    while any(t.is_alive() for t in threads):
+        if path.exists():
+            assert len(_strict(path.read_text())["pad"]) == 5000  # never torn
+            reads += 1
+    for t in threads:
+        t.join()
+    assert errors == [] and reads > 0
+    assert [p.name for p in tmp_path.iterdir()] == ["log.json"]  # no temporary left
+
+
+# --- unwritable and special --out -----------------------------------------------------------------
+
+
+SPECIAL = [
+    ("/proc/x", "cannot create '/proc/x': directory '/proc' is not writable"),
+    ("/dev/full", "'/dev/full' exists and is not a directory"),
+    ("/dev/null/run", "cannot create '/dev/null/run': '/dev/null' is not a directory"),
+]
+
+
+@pytest.mark.parametrize("out, message", SPECIAL, ids=[o for o, _ in SPECIAL])
+def test_special_out_paths_are_refused_before_anything_runs(out, message, capsys):
+    top = Path(*Path(out).parts[:2])
+    if not top.exists():
+        pytest.skip(f"no {top} on this system")
+    tiny = {"vmc": [*TINY, "--steps", "1"], "bench": ["--L", "6", "--samples", "8", "--repeats", "1"]}
+    for command in ("vmc", "bench"):
+        with pytest.raises(SystemExit) as exc:  # (a tiny run, should it start)
+            main([command, *tiny[command], "--out", out])
+        assert exc.value.code == 2
+        _one_line_error(capsys.readouterr().err, f"vmcgrad {command}: error: argument --out: {message}")
+
+
+def test_a_directory_where_the_log_goes_is_refused(tmp_path, capsys):
+    (tmp_path / "log.json").mkdir()
+    with pytest.raises(SystemExit) as exc:
+        main(["vmc", "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    _one_line_error(capsys.readouterr().err, "log.json' exists and is not a regular file")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_read_only_out_is_refused(tmp_path, capsys):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    for out in (locked, locked / "run"):
+        with pytest.raises(SystemExit) as exc:
+            main(["vmc", "--out", str(out)])
+        assert exc.value.code == 2
+        _one_line_error(capsys.readouterr().err, "is not writable")
+
+
+# --- a full disk during the run -------------------------------------------------------------------
+
+
+class _FullDiskOs:
+    """``os`` for :mod:`vmcgrad.cli._output` whose files refuse every byte after ``ok`` files: the
+    ``write``/``close`` of a full disk (``OSError(ENOSPC)``)."""
+
+    def __init__(self, ok):
+        self.ok, self.opened = ok, 0
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+    def fdopen(self, fd, mode="r", *args, **kwargs):
+        f = os.fdopen(fd, mode, *args, **kwargs)
+        self.opened += 1
+        return f if self.opened <= self.ok else _FullFile(f)
+
+
+class _FullFile:
+    def __init__(self, f):
+        self.f = f
+
+    def write(self, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+def _savefig_full_disk(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as PIL's write of the PNG raises it
+
+
+def _in_process_run(args, capsys):
+    # NetKet's global mesh, as after a plain `import netket` (see test_cli.test_bench_writes_json_and_plot)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("S",), axis_types=(jax.sharding.AxisType.Auto,))
+    with jax.set_mesh(mesh):
+        rc = main(["vmc", *TINY, *args])
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def test_full_disk_while_writing_the_log_stops_with_one_line_and_keeps_the_log(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    full = _FullDiskOs(ok=3)  # the empty log, steps 1 and 2; step 3's log finds the disk full
+    monkeypatch.setattr(_output, "os", full)
+    monkeypatch.setattr(vmc, "_PLOT_EVERY_S", 1e9)
+    rc, _, stderr = _in_process_run(["--steps", "50", "--out", str(out)], capsys)
+    assert rc == 1, stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("vmcgrad vmc: error: cannot write ") and "log.json" in last, stderr
+    assert "No space left on device (ENOSPC)" in last and "keeps the 2 steps written before" in last
+    assert "Traceback" not in stderr
+    log = _strict((out / "log.json").read_text())
+    assert _check_log(log, n_steps=2) == 2 and log["status"] == "running"
+    assert sorted(p.name for p in out.iterdir()) == ["log.json"]  # no temporary, no lock, no png
+    # step 3's log failed; the run stopped after that step, trying only the final plot (which the
+    # full disk refused too): nothing more was written
+    assert full.opened == 5
+
+
+def test_full_disk_while_writing_the_plot_ends_with_one_line(tmp_path, monkeypatch, capsys):
+    import matplotlib.figure
+
+    out = tmp_path / "run"
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", _savefig_full_disk)
+    monkeypatch.setattr(vmc, "_PLOT_EVERY_S", 1e9)  # the plot at the end only
+    rc, _, stderr = _in_process_run(["--steps", "2", "--out", str(out)], capsys)
+    assert rc == 1, stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("vmcgrad vmc: error: cannot write ") and "energy.png" in last, stderr
+    assert "No space left on device (ENOSPC)" in last and "has all 2 steps run" in last
+    assert "Traceback" not in stderr
+    log = _strict((out / "log.json").read_text())  # the plot is drawn last, after the final log
+    assert _check_log(log, n_steps=2) == 2 and log["status"] == "finished"
+    assert sorted(p.name for p in out.iterdir()) == ["log.json"]
+
+
+# --- a second Ctrl-C ------------------------------------------------------------------------------
+
+
+def test_second_ctrl_c_during_the_first_compile_ends_at_once_and_cleanly(tmp_path):
+    out = tmp_path / "run"
+    proc = _start(["vmc", *TINY, "--steps", "100000", "--out", str(out)], tmp_path)
+    try:
+        deadline = time.monotonic() + 90
+        line = ""
+        while "exact energy" not in line:  # printed just before the driver compiles its first step
+            assert time.monotonic() < deadline and proc.poll() is None, "no header within 90 s"
+            line = proc.stdout.readline()
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
+        t_second = time.monotonic()
+        rc, _, stderr = _finish(proc, timeout=60)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    waited = time.monotonic() - t_second
+    assert rc == 130, stderr
+    assert waited < 3.0, f"took {waited:.1f} s after the second Ctrl-C"  # not after the compile
+    assert "Exception ignored" not in stderr and "Traceback" not in stderr, stderr
+    assert "vmcgrad vmc: stopped at once (second interrupt); kept" in stderr, stderr
+    log = _strict((out / "log.json").read_text())
+    assert log["status"] == "interrupted" and log["energy_mean"] == []
+    assert sorted(p.name for p in out.iterdir()) == ["log.json"]  # no temporary, lock removed
+
+
+# --- vmcgrad bench with sample counts the devices do not divide -----------------------------------
+
+
+@pytest.mark.skipif(N_DEVICES == 1, reason="one device divides every count")
+def test_bench_rounds_the_sample_counts_up_to_a_multiple_of_the_devices(tmp_path, capsys):
+    out = tmp_path / "bench"
+    n = 2 * N_DEVICES + 1
+    used = 3 * N_DEVICES
+    sizes = ["--L", "6", "--samples", str(n), "--chunk-sizes", "4", "--repeats", "1"]
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("S",), axis_types=(jax.sharding.AxisType.Auto,))
+    with jax.set_mesh(mesh):
+        rc = main(["bench", "--only", "grad", *sizes, "--devices", str(N_DEVICES), "--out", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.out + captured.err
+    assert (
+        f"vmcgrad bench: note: --samples {n} is not a multiple of the {N_DEVICES} devices; "
+        f"using {used} (each device takes an equal share)"
+    ) in captured.out
+    result = _strict((out / "bench.json").read_text())
+    assert result["errors"] == [] and result["samples_used"] == [used]
+    assert {(r["bench"], r["N"]) for r in result["rows"]} == {("grad_rbmmodphase", used)}
+    assert _is_png(out / "bench.png")
