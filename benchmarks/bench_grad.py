@@ -1,6 +1,6 @@
 """Gradient benchmark: vmcgrad.expect_grad vs NetKet's chunked force vs jax.vjp on RBMModPhase (R→C).
 
-Usage::
+Usage (with vmcgrad installed, ``pip install -e .``, or ``PYTHONPATH=.`` in a checkout)::
 
     python benchmarks/bench_grad.py                      # the process's default device count
     python benchmarks/bench_grad.py --devices 4          # 4 fake CPU devices (NetKet's mesh "S")
@@ -14,11 +14,6 @@ The device count is fixed per process, so ``--devices`` sets ``jax_num_cpu_devic
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 BAR, GOAL = 0.6, 0.5
 
@@ -42,14 +37,12 @@ def main() -> None:
 
     use_cpu_devices(args.devices)
 
-    from vmcgrad.bench import format_table
+    from vmcgrad.bench import format_table, write_json
     from vmcgrad.bench.grad import run
 
     rows = run(L=args.L, n_samples=args.n_samples, chunk_size=args.chunk_size, repeats=args.repeats)
-    if args.json:
-        extra = {"L": args.L, "N": args.n_samples, "chunk": args.chunk_size}
-        with open(args.json, "w") as f:
-            json.dump([{**r.as_dict(), **extra} for r in rows], f, indent=1)
+    extra = {"L": args.L, "N": args.n_samples, "chunk": args.chunk_size}
+    write_json([{**r.as_dict(), **extra} for r in rows], args.json)
     print(
         f"\nRBMModPhase(alpha=1), L={args.L}, N={args.n_samples}, chunk={args.chunk_size}, "
         f"devices={jax.device_count()}, repeats={args.repeats}"

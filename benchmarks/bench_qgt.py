@@ -1,6 +1,6 @@
 """QGT benchmark: vmcgrad.QGT (S @ v and a 50-iteration CG solve) vs NetKet's QGTOnTheFly, RBM real f64.
 
-Usage::
+Usage (with vmcgrad installed, ``pip install -e .``, or ``PYTHONPATH=.`` in a checkout)::
 
     python benchmarks/bench_qgt.py --devices 1          # one process, one device count
     python benchmarks/bench_qgt.py --devices 1 4        # one subprocess per count, tables merged
@@ -14,13 +14,7 @@ The device count is fixed per process, so it is set here (``jax_num_cpu_devices`
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+import statistics
 
 BARS = {"qgt_matvec": (0.8, 0.6), "qgt_solve50": (None, 0.5)}  # bench -> (bar, goal) on vmcgrad/netket
 
@@ -40,103 +34,90 @@ def parse() -> argparse.Namespace:
 
 def run_one(args: argparse.Namespace) -> list[dict]:
     (n,) = args.devices
-    import statistics
-
     from vmcgrad.bench import use_cpu_devices
 
     use_cpu_devices(n)
 
     from vmcgrad.bench.qgt import run, temp_memory
 
-    cpu: dict = {}
-    rows = run(
-        L=args.L, n_samples=args.n_samples, chunk_size=args.chunk_size, repeats=args.repeats, cpu_times=cpu
-    )
+    rows = run(L=args.L, n_samples=args.n_samples, chunk_size=args.chunk_size, repeats=args.repeats)
     extra = {"L": args.L, "chunk": args.chunk_size}
     out = []
     for r in rows:
-        times = cpu.get((r.bench, n, r.name), [])
-        out.append({**r.as_dict(), **extra, "cpu_times_s": times, "cpu_median_s": statistics.median(times)})
+        cpu = r.cpu_times
+        out.append({**r.as_dict(), **extra, "cpu_times_s": cpu, "cpu_median_s": statistics.median(cpu)})
     for m in temp_memory(L=args.L, n_samples=tuple(args.memory_n), chunk_size=args.chunk_size):
         out.append({"bench": "qgt_memory", "devices": n, **m, **extra})
     return out
 
 
-def run_many(args: argparse.Namespace) -> list[dict]:
-    rows = []
-    for n in args.devices:
-        with tempfile.NamedTemporaryFile(suffix=".json") as f:
-            cmd = [sys.executable, __file__, "--devices", str(n), "--json", f.name, "--L", str(args.L)]
-            cmd += ["--n-samples", str(args.n_samples), "--chunk-size", str(args.chunk_size)]
-            cmd += ["--repeats", str(args.repeats), "--memory-n", *map(str, args.memory_n), "--quiet"]
-            subprocess.run(cmd, check=True)
-            with open(f.name) as fh:
-                rows += json.load(fh)
-    return rows
-
-
-def table(rows: list[dict]) -> str:
-    from vmcgrad.bench import Row, format_table
-
-    objs = [
-        Row(
-            r["bench"],
-            {"devices": r["devices"], "N": r["N"]},
-            r["name"],
-            r["times_s"],
-            r["temp_bytes"],
-            r["collectives_in_loops"],
-            r["collectives_outside"],
-        )
-        for r in rows
-        if r["bench"] != "qgt_memory"
-    ]
-    return format_table(objs, baseline="netket")
-
-
 def ratios(rows: list[dict]) -> str:
-    lines = [
-        f"{'devices':>7} {'bench':<13}{'impl':<15}{'time':>7}{'cpu':>7}{'bar':>6}{'goal':>6}{'':>6}{'mem':>7}"
-    ]
+    """vmcgrad / netket per bench (wall and CPU time, temp memory) with the bars, then the memory rows."""
+    from vmcgrad.bench import Column, table
+
     groups: dict[tuple, dict[str, dict]] = {}
     for r in rows:
         if r["bench"] != "qgt_memory":
             groups.setdefault((r["devices"], r["bench"]), {})[r["name"]] = r
+    lines = []
     for (devices, bench), g in groups.items():
         base = g["netket"]
         for name, me in g.items():
             if name == "netket":
                 continue
             t = me["median_s"] / base["median_s"]
-            c = me["cpu_median_s"] / base["cpu_median_s"]
-            m = me["temp_bytes"] / base["temp_bytes"]
             bar, goal = BARS[bench]
-            ok = "goal" if t <= goal else ("ok" if bar is None or t <= bar else "MISS")
-            bar_s = f"{bar:>6.2f}" if bar else "-".rjust(6)
             lines.append(
-                f"{devices:>7} {bench:<13}{name:<15}{t:>7.3f}{c:>7.3f}{bar_s}{goal:>6.2f}{ok:>6}{m:>7.3f}"
+                {
+                    "devices": devices,
+                    "bench": bench,
+                    "impl": name,
+                    "time": t,
+                    "cpu": me["cpu_median_s"] / base["cpu_median_s"],
+                    "bar": bar,
+                    "goal": goal,
+                    "ok": "goal" if t <= goal else ("ok" if bar is None or t <= bar else "MISS"),
+                    "mem": me["temp_bytes"] / base["temp_bytes"],
+                }
             )
+    fmt = {"time": ".3f", "cpu": ".3f", "bar": ".2f", "goal": ".2f", "mem": ".3f"}
+    text = [
+        table(lines, [Column(k, k, fmt.get(k, ""), "<" if k in ("bench", "impl") else ">") for k in lines[0]])
+    ]
     mem = [r for r in rows if r["bench"] == "qgt_memory"]
     if mem:
-        lines.append("")
-        lines.append("temp memory of S @ v (compiled), MiB:")
-        for r in mem:
-            lines.append(
-                f"  devices={r['devices']} N={r['N']:<7} {r['name']:<9}{r['temp_bytes'] / 2**20:>9.2f}"
+        text.append("\ntemp memory of S @ v (compiled), MiB:")
+        text.append(
+            table(
+                mem,
+                [
+                    Column("devices", "devices"),
+                    Column("N", "N"),
+                    Column("impl", "name", align="<"),
+                    Column("MiB", lambda r: r["temp_bytes"] / 2**20, ".2f"),
+                ],
             )
-    return "\n".join(lines)
+        )
+    return "\n".join(text)
 
 
 def main() -> None:
     args = parse()
-    rows = run_one(args) if len(args.devices) == 1 else run_many(args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    from vmcgrad.bench import format_table, rows_for_device_counts, write_json
+
+    argv = ["--L", str(args.L), "--n-samples", str(args.n_samples), "--chunk-size", str(args.chunk_size)]
+    argv += ["--repeats", str(args.repeats), "--memory-n", *map(str, args.memory_n)]
+    rows = rows_for_device_counts(__file__, args.devices, lambda: run_one(args), argv)
+
+    write_json(rows, args.json)
     if args.quiet:
         return
     print(f"\nNetKet RBM(alpha=1, float64), L={args.L}, N={args.n_samples}, chunk={args.chunk_size}")
-    print(table(rows))
+    print(
+        format_table(
+            [r for r in rows if r["bench"] != "qgt_memory"], baseline="netket", setting=("devices", "N")
+        )
+    )
     print()
     print("vmcgrad / netket (time: wall median per call; cpu: process CPU time median; mem: compiled temp")
     print("bytes per device; ok/goal/MISS judged on wall time)")

@@ -1,6 +1,6 @@
 """Scale benchmarks: largest N per gradient step under a memory budget; simulated scale-out table.
 
-Usage::
+Usage (with vmcgrad installed, ``pip install -e .``, or ``PYTHONPATH=.`` in a checkout)::
 
     python benchmarks/bench_scale.py                          # both parts, default settings
     python benchmarks/bench_scale.py --part memory --budgets-mib 16 64 256 --alpha 4
@@ -28,9 +28,6 @@ import json
 import sys
 import tempfile
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 
 def parse() -> argparse.Namespace:
@@ -89,8 +86,9 @@ def child(args: argparse.Namespace) -> None:
         kw = dict(L=args.L, n_samples=args.n_samples, chunk_size=args.chunk_size, repeats=args.repeats)
         rows = scale.scale_out_rows(**kw, log=log)
     if args.process_id == 0:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        from vmcgrad.bench import write_json
+
+        write_json(rows, args.json)
     if args.child == "worker":
         import jax
 
@@ -138,9 +136,9 @@ def main() -> None:
             rows["scaleout"] += spawn(args, "scaleout", devices=n)
         if args.processes > 1:
             rows["scaleout"] += spawn(args, "worker", processes=args.processes)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    from vmcgrad.bench import write_json
+
+    write_json(rows, args.json)
     if "memory" in rows:
         print(
             f"\nLargest N per gradient step (RBMModPhase alpha={args.alpha}, L={args.L}, int8 samples, "

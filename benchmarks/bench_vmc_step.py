@@ -1,6 +1,6 @@
 """VMC+SR step benchmark: vmcgrad.netket (MCState + QGTOnTheFly) vs NetKet at the same chunk size.
 
-Usage::
+Usage (with vmcgrad installed, ``pip install -e .``, or ``PYTHONPATH=.`` in a checkout)::
 
     python benchmarks/bench_vmc_step.py                       # L=64, N=8192, chunk 256, 1 device
     python benchmarks/bench_vmc_step.py --devices 4 --repeats 5 --json rows.json
@@ -15,11 +15,6 @@ Bar (issue 4): vmcgrad step time <= 0.7x NetKet's.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 BAR = 0.7
 
@@ -50,7 +45,7 @@ def main() -> None:
 
     use_cpu_devices(args.devices)
 
-    from vmcgrad.bench import format_table
+    from vmcgrad.bench import format_table, write_json
     from vmcgrad.bench.vmc_step import memory_scan, run
 
     warnings.filterwarnings("ignore", category=UserWarning)
@@ -96,9 +91,7 @@ def main() -> None:
                 print(f"budget {budget:.2f} MiB, {key[:-4]:<8}: largest N for {impl:<8} {largest}")
         result["memory"] = mem
         result["budget_mib"] = budget
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1, default=str)
+    write_json(result, args.json)
 
 
 if __name__ == "__main__":

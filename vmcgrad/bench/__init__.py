@@ -4,11 +4,18 @@ Each benchmark module here returns rows of measurements; ``benchmarks/*.py`` are
 run them, and ``vmcgrad bench`` runs them all. Times are medians over interleaved repeats (the
 candidates take turns, so a noisy machine slows them alike); memory is the compiled program's
 ``memory_analysis().temp_size_in_bytes``; collectives come from :func:`vmcgrad.collective_report`.
-NetKet is imported inside the functions that need it.
+The benchmarks use vmcgrad's public functions only; NetKet is imported inside the functions that
+need it.
 """
 
+from ._harness import MEASURED as MEASURED
 from ._harness import Candidate as Candidate
 from ._harness import Row as Row
+from ._harness import check_agree as check_agree
 from ._harness import format_table as format_table
 from ._harness import measure as measure
 from ._harness import use_cpu_devices as use_cpu_devices
+from ._scripts import rows_for_device_counts as rows_for_device_counts
+from ._scripts import write_json as write_json
+from ._table import Column as Column
+from ._table import table as table

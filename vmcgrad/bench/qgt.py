@@ -31,30 +31,21 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._harness import Candidate, Row, measure
-from .core import _cpu_timed, check_agree
+from ._harness import Row, checked_candidates, measure
+from ._setup import init_model, log_psi, place
 
 
 def _setup(L: int, n_samples: int, seed: int = 0) -> dict[str, Any]:
     import netket as nk
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
-    hi = nk.hilbert.Spin(0.5, L)
     model = nk.models.RBM(alpha=1, param_dtype=jnp.float64)
-    k_s, k_p, k_v = jax.random.split(jax.random.key(seed), 3)
-    samples = hi.random_state(k_s, n_samples).astype(jnp.float64)
-    variables = model.init(k_p, samples[:2])
-    params, model_state = variables["params"], {k: v for k, v in variables.items() if k != "params"}
-    leaves, tdef = jax.tree.flatten(params)
-    keys = jax.random.split(k_v, len(leaves))
+    s = init_model(model, L, n_samples, seed)
+    leaves, tdef = jax.tree.flatten(s["params"])
+    keys = jax.random.split(s["key"], len(leaves))
     v = tdef.unflatten([jax.random.normal(k, p.shape, p.dtype) for k, p in zip(keys, leaves)])
-    mesh = jax.sharding.get_mesh()
-    if mesh.empty:
-        mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty:  # NetKet's global mesh, axis "S"
-        samples = jax.device_put(samples, NamedSharding(mesh, P("S")))
-        params, model_state, v = jax.device_put((params, model_state, v), NamedSharding(mesh, P()))
+    samples, (params, model_state, v) = place(
+        s["samples"].astype(jnp.float64), (s["params"], s["model_state"], v)
+    )
     return {"model": model, "params": params, "model_state": model_state, "samples": samples, "v": v}
 
 
@@ -66,7 +57,7 @@ def _functions(
     import vmcgrad
 
     apply = model.apply
-    logpsi = jax.tree_util.Partial(lambda ms, w, x: apply({"params": w, **ms}, x), model_state)
+    logpsi = log_psi(apply, model_state)
 
     def ours(w, x, chunk_size=chunk_size):
         return vmcgrad.QGT(logpsi, w, x, chunk_size=chunk_size, diag_shift=diag_shift)
@@ -104,12 +95,11 @@ def run(
     diag_shift: float = 0.01,
     repeats: int = 5,
     log: Any = print,
-    cpu_times: dict | None = None,
 ) -> list[Row]:
     """Measures the product and the solve; returns rows (settings: devices, N).
 
-    ``cpu_times``, when given, is filled with ``(bench, devices, name) -> [s, ...]``, the process CPU
-    time of each timed call (steadier than wall time on a shared machine; see :mod:`.core`).
+    Each row has the process CPU time of each timed call (:attr:`Row.cpu_times`; steadier than
+    wall time on a shared machine).
     """
     s = _setup(L, n_samples)
     fns = _functions(s["model"], s["model_state"], chunk_size, diag_shift)
@@ -117,36 +107,13 @@ def run(
     S = jax.block_until_ready(fns["build"](w, x))
     S_half = jax.block_until_ready(fns["build c/2"](w, x))
     args = {"vmcgrad": (S, v), "vmcgrad+build": (w, x, v), "vmcgrad c/2": (S_half, v), "netket": (w, x, v)}
-    rows = []
-    mv = fns["matvec"]
-    results = {
-        name: jax.block_until_ready(mv[name](*args[name]))
-        for name in ("netket", *[n for n in args if n != "netket"])
-    }
-    errs = check_agree(results, rtol=1e-10)
-    log(f"[devices={jax.device_count()}] S@v agree; max rel. error vs netket: {errs}")
-    cands = [Candidate(n, (lambda f=f, a=args[n]: f(*a)), f.lower(*args[n]).compile()) for n, f in mv.items()]
     setting = {"devices": jax.device_count(), "N": n_samples}
-    rows += _measure("qgt_matvec", setting, cands, repeats, cpu_times)
-
-    sv = fns["solve"]
-    results = {
-        name: jax.block_until_ready(sv[name](w, x, v)) for name in ("netket", "vmcgrad", "vmcgrad cached")
-    }
-    errs = check_agree(results, rtol=1e-6)
+    cands, errs, _ = checked_candidates(fns["matvec"], args, reference="netket", rtol=1e-10)
+    log(f"[devices={jax.device_count()}] S@v agree; max rel. error vs netket: {errs}")
+    rows = measure("qgt_matvec", setting, cands, repeats=repeats)
+    cands, errs, _ = checked_candidates(fns["solve"], (w, x, v), reference="netket", rtol=1e-6)
     log(f"[devices={jax.device_count()}] 50-iteration CG solves agree; max rel. error vs netket: {errs}")
-    cands = [Candidate(n, (lambda f=f: f(w, x, v)), f.lower(w, x, v).compile()) for n, f in sv.items()]
-    rows += _measure("qgt_solve50", setting, cands, max(3, repeats // 2), cpu_times)
-    return rows
-
-
-def _measure(bench: str, setting: dict, cands: list, repeats: int, cpu_times: dict | None) -> list[Row]:
-    records = {c.name: [] for c in cands}
-    cands = [Candidate(c.name, _cpu_timed(c.call, records[c.name]), c.compiled) for c in cands]
-    rows = measure(bench, setting, cands, repeats=repeats)
-    if cpu_times is not None:
-        for name, rec in records.items():
-            cpu_times[(bench, jax.device_count(), name)] = rec[1:]  # the warm-up call dropped
+    rows += measure("qgt_solve50", setting, cands, repeats=max(3, repeats // 2))
     return rows
 
 

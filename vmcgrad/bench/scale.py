@@ -14,15 +14,15 @@ compiled program's
 
     \mathrm{bytes}(N) = \mathrm{temp} + \mathrm{arguments} + \mathrm{outputs}
 
-(:func:`vmcgrad._auto_chunk.program_bytes`, from ``memory_analysis()``; nothing is run, every input
-is a ``jax.ShapeDtypeStruct``). For each budget, N is doubled from ``n_min`` until the step no
+(:func:`vmcgrad.program_bytes`, from ``memory_analysis()``; nothing is run, every input is a
+``jax.ShapeDtypeStruct``). For each budget, N is doubled from ``n_min`` until the step no
 longer fits; the last N that fits is reported with the bytes it needs, and the first N that does
 not fit with the least it would need there:
 
-- ``vmcgrad auto``: ``vmcgrad.expect_grad(..., chunk_size="auto")`` resolved by the machinery it
-  uses itself (:func:`vmcgrad._auto_chunk.choose_for` on the same jitted program and static
-  arguments), but with the given budget instead of the device default: at each N the largest
-  power-of-two chunk that fits; N fits when some chunk does.
+- ``vmcgrad auto``: the chunk ``vmcgrad.expect_grad(..., chunk_size="auto")`` picks, from
+  :func:`vmcgrad.auto_chunk_size` with ``estimator="expect_grad"`` and the given budget instead of
+  the device default: at each N the largest power-of-two chunk that fits; N fits when some chunk
+  does. Its bytes are those of ``jax.jit(lambda ...: vmcgrad.expect_grad(..., chunk_size=c))``.
 - ``vmcgrad chunk=c``: the same pass at a fixed chunk, which separates what the automatic choice
   gains from what the pass itself saves (one pullback per chunk) at NetKet's chunk.
 - ``netket chunk=c``: NetKet's chunked force, as ``forces_expect_hermitian_chunked`` computes it
@@ -58,10 +58,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .._auto_chunk import choose_for, program_bytes
-from .._distributed import initialize_distributed
-from .._hlo import collective_report
-from ._harness import Candidate, measure
+import vmcgrad
+
+from ._harness import format_errors, measure
+from ._setup import log_psi, netket_grad, place, sample_sharding
+from ._table import Column, table
 
 MIB = 2**20
 
@@ -83,6 +84,16 @@ class StepProgram(NamedTuple):
     least: Callable[[int], tuple[int | None, int]]
 
 
+def _fixed(bytes_at: Callable[[int], tuple[int | None, int]]) -> StepProgram:
+    """A program whose footprint does not depend on the budget (a fixed chunk, or none)."""
+
+    def fits(n, budget):
+        got = bytes_at(n)
+        return got if got[1] <= budget else None
+
+    return StepProgram(fits, bytes_at)
+
+
 def step_programs(
     *,
     L: int,
@@ -100,102 +111,60 @@ def step_programs(
         ``ShapeDtypeStruct``\ s placed like NetKet's samples (``P("S")`` on its mesh).
     """
     import netket as nk
-    import netket.jax as nkjax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-    from netket.vqs.mc.common import force_to_grad
-
-    from .._function import split_fun
-    from .._grad import _expect_grad
-    from .._sharding import find_sample_axis, local_count, param_layout, replicate
 
     hi = nk.hilbert.Spin(0.5, L)
     model = nk.models.RBMModPhase(alpha=alpha, param_dtype=jnp.float64)
     x0 = hi.random_state(jax.random.key(seed), 2)
     variables = model.init(jax.random.key(seed + 1), x0)
-    params, model_state = variables["params"], {k: v for k, v in variables.items() if k != "params"}
-    mesh = jax.sharding.get_mesh()
-    sharding = None if mesh.empty else NamedSharding(mesh, P("S"))
-    if sharding is not None:
-        params = jax.device_put(params, NamedSharding(mesh, P()))
-        model_state = jax.device_put(model_state, NamedSharding(mesh, P()))
+    params = variables["params"]
+    model_state = {k: v for k, v in variables.items() if k != "params"}
+    _, (params, model_state) = place((), (params, model_state))
+    sharding = sample_sharding()
     apply = model.apply
-    logpsi = jax.tree_util.Partial(lambda ms, w, x: apply({"params": w, **ms}, x), model_state)
-    out_dtype = jax.eval_shape(logpsi, params, x0).dtype
+    logpsi = log_psi(apply, model_state)
 
     def inputs(n):  # what MCState holds: NetKet's int8 samples, complex local values
         samples = jax.ShapeDtypeStruct((n, L), x0.dtype, sharding=sharding)
         local_values = jax.ShapeDtypeStruct((n,), jnp.complex128, sharding=sharding)
         return samples, local_values
 
-    def vmcgrad_args(n):  # as vmcgrad.expect_grad prepares them
-        samples, local_values = inputs(n)
-        where = find_sample_axis(samples)
-        static, data = split_fun(logpsi)
-        w, data = replicate((params, data), where)
-        statics = dict(static=static, where=where, out_dtype=out_dtype, layout=param_layout(w, where))
-        return (data, w, samples, local_values), statics, local_count(n, where)
+    @partial(jax.jit, static_argnames="chunk")
+    def vmcgrad_grad(w, x, lv, chunk):
+        return vmcgrad.expect_grad(logpsi, w, x, lv, chunk_size=chunk)
 
-    def vmcgrad_at(n, chunk):
-        args, statics, _ = vmcgrad_args(n)
-        return chunk, program_bytes(_expect_grad.lower(*args, chunk_size=chunk, **statics).compile())
+    @partial(jax.jit, static_argnames="chunk")
+    def netket_step(w, x, lv, chunk):
+        return netket_grad(apply, w, model_state, x, lv, chunk)
+
+    def bytes_of(step):
+        cache: dict[tuple, int] = {}
+
+        def at(n, chunk):
+            if (n, chunk) not in cache:
+                cache[n, chunk] = vmcgrad.program_bytes(step.lower(params, *inputs(n), chunk=chunk).compile())
+            return chunk, cache[n, chunk]
+
+        return at
+
+    vmcgrad_at, netket_at = bytes_of(vmcgrad_grad), bytes_of(netket_step)
 
     def vmcgrad_fits(n, budget):
-        args, statics, n_local = vmcgrad_args(n)
+        # auto_chunk_size needs arrays (it runs nothing on them): zeros, placed like the samples
+        samples = jnp.zeros((n, L), x0.dtype, device=sharding)
         try:
-            chunk = choose_for(
-                "vmcgrad.expect_grad", _expect_grad, args, statics, n_local, memory_budget=budget
+            chunk = vmcgrad.auto_chunk_size(
+                logpsi, params, samples, estimator="expect_grad", memory_budget=budget
             )
         except MemoryError:
             return None
+        finally:
+            samples.delete()
         return vmcgrad_at(n, chunk)
 
-    def centred(lv):
-        return jnp.conj(lv - jnp.mean(lv)) / lv.shape[0]
-
-    @partial(jax.jit, static_argnames="chunk")
-    def netket_grad(w, x, lv, chunk):
-        if chunk is None:  # forces_expect_hermitian
-            _, vjp_fun = nkjax.vjp(lambda w: apply({"params": w, **model_state}, x), w, conjugate=True)
-        else:  # forces_expect_hermitian_chunked
-            vjp_fun = nkjax.vjp_chunked(
-                lambda w, ms, x: apply({"params": w, **ms}, x),
-                w,
-                model_state,
-                x,
-                conjugate=True,
-                chunk_size=chunk,
-                chunk_argnums=2,
-                nondiff_argnums=(1, 2),
-            )
-        (force,) = vjp_fun(centred(lv))
-        return force_to_grad(force, w)
-
-    def netket(chunk):
-        cache: dict[int, int] = {}
-
-        def least(n):
-            if n not in cache:
-                cache[n] = program_bytes(netket_grad.lower(params, *inputs(n), chunk=chunk).compile())
-            return chunk, cache[n]
-
-        def fits(n, budget):
-            got = least(n)
-            return got if got[1] <= budget else None
-
-        return StepProgram(fits, least)
-
-    def vmcgrad_fixed(chunk):
-        def fits(n, budget):
-            got = vmcgrad_at(n, chunk)
-            return got if got[1] <= budget else None
-
-        return StepProgram(fits, lambda n: vmcgrad_at(n, chunk))
-
     progs = {"vmcgrad auto": StepProgram(vmcgrad_fits, lambda n: vmcgrad_at(n, 1))}
-    progs.update({f"vmcgrad chunk={c}": vmcgrad_fixed(c) for c in vmcgrad_chunks})
-    progs.update({f"netket chunk={c}": netket(c) for c in netket_chunks})
-    progs["netket unchunked"] = netket(None)
+    progs.update({f"vmcgrad chunk={c}": _fixed(partial(vmcgrad_at, chunk=c)) for c in vmcgrad_chunks})
+    progs.update({f"netket chunk={c}": _fixed(partial(netket_at, chunk=c)) for c in netket_chunks})
+    progs["netket unchunked"] = _fixed(partial(netket_at, chunk=None))
     return progs
 
 
@@ -259,21 +228,19 @@ def largest_n_table(
 
 def format_largest_n(rows: Sequence[dict]) -> str:
     """Plain-text table of :func:`largest_n_table` rows."""
-    lines = [
-        f"{'budget MiB':>10}  {'impl':<20}{'largest N':>10}{'chunk':>7}{'MiB at N':>10}"
-        f"{'next N':>10}{'chunk':>7}{'MiB at next':>12}"
-    ]
-
-    def s(v, fmt=""):
-        return "-" if v is None else format(v, fmt)
-
-    for r in rows:
-        lines.append(
-            f"{r['budget_mib']:>10g}  {r['impl']:<20}{s(r['largest_n']):>10}{s(r['chunk']):>7}"
-            f"{s(r['mib'], '.2f'):>10}{s(r['next_n']):>10}{s(r['next_chunk']):>7}"
-            f"{s(r['next_mib'], '.2f'):>12}"
-        )
-    return "\n".join(lines)
+    return table(
+        rows,
+        [
+            Column("budget MiB", "budget_mib", "g"),
+            Column("impl", "impl", align="<"),
+            Column("largest N", "largest_n"),
+            Column("chunk", "chunk"),
+            Column("MiB at N", "mib", ".2f"),
+            Column("next N", "next_n"),
+            Column("chunk", "next_chunk"),
+            Column("MiB at next", "next_mib", ".2f"),
+        ],
+    )
 
 
 # --- scale-out: devices and processes -------------------------------------------------------------
@@ -287,7 +254,7 @@ def init_distributed(process_id: int, num_processes: int, port: int, devices_per
     """
     jax.config.update("jax_num_cpu_devices", devices_per_process)
     jax.config.update("jax_enable_x64", True)
-    initialize_distributed(f"127.0.0.1:{port}", num_processes, process_id)
+    vmcgrad.initialize_distributed(f"127.0.0.1:{port}", num_processes, process_id)
 
 
 def free_port() -> int:
@@ -368,20 +335,17 @@ def scale_out_rows(
     out = []
     for bench, build in builders.items():
         cands, info = build()
-        errs = ", ".join(f"{k} {e:.1e}" for k, e in info["max_rel_err_vs_jax.vjp"].items())
+        errs = format_errors(info["max_rel_err_vs_jax.vjp"])
         log(f"[{setting}] {bench}: results agree; max rel. error vs jax.vjp: {errs}")
-        cpu = {c.name: [] for c in cands}
-        cands = [Candidate(c.name, core._cpu_timed(c.call, cpu[c.name]), c.compiled) for c in cands]
         for c, row in zip(cands, measure(bench, setting, cands, repeats=repeats)):
             m = c.compiled.memory_analysis()
-            report = collective_report(c.compiled)
+            report = vmcgrad.collective_report(c.compiled)
             out.append(
                 {
                     **row.as_dict(),
                     "N": n_samples,
                     "L": L,
                     "chunk": chunk_size,
-                    "cpu_s": cpu[c.name][1:],  # this process's CPU time per timed call
                     "temp_mib": m.temp_size_in_bytes / MIB,
                     "arg_mib": m.argument_size_in_bytes / MIB,
                     "out_mib": m.output_size_in_bytes / MIB,
@@ -398,15 +362,18 @@ def _ops(counter: Any) -> str:
 
 def format_scale_out(rows: Sequence[dict]) -> str:
     """Plain-text scale-out table, grouped by bench, then processes × devices."""
-    lines = [
-        f"{'bench':<12}{'procs':>6}{'devs':>5}  {'impl':<9}{'median ms':>10}{'cpu ms':>8}{'temp MiB':>10}"
-        f"{'arg MiB':>9}"
-        f"  {'collectives in loops':<22}{'outside':<28}"
-    ]
-    for r in sorted(rows, key=lambda r: (r["bench"], r["processes"], r["devices"])):
-        lines.append(
-            f"{r['bench']:<12}{r['processes']:>6}{r['devices']:>5}  {r['name']:<9}"
-            f"{r['median_s'] * 1e3:>10.1f}{statistics.median(r['cpu_s']) * 1e3:>8.1f}"
-            f"{r['temp_mib']:>10.2f}{r['arg_mib']:>9.2f}  {r['coll_in_loops']:<22}{r['coll_outside']:<28}"
-        )
-    return "\n".join(lines)
+    return table(
+        sorted(rows, key=lambda r: (r["bench"], r["processes"], r["devices"])),
+        [
+            Column("bench", "bench", align="<"),
+            Column("procs", "processes"),
+            Column("devs", "devices"),
+            Column("impl", "name", align="<"),
+            Column("median ms", lambda r: r["median_s"] * 1e3, ".1f"),
+            Column("cpu ms", lambda r: statistics.median(r["cpu_s"]) * 1e3, ".1f"),
+            Column("temp MiB", "temp_mib", ".2f"),
+            Column("arg MiB", "arg_mib", ".2f"),
+            Column("collectives in loops", "coll_in_loops", align="<"),
+            Column("outside", "coll_outside", align="<"),
+        ],
+    )

@@ -16,8 +16,9 @@ the same number of QGT products). The step is timed with the samples fixed (``sa
 
 Memory: the compiled programs of a step — the gradient program, and the SR solve (and, for
 vmcgrad, the QGT construction pass) — are lowered at N samples without running them; a step's
-memory is the largest ``temp_size_in_bytes`` among them. :func:`memory_scan` reports it for
-growing N, and the largest N under a budget. NetKet is imported inside the functions.
+memory is the largest ``temp_size_in_bytes`` among them. They are built from public functions only
+(:func:`step_programs`); the samples come from the state's own sampler. :func:`memory_scan` reports
+the memory for growing N, and the largest N under a budget. NetKet is imported inside the functions.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from ._harness import Candidate, Row, measure
+from ._harness import Candidate, Row, max_rel_err, measure
+from ._setup import log_psi
 
 IMPLS = ("vmcgrad", "netket")
 
@@ -102,13 +103,6 @@ def _part_call(part: str, vs: Any, H: Any, sr: Any) -> Any:
     return functools.partial(sr, vs, grad, 0)
 
 
-def _max_rel_err(a: Any, b: Any) -> float:
-    return max(
-        float(np.max(np.abs(np.asarray(x) - np.asarray(y))) / max(np.max(np.abs(np.asarray(y))), 1e-300))
-        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
-    )
-
-
 def run(
     *,
     models: tuple[str, ...] = ("rbm_modphase", "mlp"),
@@ -141,7 +135,7 @@ def run(
         }
         out = {impl: jax.block_until_ready(step(*states[impl], resample=False)) for impl in IMPLS}
         e_err = abs(complex(out["vmcgrad"][0].mean) - complex(out["netket"][0].mean))
-        u_err = _max_rel_err(out["vmcgrad"][1], out["netket"][1])
+        u_err = max_rel_err(out["vmcgrad"][1], out["netket"][1])
         log(f"[{model_name}] same samples: |dE| = {e_err:.1e}, SR update max rel. error {u_err:.1e}")
         # fixed-iteration CG (tol=0) amplifies rounding differences over many iterations: 1e-4
         if not (e_err < 1e-8 and u_err < 1e-4):
@@ -152,42 +146,58 @@ def run(
     return rows
 
 
+@functools.partial(jax.jit, static_argnames=("kernel", "apply", "chunk_size"))
+def _vmcgrad_grad_step(kernel, apply, chunk_size, params, model_state, sigma, args):
+    """The gradient program of :class:`vmcgrad.netket.MCState` (``vmcgrad.netket.expect_and_grad``),
+    restated from public functions: NetKet's chunked local-value kernel, ``nk.stats.statistics``
+    over the chains, :func:`vmcgrad.expect_grad`."""
+    import netket as nk
+
+    import vmcgrad
+
+    n_chains = sigma.shape[0]
+    if sigma.ndim >= 3:
+        sigma = jax.lax.collapse(sigma, 0, 2)
+    o_loc = kernel(apply, {"params": params, **model_state}, sigma, args, chunk_size=chunk_size)
+    stats = nk.stats.statistics(o_loc.reshape((n_chains, -1)))
+    grad = vmcgrad.expect_grad(log_psi(apply, model_state), params, sigma, o_loc, chunk_size=chunk_size)
+    return stats, grad
+
+
 def step_programs(impl: str, vs: Any, H: Any, sr: Any) -> dict[str, Any]:
-    """The compiled programs of one step (lowered with the state's arrays, not run)."""
-    from jax.tree_util import Partial
+    """The compiled programs of one step, lowered with the state's arrays (not run).
+
+    Built from public functions only, with ``vs.model.apply`` as the model's apply function:
+    ``grad``: NetKet's ``forces_expect_hermitian_chunked`` / the program of
+    ``vmcgrad.netket.expect_and_grad`` (:func:`_vmcgrad_grad_step`); ``sr_solve``:
+    ``jax.jit(lambda S, g: S.solve(sr.solver, g))`` on the QGT that ``sr`` builds; for vmcgrad also
+    ``qgt_build``: ``jax.jit(lambda w, x: vmcgrad.QGT(logpsi, w, x, chunk_size=c))``, the pass that
+    computes the mean of the per-sample derivatives when the operator is built.
+    """
     from netket.vqs.mc import get_local_kernel, get_local_kernel_arguments
+    from netket.vqs.mc.mc_state.expect_forces_chunked import forces_expect_hermitian_chunked
+
+    import vmcgrad
 
     sigma, args = get_local_kernel_arguments(vs, H)
-    x0 = None
+    apply, params, model_state = vs.model.apply, vs.parameters, vs.model_state
+    c = vs.chunk_size if impl == "netket" else vs.vmcgrad_chunk_size
+    kernel = get_local_kernel(vs, H, c)
     progs = {}
     if impl == "netket":
-        from netket.optimizer.qgt import qgt_onthefly
-        from netket.vqs.mc.mc_state.expect_forces_chunked import forces_expect_hermitian_chunked
-
-        c = vs.chunk_size
-        kernel = get_local_kernel(vs, H, c)
         progs["grad"] = forces_expect_hermitian_chunked.lower(
-            c, kernel, vs._apply_fun, False, vs.parameters, vs.model_state, sigma, args
+            c, kernel, apply, False, params, model_state, sigma, args
         )
-        S = sr.lhs_constructor(vs, 0)
-        grad = jax.tree.map(jnp.zeros_like, vs.parameters)
-        progs["sr_solve"] = qgt_onthefly._solve.lower(S, Partial(sr.solver), grad, x0=x0)
     else:
-        from netket.utils import HashablePartial
-
-        from ..netket import _expect_grad, _qgt
-
-        c = vs.vmcgrad_chunk_size
-        kernel = HashablePartial(get_local_kernel(vs, H, c), chunk_size=c)
-        progs["grad"] = _expect_grad._expect_and_grad_step.lower(
-            kernel, vs._apply_fun, c, vs.parameters, vs.model_state, sigma, args
-        )
-        S = sr.lhs_constructor(vs, 0)
-        grad = jax.tree.map(jnp.zeros_like, vs.parameters)
-        progs["sr_solve"] = _qgt._solve.lower(S, Partial(sr.solver), grad, x0=x0)
-        from vmcgrad import _qgt as core_qgt
-
-        progs["qgt_build"] = core_qgt._mean.lower(S.qgt)
+        progs["grad"] = _vmcgrad_grad_step.lower(kernel, apply, c, params, model_state, sigma, args)
+    S = sr.lhs_constructor(vs, 0)
+    grad = jax.tree.map(jnp.zeros_like, params)
+    progs["sr_solve"] = jax.jit(lambda S, g: S.solve(sr.solver, g)[0]).lower(S, grad)
+    if impl == "vmcgrad":
+        flat = jax.jit(lambda s: s.reshape(-1, s.shape[-1]))(sigma)
+        logpsi = log_psi(apply, model_state)
+        build = jax.jit(lambda w, x: vmcgrad.QGT(logpsi, w, x, chunk_size=c))
+        progs["qgt_build"] = build.lower(params, flat)
     return {k: p.compile() for k, p in progs.items()}
 
 
@@ -200,15 +210,12 @@ def memory_scan(
     budget_mib: float | None = None,
     log: Any = print,
 ) -> list[dict]:
-    """Compiled temp bytes of a step's programs for growing N (random valid samples, nothing run).
+    """Compiled temp bytes of a step's programs for growing N (samples from the state's sampler; the
+    programs are compiled, not run).
 
     Returns one dict per (N, impl): ``{"N", "impl", "<program>_mib"..., "step_mib"}``; with
     ``budget_mib`` the log names the largest N whose step fits, per implementation.
     """
-    from jax.sharding import AxisType, Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    mesh = Mesh(np.array(jax.devices()), ("S",), axis_types=(AxisType.Auto,))
     out = []
     for n in sizes:
         for impl in IMPLS:
@@ -216,10 +223,6 @@ def memory_scan(
             vs, H, sr = make_step(
                 impl, model_name, L=L, n_samples=n, chunk_size=chunk_size, cg_iters=10, n_chains=n_chains
             )
-            states = vs.hilbert.random_state(
-                jax.random.key(0), (n_chains, n // n_chains), dtype=vs.sampler.dtype
-            )
-            vs._samples = jax.device_put(states, NamedSharding(mesh, P("S")))  # as NetKet places them
             progs = step_programs(impl, vs, H, sr)
             mib = {f"{k}_mib": p.memory_analysis().temp_size_in_bytes / 2**20 for k, p in progs.items()}
             row = {"N": n, "impl": impl, **mib, "step_mib": max(mib.values())}

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 
-from .._distributed import initialize_distributed
-
 
 def coordinator_address(text: str) -> str:
     """``HOST:PORT`` of process 0's coordinator (``[::1]:PORT`` for an IPv6 host).
@@ -109,6 +107,8 @@ def initialize(args, parser) -> None:
     if args.coordinator is None:
         return
     try:
+        from .. import initialize_distributed
+
         initialize_distributed(args.coordinator, args.num_processes, args.process_id)
     except RuntimeError as error:  # JAX already computed in this process, or initialize ran twice
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

@@ -153,7 +153,8 @@ def remove_temporaries() -> None:
             pass
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib.pyplot with the Agg backend (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -180,7 +181,7 @@ def plot_energy(log: dict, path: Path) -> None:
     """
     import numpy as np
 
-    plt = _pyplot()
+    plt = pyplot()
     mean = np.asarray(log["energy_mean"], dtype=float)
     err = np.asarray(log["energy_error"], dtype=float)
     steps = np.arange(len(mean))

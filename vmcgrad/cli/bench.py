@@ -25,8 +25,13 @@ from pathlib import Path
 from . import _interrupt, _output
 from ._args import HelpFormatter, positive_int
 
-#: Benchmark modules of vmcgrad.bench, in the order they run.
-BENCHES = ("core", "grad", "qgt", "vmc_step")
+#: Benchmark suites: name -> the modules of :mod:`vmcgrad.bench` it runs, in order (``--suite``).
+SUITES: dict[str, tuple[str, ...]] = {
+    "default": ("core", "grad", "qgt", "vmc_step"),
+}
+
+#: Every benchmark module of the suites (``--only`` picks among them).
+BENCHES = tuple(dict.fromkeys(b for suite in SUITES.values() for b in suite))
 
 
 def add_parser(commands) -> None:
@@ -37,7 +42,10 @@ def add_parser(commands) -> None:
         description=_plain(__doc__.split("\n\n")[1]),
         formatter_class=HelpFormatter,
     )
-    p.add_argument("--only", nargs="+", choices=BENCHES, default=list(BENCHES), help="benchmarks to run")
+    p.add_argument("--suite", choices=list(SUITES), default="default", help="the set of benchmarks to run")
+    p.add_argument(
+        "--only", nargs="+", choices=BENCHES, default=None, help="run these benchmarks instead of the suite's"
+    )
     p.add_argument("--L", type=positive_int, default=32, help="spins of the benchmark models")
     p.add_argument("--samples", type=positive_int, nargs="+", default=[1024, 4096], help="sample counts N")
     p.add_argument(
@@ -119,9 +127,11 @@ def _baseline(name: str) -> str | None:
 def ratios(rows: list[dict]) -> list[dict]:
     """For every vmcgrad candidate: time and temp-memory ratios against the NetKet and plain-JAX rows of
     the same benchmark and setting, and the collectives (in loops / outside) of each."""
+    from ..bench import MEASURED
+
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        setting = tuple((k, v) for k, v in r.items() if k not in _MEASURED)
+        setting = tuple((k, v) for k, v in r.items() if k not in MEASURED)
         groups.setdefault(setting, []).append(r)
     out = []
     for setting, group in groups.items():
@@ -148,8 +158,6 @@ def ratios(rows: list[dict]) -> list[dict]:
 
 BASES = ("netket", "jax")
 
-#: Keys of a row that are measurements; the others describe the setting.
-_MEASURED = {"name", "median_s", "times_s", "temp_bytes", "collectives_in_loops", "collectives_outside"}
 _SHOWN = {"bench", "N", "chunk", "L", "devices"}
 
 
@@ -161,28 +169,30 @@ def _coll(row: dict) -> str | None:
 
 def format_ratios(entries: list[dict]) -> str:
     """The summary table: one line per vmcgrad candidate and setting."""
-
-    def num(x, fmt):
-        return "-" if x is None else format(x, fmt)
+    from ..bench import Column, table
 
     def other(e):
         return ",".join(str(v) for k, v in e.items() if k in e["setting_keys"] and k not in _SHOWN) or "-"
 
-    w = max([len("other"), *(len(other(e)) for e in entries)]) + 1
-    head = (
-        f"{'bench':<17}{'N':>7}{'chunk':>7} {'other':<{w}}{'vmcgrad impl':<15}{'ms':>9}"
-        f"{'t/netket':>10}{'m/netket':>10}{'t/jax':>8}{'m/jax':>8}  collectives loop/out: vg nk jax"
+    def coll(e):
+        return " ".join(str(e.get(k) or "-") for k in ("collectives", *(f"collectives_{b}" for b in BASES)))
+
+    return table(
+        entries,
+        [
+            Column("bench", "bench", align="<"),
+            Column("N", "N"),
+            Column("chunk", "chunk"),
+            Column("other", other, align="<"),
+            Column("vmcgrad impl", "name", align="<"),
+            Column("ms", lambda e: e["median_s"] * 1e3, ".2f"),
+            Column("t/netket", "time_vs_netket", ".2f"),
+            Column("m/netket", "memory_vs_netket", ".2f"),
+            Column("t/jax", "time_vs_jax", ".2f"),
+            Column("m/jax", "memory_vs_jax", ".2f"),
+            Column("collectives loop/out: vg nk jax", coll, align="<"),
+        ],
     )
-    lines = [head, "-" * len(head)]
-    for e in entries:
-        coll = " ".join(str(e.get(k) or "-") for k in ("collectives", *(f"collectives_{b}" for b in BASES)))
-        lines.append(
-            f"{e['bench']:<17}{e['N']:>7}{e['chunk']:>7} {other(e):<{w}}{e['name']:<15}"
-            f"{e['median_s'] * 1e3:>9.2f}"
-            f"{num(e.get('time_vs_netket'), '.2f'):>10}{num(e.get('memory_vs_netket'), '.2f'):>10}"
-            f"{num(e.get('time_vs_jax'), '.2f'):>8}{num(e.get('memory_vs_jax'), '.2f'):>8}  {coll}"
-        )
-    return "\n".join(lines)
 
 
 def run(args) -> int:
@@ -209,7 +219,7 @@ def _run(args, interrupts, result: dict, t_start: float) -> int:
     import jax
 
     out = Path(args.out)
-    names = args.only
+    names = args.only or list(SUITES[args.suite])
     available = [b for b in names if importlib.util.find_spec(f"vmcgrad.bench.{b}") is not None]
     missing = [b for b in names if b not in available]
     for b in missing:
@@ -306,14 +316,16 @@ def _machine() -> dict:
 
 
 def _series_key(row: dict) -> str:
-    other = ",".join(f"{v}" for k, v in row.items() if k not in _MEASURED | _SHOWN)
+    from ..bench import MEASURED
+
+    other = ",".join(f"{v}" for k, v in row.items() if k not in MEASURED | _SHOWN)
     return f"{row['bench']} ({other})" if other else row["bench"]
 
 
 def plot(rows: list[dict], path: Path, *, chunk: int, n: int) -> None:
     """One row of panels per benchmark: time and temp memory against N (at chunk size ``chunk``) and
     against the chunk size (at ``n``), one line per implementation."""
-    plt = _output._pyplot()
+    plt = _output.pyplot()
     groups = sorted({_series_key(r) for r in rows})
     names = sorted({r["name"] for r in rows})
     colors = {name: f"C{i}" for i, name in enumerate(names)}

@@ -1,0 +1,69 @@
+"""``vmcgrad bench`` and ``benchmarks/`` use vmcgrad's public functions only, through one harness.
+
+Static checks on the source: no private vmcgrad module imported from the benchmarks, no private
+attribute (NetKet's ``vs._samples``, ``vs._apply_fun``, ...) read or written, no ``sys.path`` edits in the
+scripts, and one definition each of the harness pieces (cross-check, interleaved timing, table).
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = sorted((ROOT / "vmcgrad" / "bench").glob("*.py"))
+SCRIPTS = sorted((ROOT / "benchmarks").glob("*.py"))
+SYS_PATH = ("sys", "path")
+SOURCES = [*BENCH, ROOT / "vmcgrad" / "cli" / "bench.py", *SCRIPTS]
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _problems(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = []
+    for node in ast.walk(tree):
+        where = f"{path.name}:{getattr(node, 'lineno', '?')}"
+        if isinstance(node, ast.ImportFrom):
+            parts = (node.module or "").split(".")
+            # a package's own private modules (vmcgrad.bench._harness, vmcgrad.cli._output, ...)
+            own = node.level == 1
+            if not own and (any(_private(p) for p in parts) or any(_private(a.name) for a in node.names)):
+                found.append(f"{where}: from {'.' * node.level}{node.module or ''} import ...")
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+            found += [f"{where}: import {n}" for n in names if any(map(_private, n.split(".")))]
+        elif isinstance(node, ast.Attribute) and _private(node.attr):
+            found.append(f"{where}: .{node.attr}")
+        elif isinstance(node, ast.Attribute) and (getattr(node.value, "id", ""), node.attr) == SYS_PATH:
+            found.append(f"{where}: sys.path")
+    return found
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=[str(p.relative_to(ROOT)) for p in SOURCES])
+def test_benchmarks_use_public_names_only(path):
+    found = _problems(path)
+    assert found == [], "\n".join(found)
+
+
+def test_the_checker_sees_private_use(tmp_path):
+    """The checks above can fail: each forbidden form is found in a sample."""
+    sample = tmp_path / "sample.py"  # its own package's ._x modules are allowed
+    sample.write_text(
+        "import sys\nsys.path.insert(0, '.')\nfrom vmcgrad._auto_chunk import choose_for\n"
+        "from ..netket import _qgt\nvs._samples = 1\nimport vmcgrad._hlo\nfrom ._harness import measure\n"
+    )
+    assert len(_problems(sample)) == 5, _problems(sample)
+
+
+@pytest.mark.parametrize("name", ["check_agree", "measure", "table", "netket_force", "place"])
+def test_one_definition_of_each_harness_piece(name):
+    defs = [
+        f"{p.relative_to(ROOT)}"
+        for p in SOURCES
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, ast.FunctionDef) and node.name == name
+    ]
+    assert len(defs) == 1, defs
