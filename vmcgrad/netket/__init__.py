@@ -10,8 +10,9 @@ This subpackage imports NetKet; ``import vmcgrad`` alone does not.
 """
 
 from ._expect_grad import expect_and_grad as expect_and_grad
+from ._forces import expect_and_forces as expect_and_forces
 from ._qgt import QGTOnTheFly as QGTOnTheFly
 from ._qgt import QGTOnTheFlyT as QGTOnTheFlyT
 from ._state import MCState as MCState
 
-__all__ = ["MCState", "QGTOnTheFly", "QGTOnTheFlyT", "expect_and_grad"]
+__all__ = ["MCState", "QGTOnTheFly", "QGTOnTheFlyT", "expect_and_forces", "expect_and_grad"]

@@ -56,6 +56,12 @@ def expect_and_grad(vstate: Any, operator: Any, *, chunk_size: int | None = None
     """
     chunk_size = check.check_chunk_size(NAME, chunk_size)
     check_state_and_operator(vstate, operator)
+    return covariance_grad(vstate, operator, chunk_size)
+
+
+def covariance_grad(vstate: Any, operator: Any, chunk_size: int | str | None) -> tuple[Any, Any]:
+    """:func:`expect_and_grad` for a checked state and chunk size, any operator with a local
+    kernel: ``force_to_grad`` of the covariance force (NetKet's ``use_covariance=True``)."""
     sigma, args = get_local_kernel_arguments(vstate, operator)
     if chunk_size == "auto":
         chunk_size = auto_chunk_size(vstate, sigma)
@@ -80,16 +86,7 @@ def auto_chunk_size(vstate: Any, sigma: Any) -> int:
 
 def check_state_and_operator(vstate: Any, operator: Any) -> None:
     """Eager checks: an MCState with a non-mutable model, and a hermitian operator."""
-    if not isinstance(vstate, nk.vqs.MCState):
-        raise TypeError(
-            f"{NAME}: `vstate` must be a netket.vqs.MCState; got {type(vstate).__name__}. "
-            "Fix: use vstate.expect_and_grad for other variational states."
-        )
-    if vstate.mutable is not False:
-        raise ValueError(
-            f"{NAME}: `vstate` must have a non-mutable model (mutable=False); got mutable="
-            f"{vstate.mutable!r}. Fix: use vstate.expect_and_grad (NetKet's path) for mutable models."
-        )
+    check_state(NAME, vstate)
     if not isinstance(operator, AbstractOperator) or isinstance(operator, Squared):
         raise TypeError(
             f"{NAME}: `operator` must be a netket AbstractOperator other than Squared; got "
@@ -99,6 +96,20 @@ def check_state_and_operator(vstate: Any, operator: Any) -> None:
         raise ValueError(
             f"{NAME}: `operator` must be hermitian (the covariance formula); got "
             f"{type(operator).__name__} with is_hermitian=False. Fix: use vstate.expect_and_grad."
+        )
+
+
+def check_state(name: str, vstate: Any) -> None:
+    """Eager check: an ``nk.vqs.MCState`` with a non-mutable model."""
+    if not isinstance(vstate, nk.vqs.MCState):
+        raise TypeError(
+            f"{name}: `vstate` must be a netket.vqs.MCState; got {type(vstate).__name__}. "
+            "Fix: use the vstate's own methods for other variational states."
+        )
+    if vstate.mutable is not False:
+        raise ValueError(
+            f"{name}: `vstate` must have a non-mutable model (mutable=False); got mutable="
+            f"{vstate.mutable!r}. Fix: use nk.vqs.MCState's methods (NetKet's path) for mutable models."
         )
 
 

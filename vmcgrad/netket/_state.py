@@ -2,48 +2,69 @@
 
 from __future__ import annotations
 
+import inspect
+import sys
 from typing import Any
 
 import netket as nk
 from flax import serialization
 from netket.operator import AbstractOperator, Squared
+from netket.optimizer.qgt import qgt_jacobian, qgt_onthefly
 from netket.vqs import expect as nk_expect
+from netket.vqs import expect_and_forces as nk_expect_and_forces
+from netket.vqs import expect_and_grad as nk_expect_and_grad
 from netket.vqs.mc.mc_state.state import deserialize_MCState, serialize_MCState
 
 from .. import _validation as check
-from ._expect_grad import auto_chunk_size, expect_and_grad
+from ._expect_grad import auto_chunk_size, covariance_grad
+from ._forces import expect_and_forces
+from ._grad_nonherm import expect_and_grad_nonhermitian, supports
+from ._netket_chunked import call_chunked, divisor_at_most, warn_once
+
+NAME = "vmcgrad.netket.MCState"
 
 
 class MCState(nk.vqs.MCState):
-    """``nk.vqs.MCState`` computing ``expect_and_grad`` with vmcgrad at its own ``chunk_size``.
+    """``nk.vqs.MCState`` whose local values, gradients and forces are chunked at its ``chunk_size``.
 
     The switch for an existing NetKet script is one line::
 
         vstate = nk.vqs.MCState(sampler, model, n_samples=8192, seed=0)               # before
         vstate = vmcgrad.netket.MCState(sampler, model, n_samples=8192, seed=0, chunk_size=256)  # after
 
-    Everything else — ``nk.driver.VMC`` with or without ``nk.optimizer.SR``, loggers, callbacks,
-    ``run(n_iter, out=...)``, the progress bar — is NetKet's, unchanged. The driver calls
-    ``vstate.expect_and_grad(H)`` once per step; for a hermitian operator and a non-mutable model
-    this is :func:`vmcgrad.netket.expect_and_grad` at ``chunk_size`` (one jitted program: NetKet's
-    chunked local-value kernels, ``nk.stats.statistics``, and :func:`vmcgrad.expect_grad`). Other
-    cases (``Squared`` or non-hermitian operators, ``use_covariance=False``, mutable models) go to
-    NetKet's implementation.
+    Everything else — ``nk.driver.VMC`` with or without ``nk.optimizer.SR``, ``VMC_SR``,
+    ``nkx.driver.TDVP``, loggers, callbacks — is NetKet's, unchanged. With a chunk size ``c``
+    (non-mutable model), what runs where (the table in ``docs/netket.md``):
 
-    ``chunk_size`` is vmcgrad's, stored as :attr:`vmcgrad_chunk_size`; NetKet's own
-    :attr:`chunk_size` stays None (unless given as ``netket_chunk_size``), so that NetKet's
-    ``vjp_chunked`` and its divisibility requirement (sample count per device a multiple of the
-    chunk size) are never triggered by it. ``expect`` (loggers' observables) evaluates its local
-    values with NetKet's forward-chunked kernels at ``vmcgrad_chunk_size`` (no divisibility needed
-    there). For a chunked QGT use ``nk.optimizer.SR(qgt=vmcgrad.netket.QGTOnTheFly, ...)``: it
-    picks up ``vmcgrad_chunk_size``.
+    - ``expect_and_grad(O)`` with the covariance formula (hermitian ``O``, or
+      ``use_covariance=True``): :func:`vmcgrad.netket.expect_and_grad`'s program — NetKet's chunked
+      local values, ``nk.stats.statistics``, :func:`vmcgrad.expect_grad` at ``c``.
+    - ``expect_and_grad(O)`` without it (non-hermitian ``O`` under ``NETKET_EXPERIMENTAL=1``,
+      ``use_covariance=False``, ``Squared``): NetKet's non-hermitian formula as one vmcgrad
+      pass (``vmcgrad.netket._grad_nonherm``).
+    - ``expect_and_forces(O)`` (what TDVP calls): :func:`vmcgrad.netket.expect_and_forces`.
+    - ``expect(O)``, ``local_estimators(O)`` (what ``VMC_SR`` and loggers call): NetKet's
+      chunked kernels at ``c``.
+    - anything else: NetKet's dispatch at ``c``; where NetKet has no chunked implementation and
+      would run unchunked, a ``NetKetChunkFallbackError`` instead. Models with ``mutable``
+      collections are refused with a chunk size (neither NetKet nor vmcgrad chunks a model-state
+      update made over the whole batch); with ``chunk_size=None`` they run NetKet's unchunked path.
+
+    ``chunk_size`` is vmcgrad's (any positive int, it need not divide anything), stored as
+    :attr:`vmcgrad_chunk_size`; NetKet's own attribute :attr:`chunk_size` reads None (unless
+    given as ``netket_chunk_size``), except for NetKet's readers that take it as *their* default,
+    which see ``c``: ``nk.driver.VMC_SR``'s ``chunk_size_bwd`` (the largest divisor of the sample
+    count at most ``c`` for ``use_ntk=True, on_the_fly=True``, whose NTK needs one), and the
+    chunk size of NetKet's ``QGTJacobianDense``/``QGTJacobianPyTree`` (``c``) and ``QGTOnTheFly``
+    (the largest divisor of the samples per device at most ``c``) when built from this state —
+    so ``SR()`` with NetKet's default QGT is chunked too.
 
     Args:
         sampler, model: as for ``nk.vqs.MCState``.
-        chunk_size: samples per chunk on each device for vmcgrad's gradient and the local values
-            (any positive int: it need not divide anything), None for no chunking, or ``"auto"``
-            (:func:`vmcgrad.auto_chunk_size` of the gradient pass, chosen at each call, cached).
-        netket_chunk_size: NetKet's own ``chunk_size`` for the paths NetKet still computes (default None).
+        chunk_size: samples per chunk on each device (any positive int), None for no chunking,
+            or ``"auto"`` (:func:`vmcgrad.auto_chunk_size` of the gradient pass, at each call).
+        netket_chunk_size: NetKet's own ``chunk_size`` (default None; when given, NetKet's paths
+            and the forward kernels use it).
         **kwargs: every other keyword of ``nk.vqs.MCState`` (``n_samples``, ``seed``, ...).
     """
 
@@ -56,8 +77,69 @@ class MCState(nk.vqs.MCState):
         netket_chunk_size: int | None = None,
         **kwargs: Any,
     ):
-        self.vmcgrad_chunk_size = check.check_chunk_size("vmcgrad.netket.MCState", chunk_size)
+        self.vmcgrad_chunk_size = check.check_chunk_size(NAME, chunk_size)
         super().__init__(sampler, model, chunk_size=netket_chunk_size, **kwargs)
+
+    # --- NetKet's chunk_size, as NetKet's own readers see it ----------------------------------
+
+    def _get_chunk_size(self) -> int | None:
+        own = self._chunk_size
+        if own is not None or self.vmcgrad_chunk_size is None:
+            return own
+        reader = sys._getframe(1)
+        if reader.f_code in _DEFAULT_READERS:
+            return self._chunk_size_for(reader)
+        return None
+
+    chunk_size = property(
+        _get_chunk_size, nk.vqs.MCState.chunk_size.fset, doc=nk.vqs.MCState.chunk_size.__doc__
+    )
+
+    def _chunk_size_for(self, reader: Any) -> int:
+        """``c`` for a NetKet reader of ``vstate.chunk_size`` (see the class doc)."""
+        c = self._chunk()
+        if reader.f_code is _VMC_SR_INIT:
+            local = reader.f_locals
+            if local.get("use_ntk") and local.get("on_the_fly"):
+                return self._divisor("VMC_SR(use_ntk=True, on_the_fly=True)", self.n_samples, c)
+        elif reader.f_code is _QGT_ONTHEFLY:
+            return self._divisor("nk.optimizer.qgt.QGTOnTheFly", self.n_samples_per_rank, c)
+        return c
+
+    @staticmethod
+    def _divisor(path: str, n: int, c: int) -> int:
+        d = divisor_at_most(n, c)
+        if d != c:
+            warn_once(
+                (path, n, c),
+                f"{NAME}: NetKet's {path} needs a chunk size that divides {n} samples; it runs at "
+                f"{d}, the largest divisor at most chunk_size={c}. Fix: choose n_samples or chunk_size "
+                "so that one divides the other.",
+            )
+        return d
+
+    def _chunk(self, sigma: Any = None) -> int | None:
+        """The chunk size in force for a NetKet path: NetKet's own if set, else vmcgrad's
+        (``"auto"`` resolved on the samples)."""
+        c = self._chunk_size if self._chunk_size is not None else self.vmcgrad_chunk_size
+        if c == "auto":
+            c = auto_chunk_size(self, self.samples if sigma is None else sigma)
+        return c
+
+    def _check_mutable(self, mutable: Any, method: str) -> bool:
+        """True if NetKet's unchunked path is what the user asked for (no chunk size)."""
+        if mutable is False:
+            return False
+        if self._chunk() is None:
+            return True
+        raise NotImplementedError(
+            f"{NAME}.{method}: the model has mutable collections (mutable={mutable!r}) and "
+            f"chunk_size={self.vmcgrad_chunk_size!r}. Their update is computed over the whole "
+            "batch, which neither NetKet (its chunked path raises NotImplementedError) nor vmcgrad "
+            "chunks. Fix: chunk_size=None to run NetKet's unchunked path, or mutable=False."
+        )
+
+    # --- the routes --------------------------------------------------------------------------
 
     def expect_and_grad(
         self,
@@ -66,36 +148,76 @@ class MCState(nk.vqs.MCState):
         mutable: Any = None,
         **kwargs: Any,
     ) -> tuple[Any, Any]:
-        """As ``nk.vqs.MCState.expect_and_grad``; hermitian operators go through vmcgrad."""
+        """As ``nk.vqs.MCState.expect_and_grad``, chunked at ``chunk_size`` (see the class doc)."""
         if mutable is None:
             mutable = self.mutable
+        if self._check_mutable(mutable, "expect_and_grad"):
+            return super().expect_and_grad(O, mutable=mutable, **kwargs)
         use_cov = kwargs.get("use_covariance")
-        if (
-            mutable is False
-            and set(kwargs) <= {"use_covariance"}
-            and isinstance(O, AbstractOperator)
-            and not isinstance(O, Squared)
-            and (use_cov if use_cov is not None else O.is_hermitian)
-            and O.is_hermitian
-        ):
-            return expect_and_grad(self, O, chunk_size=self.vmcgrad_chunk_size)
-        return super().expect_and_grad(O, mutable=mutable, **kwargs)
+        if set(kwargs) <= {"use_covariance"} and isinstance(O, AbstractOperator):
+            if isinstance(O, Squared):
+                if use_cov is not None:  # NetKet's own error (expect_grad.py)
+                    raise ValueError(
+                        "Cannot specify `use_covariance` with Squared[...] operator.\n"
+                        "This operator must use the same formula as non-hermitian operators to work."
+                    )
+                return expect_and_grad_nonhermitian(self, O, chunk_size=self.vmcgrad_chunk_size)
+            if use_cov if use_cov is not None else O.is_hermitian:
+                return covariance_grad(self, O, self.vmcgrad_chunk_size)
+            if supports(O):
+                return expect_and_grad_nonhermitian(self, O, chunk_size=self.vmcgrad_chunk_size)
+        return call_chunked(
+            f"{NAME}.expect_and_grad", nk_expect_and_grad, self, O, self._chunk(), mutable=mutable, **kwargs
+        )
+
+    def expect_and_forces(self, O: AbstractOperator, *, mutable: Any = None) -> tuple[Any, Any]:  # noqa: E741
+        """As ``nk.vqs.MCState.expect_and_forces``: :func:`vmcgrad.netket.expect_and_forces`."""
+        if mutable is None:
+            mutable = self.mutable
+        if self._check_mutable(mutable, "expect_and_forces"):
+            return super().expect_and_forces(O, mutable=mutable)
+        if isinstance(O, AbstractOperator) and not isinstance(O, Squared):
+            return expect_and_forces(self, O, chunk_size=self.vmcgrad_chunk_size)
+        if isinstance(O, Squared):
+            return super().expect_and_forces(O, mutable=mutable)  # NetKet's NotImplementedError
+        return call_chunked(
+            f"{NAME}.expect_and_forces", nk_expect_and_forces, self, O, self._chunk(), mutable=mutable
+        )
 
     def expect(self, O: Any) -> Any:  # noqa: E741 (NetKet's argument name)
-        """As ``nk.vqs.MCState.expect``, local values forward-chunked at ``vmcgrad_chunk_size``."""
-        chunk_size = self.chunk_size if self.chunk_size is not None else self.vmcgrad_chunk_size
-        if chunk_size == "auto":
-            chunk_size = auto_chunk_size(self, self.samples)
-        return nk_expect(self, O, chunk_size)
+        """As ``nk.vqs.MCState.expect``, local values forward-chunked at ``chunk_size``."""
+        return call_chunked(f"{NAME}.expect", nk_expect, self, O, self._chunk())
+
+    def local_estimators(self, op: Any, *, chunk_size: int | None = None) -> Any:
+        """As ``nk.vqs.MCState.local_estimators`` (``VMC_SR`` calls it), forward-chunked at
+        ``chunk_size`` unless one is given."""
+        from netket.vqs.mc.common import local_estimators as nk_local_estimators
+
+        if chunk_size is None:
+            chunk_size = self._chunk()
+        return call_chunked(f"{NAME}.local_estimators", nk_local_estimators, self, op, chunk_size)
 
     def _replace_model(self, model=None, *, apply_fun=None, variables=None):
         new = super()._replace_model(model, apply_fun=apply_fun, variables=variables)
         new.vmcgrad_chunk_size = self.vmcgrad_chunk_size
-        new.chunk_size = self.chunk_size
+        new.chunk_size = self._chunk_size
         return new
 
     def __repr__(self) -> str:
         return super().__repr__().replace("MCState(", "vmcgrad.netket.MCState(", 1)
+
+
+#: NetKet functions that read ``vstate.chunk_size`` as the default of their own chunk size.
+_VMC_SR_INIT = nk.driver.VMC_SR.__init__.__code__
+_QGT_ONTHEFLY = inspect.unwrap(qgt_onthefly.QGTOnTheFly).__code__
+_DEFAULT_READERS = frozenset(
+    (
+        _VMC_SR_INIT,
+        _QGT_ONTHEFLY,
+        inspect.unwrap(qgt_jacobian.QGTJacobianDense).__code__,
+        inspect.unwrap(qgt_jacobian.QGTJacobianPyTree).__code__,
+    )
+)
 
 
 def _serialize(vstate: MCState) -> dict:

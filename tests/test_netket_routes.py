@@ -1,0 +1,406 @@
+"""Every NetKet path through ``vmcgrad.netket.MCState(chunk_size=c)`` runs chunked, and equals NetKet.
+
+Each spy test (``netket_spy.Spy`` records the batch sizes the model is run on, at run time) runs a
+path twice on the same samples: NetKet's unchunked ``nk.vqs.MCState`` — the spy must see a batch
+larger than ``c`` there (the companion check: the spy catches an unchunked path) — and the switch,
+where every batch must be at most ``c`` (NetKet's chunked local-value kernels count their chunk in
+configurations, connected ones included; vmcgrad's passes differentiate at most ``c``), with
+results equal to NetKet's to 1e-10.
+
+Host callbacks deadlock on several fake CPU devices (jax 0.10.2), so the spy tests run on one
+device: directly when the suite runs on one (``VMCGRAD_TEST_DEVICES=1``), otherwise through
+:func:`test_spy_tests_in_a_one_device_subprocess`, which runs this file in a one-device process.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_tree_allclose
+from jax.sharding import AxisType, Mesh
+from netket_spy import Spy, run_and_record
+
+with jax.set_mesh(None):
+    import netket as nk
+
+    import vmcgrad.netket as vnk
+    from vmcgrad.netket._netket_chunked import NetKetChunkFallbackError
+
+N_DEV = jax.device_count()
+N_CHAINS = 4 * N_DEV
+N_SAMPLES = 63 * N_CHAINS  # 252 on one device
+CHUNK = 16  # divides neither 252 nor 63; larger than max_conn (9)
+RTOL, ATOL = 1e-10, 1e-12
+ROOT = Path(__file__).resolve().parents[1]
+
+one_device = pytest.mark.skipif(
+    N_DEV != 1, reason="host callbacks deadlock on several CPU devices; run by the one-device subprocess test"
+)
+
+
+@pytest.fixture(autouse=True)
+def netket_mesh():
+    experimental = nk.config.netket_experimental
+    nk.config.netket_experimental = True  # non-hermitian gradients (NETKET_EXPERIMENTAL=1)
+    mesh = Mesh(np.array(jax.devices()), ("S",), axis_types=(AxisType.Auto,))
+    try:
+        with jax.set_mesh(mesh):
+            yield
+    finally:
+        nk.config.netket_experimental = experimental
+
+
+def test_spy_tests_in_a_one_device_subprocess():
+    """The spy tests of this file, in a process with one CPU device (NetKet reads it at import)."""
+    if N_DEV == 1:
+        pytest.skip("this suite already runs on one device: the spy tests ran here")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_", "NETKET_"))}
+    env.update(VMCGRAD_TEST_DEVICES="1", NETKET_EXPERIMENTAL_SHARDING_CPU="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            str(Path(__file__)),
+            "-m",
+            "not slow",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[-3000:]
+
+
+# --- systems ---------------------------------------------------------------------------------
+
+GRAPH = nk.graph.Chain(8, pbc=True)
+HILBERT = nk.hilbert.Spin(0.5, 8, total_sz=0)
+H = nk.operator.Heisenberg(HILBERT, GRAPH)  # a jax operator; max_conn_size 9
+
+
+def hop():
+    """A non-hermitian, Sz-conserving operator: one-way hops |↓↑> -> |↑↓> on the bonds (numba)."""
+    m = np.zeros((4, 4))
+    m[1, 2] = 0.3
+    return sum(nk.operator.LocalOperator(HILBERT, [m], [[i, (i + 1) % 8]]) for i in range(8))
+
+
+OPERATORS = {
+    "heisenberg": lambda: H,
+    "heisenberg_numba": lambda: H.to_numba_operator(),
+    "hop": hop,
+    "hop_jax": lambda: hop().to_jax_operator(),
+}
+
+MODELS = {
+    "rbm_real": lambda: nk.models.RBM(alpha=1, param_dtype=jnp.float64),
+    "rbm_modphase": lambda: nk.models.RBMModPhase(alpha=1, param_dtype=jnp.float64),
+    "rbm_complex": lambda: nk.models.RBM(alpha=1, param_dtype=jnp.complex128),
+}
+
+
+def states(model_name, spy=True, **kw):
+    """(NetKet's unchunked state, the switch at CHUNK): same model, seeds, samples."""
+    model = MODELS[model_name]()
+    model = Spy(model) if spy else model
+
+    def make(cls, **extra):
+        sampler = nk.sampler.MetropolisExchange(HILBERT, graph=GRAPH, n_chains=N_CHAINS)
+        return cls(sampler, model, n_samples=N_SAMPLES, seed=0, sampler_seed=1, **kw, **extra)
+
+    ref, ours = make(nk.vqs.MCState), make(vnk.MCState, chunk_size=CHUNK)
+    np.testing.assert_array_equal(np.asarray(ours.samples), np.asarray(ref.samples))
+    return ref, ours
+
+
+def assert_stats_equal(got, expected):
+    for field in ("mean", "error_of_mean", "variance"):
+        np.testing.assert_allclose(
+            np.asarray(getattr(got, field)), np.asarray(getattr(expected, field)), rtol=RTOL, atol=ATOL
+        )
+
+
+def assert_routed(ref_fun, our_fun, *, bound=CHUNK):
+    """NetKet's run exceeds the bound (the spy sees it), ours stays within it; returns both results."""
+    expected, seen_ref = run_and_record(ref_fun)
+    got, seen = run_and_record(our_fun)
+    assert seen and seen_ref, "the spy recorded nothing"
+    assert max(seen_ref) > bound, f"NetKet's unchunked path was not caught: batches {sorted(set(seen_ref))}"
+    assert max(seen) <= bound, f"batches {sorted(set(seen))} exceed chunk_size={bound}"
+    return got, expected
+
+
+# --- the spy itself ----------------------------------------------------------------------------
+
+
+@one_device
+def test_spy_records_runs_not_traces():
+    """eval_shape traces at full size and records nothing; a pullback that drops the output still records."""
+    ref, _ = states("rbm_real")
+    sigma = ref.samples.reshape(-1, 8)
+    _, seen = run_and_record(lambda: jax.eval_shape(ref.log_value, sigma))
+    assert seen == []
+
+    def loss(p):
+        return ref._apply_fun({"params": p}, sigma).sum()
+
+    _, seen = run_and_record(jax.grad(loss), ref.parameters)
+    assert seen == [N_SAMPLES]
+
+
+@one_device
+def test_spy_catches_a_switch_that_takes_netkets_unchunked_path(monkeypatch):
+    """The companion test: make the switch's expect_and_grad NetKet's unchunked one, and the bound fails."""
+    ref, ours = states("rbm_modphase")
+    monkeypatch.setattr(vnk.MCState, "expect_and_grad", nk.vqs.MCState.expect_and_grad)
+    with pytest.raises(AssertionError, match="exceed chunk_size"):
+        assert_routed(lambda: ref.expect_and_grad(H), lambda: ours.expect_and_grad(H))
+
+
+# --- expect_and_grad ---------------------------------------------------------------------------
+
+
+@one_device
+@pytest.mark.parametrize(
+    ("model_name", "op_name"),
+    [
+        ("rbm_real", "heisenberg"),
+        ("rbm_modphase", "heisenberg"),
+        ("rbm_modphase", "heisenberg_numba"),
+        ("rbm_complex", "heisenberg"),
+    ],
+)
+def test_expect_and_grad_hermitian(model_name, op_name):
+    ref, ours = states(model_name)
+    op = OPERATORS[op_name]()
+    (stats, grad), (stats_ref, grad_ref) = assert_routed(
+        lambda: ref.expect_and_grad(op), lambda: ours.expect_and_grad(op)
+    )
+    assert_stats_equal(stats, stats_ref)
+    assert_tree_allclose(grad, grad_ref, rtol=RTOL, atol=ATOL)
+
+
+def netket_nonhermitian_reference(model_name, grad):
+    """NetKet's non-hermitian gradient, corrected where NetKet is twice the gradient (see below)."""
+    if model_name == "rbm_modphase":
+        return jax.tree.map(lambda g: g / 2, grad)
+    return grad
+
+
+@one_device
+@pytest.mark.parametrize(
+    ("model_name", "op_name", "kw"),
+    [
+        ("rbm_real", "heisenberg", {"use_covariance": False}),
+        ("rbm_modphase", "heisenberg", {"use_covariance": False}),
+        ("rbm_complex", "heisenberg_numba", {"use_covariance": False}),
+        ("rbm_real", "hop", {}),
+        ("rbm_modphase", "hop_jax", {}),
+        ("rbm_complex", "hop", {}),
+    ],
+)
+def test_expect_and_grad_without_covariance(model_name, op_name, kw):
+    """Non-hermitian operators and use_covariance=False: NetKet's formula, one chunked vmcgrad pass."""
+    ref, ours = states(model_name)
+    op = OPERATORS[op_name]()
+    (stats, grad), (stats_ref, grad_ref) = assert_routed(
+        lambda: ref.expect_and_grad(op, **kw), lambda: ours.expect_and_grad(op, **kw)
+    )
+    assert_stats_equal(stats, stats_ref)
+    assert_tree_allclose(grad, netket_nonhermitian_reference(model_name, grad_ref), rtol=RTOL, atol=ATOL)
+
+
+@one_device
+@pytest.mark.parametrize("model_name", ["rbm_complex"])
+def test_expect_and_grad_squared(model_name):
+    ref, ours = states(model_name)
+    op = nk.operator.Squared(H)
+    (stats, grad), (stats_ref, grad_ref) = assert_routed(
+        lambda: ref.expect_and_grad(op), lambda: ours.expect_and_grad(op)
+    )
+    assert_stats_equal(stats, stats_ref)
+    assert_tree_allclose(grad, grad_ref, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_netket_nonhermitian_gradient_is_twice_the_gradient_for_real_parameters_and_complex_psi():
+    """Why :func:`netket_nonhermitian_reference` halves NetKet for RBMModPhase: the exact gradient.
+
+    With exact sampling and many samples both estimators approach the exact gradient of <H>
+    (``FullSumState``); NetKet's ``use_covariance=False`` for real parameters and a complex
+    log-amplitude approaches twice it (its ``nk.jax.expect`` pullback returns a complex cotangent
+    for real parameters, which the outer R→C rule then counts twice), vmcgrad's the gradient itself.
+    """
+    hi = nk.hilbert.Spin(0.5, 6)
+    ham = nk.operator.Ising(hi, nk.graph.Chain(6, pbc=True), h=1.0)
+    model = nk.models.RBMModPhase(alpha=1, param_dtype=jnp.float64)
+    vs = vnk.MCState(nk.sampler.ExactSampler(hi), model, n_samples=50000 * N_DEV, seed=0, chunk_size=4096)
+    vs.parameters = jax.tree.map(lambda p: 20 * p + 0.05, vs.parameters)
+    exact = nk.vqs.FullSumState(hi, model, variables=vs.variables).expect_and_grad(ham)[1]
+    ours = vs.expect_and_grad(ham, use_covariance=False)[1]
+    theirs = nk.vqs.MCState.expect_and_grad(vs, ham, use_covariance=False)[1]
+
+    def rel(a):
+        a, e = (np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)]) for t in (a, exact))
+        return np.linalg.norm(a.real - e) / np.linalg.norm(e)
+
+    assert rel(ours) < 0.15, rel(ours)
+    assert abs(rel(theirs) - 1) < 0.15, rel(theirs)
+
+
+# --- expect_and_forces, local_estimators, expect --------------------------------------------------
+
+
+@one_device
+@pytest.mark.parametrize(
+    ("model_name", "op_name"),
+    [
+        ("rbm_real", "heisenberg"),
+        ("rbm_modphase", "heisenberg"),
+        ("rbm_modphase", "hop"),
+        ("rbm_complex", "hop_jax"),
+    ],
+)
+def test_expect_and_forces(model_name, op_name):
+    """F = (1/N) Σ conj(O_i)(L_i − L̄), NetKet's dtypes (complex for RBMModPhase), hermitian or not."""
+    ref, ours = states(model_name)
+    op = OPERATORS[op_name]()
+    (stats, force), (stats_ref, force_ref) = assert_routed(
+        lambda: ref.expect_and_forces(op), lambda: ours.expect_and_forces(op)
+    )
+    assert_stats_equal(stats, stats_ref)
+    assert_tree_allclose(force, force_ref, rtol=RTOL, atol=ATOL)
+    # the public function, on NetKet's own state
+    _, force2 = vnk.expect_and_forces(ref, op, chunk_size=CHUNK)
+    assert_tree_allclose(force2, force_ref, rtol=RTOL, atol=ATOL)
+
+
+@one_device
+@pytest.mark.parametrize("op_name", ["heisenberg_numba"])
+def test_local_estimators_and_expect(op_name):
+    ref, ours = states("rbm_modphase")
+    op = OPERATORS[op_name]()
+    got, expected = assert_routed(
+        lambda: ref.local_estimators(op).data, lambda: ours.local_estimators(op).data
+    )
+    np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL)
+    got, expected = assert_routed(lambda: ref.expect(op), lambda: ours.expect(op))
+    assert_stats_equal(got, expected)
+
+
+# --- drivers: VMC_SR, VMC + SR with NetKet's QGT -------------------------------------------------
+
+VMC_SR_MODES = [(False, False), (True, False), (True, True)]
+
+
+def vmc_sr_update(vstate, use_ntk, on_the_fly, **kw):
+    driver = nk.driver.VMC_SR(
+        H,
+        optax.sgd(0.01),
+        diag_shift=0.01,
+        variational_state=vstate,
+        use_ntk=use_ntk,
+        on_the_fly=on_the_fly,
+        **kw,
+    )
+    return driver, lambda: driver.compute_loss_and_update()
+
+
+@one_device
+@pytest.mark.filterwarnings("ignore:.*largest divisor:UserWarning")
+@pytest.mark.parametrize(("use_ntk", "on_the_fly"), VMC_SR_MODES)
+def test_vmc_sr_update_matches_netket(use_ntk, on_the_fly):
+    """VMC_SR's step on the switch equals NetKet's on the same samples; local energies at c."""
+    ref, ours = states("rbm_modphase")
+    _, ref_step = vmc_sr_update(ref, use_ntk, on_the_fly)
+    driver, our_step = vmc_sr_update(ours, use_ntk, on_the_fly)
+    expected_c = 14 if on_the_fly else CHUNK  # the NTK on the fly needs a divisor of 252
+    assert driver.chunk_size_bwd == expected_c
+    (stats_ref, dp_ref), seen_ref = run_and_record(ref_step)
+    (stats, dp), seen = run_and_record(our_step)
+    assert_stats_equal(stats, stats_ref)
+    assert_tree_allclose(dp, dp_ref, rtol=1e-8, atol=1e-10)
+    assert max(seen_ref) > CHUNK
+    if on_the_fly:  # NetKet's srt_onthefly differentiates all local samples at once (documented)
+        assert max(seen) == N_SAMPLES  # and 32 rows for its mean-Jacobian estimate
+        assert max(set(seen) - {N_SAMPLES, 32}) <= CHUNK, sorted(set(seen))
+    else:
+        assert max(seen) <= CHUNK, sorted(set(seen))
+
+
+def test_vmc_sr_keeps_a_users_chunk_size_bwd():
+    _, ours = states("rbm_real", spy=False)
+    driver, _ = vmc_sr_update(ours, True, False, chunk_size_bwd=7)
+    assert driver.chunk_size_bwd == 7
+    assert ours.chunk_size is None  # what anyone but NetKet's default readers sees
+
+
+def test_vmc_sr_divisor_warns_once():
+    import warnings
+
+    from vmcgrad.netket import _netket_chunked
+
+    _netket_chunked._warned.clear()
+    _, ours = states("rbm_real", spy=False)
+    with pytest.warns(UserWarning, match="largest divisor at most chunk_size=16"):
+        vmc_sr_update(ours, True, True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*largest divisor")
+        vmc_sr_update(ours, True, True)
+
+
+@one_device
+@pytest.mark.parametrize("qgt", ["QGTJacobianDense", "QGTJacobianPyTree"])
+def test_sr_with_netkets_qgt_is_chunked(qgt):
+    """nk.optimizer.SR with NetKet's own QGT, built from the switch, runs chunked at c."""
+    ref, ours = states("rbm_modphase")
+    _, grad = ref.expect_and_grad(H)
+    sr = nk.optimizer.SR(
+        qgt=getattr(nk.optimizer.qgt, qgt), solver=nk.optimizer.solver.cholesky, diag_shift=0.01
+    )
+    got, expected = assert_routed(lambda: sr(ref, grad), lambda: sr(ours, grad))
+    assert_tree_allclose(got, expected, rtol=1e-9, atol=1e-11)
+
+
+# --- refusals: never an unchunked fallback -------------------------------------------------------
+
+
+def test_mutable_model_with_a_chunk_size_is_refused():
+    _, ours = states("rbm_real", spy=False, mutable=True)
+    for call in (lambda: ours.expect_and_grad(H), lambda: ours.expect_and_forces(H)):
+        with pytest.raises(NotImplementedError, match=r"mutable collections.*Fix: chunk_size=None"):
+            call()
+
+
+def test_netket_fallback_is_refused():
+    """An observable NetKet has no chunked kernel for: an error, not an unchunked run."""
+    _, ours = states("rbm_real", spy=False)
+
+    class Unchunked(nk.operator._abstract_observable.AbstractObservable):
+        @property
+        def dtype(self):
+            return jnp.float64
+
+    @nk.vqs.expect.dispatch
+    def _(vstate: nk.vqs.MCState, op: Unchunked, chunk_size: None):  # only an unchunked implementation
+        return nk.vqs.expect(vstate, H, None)
+
+    with pytest.raises(NetKetChunkFallbackError, match="would run it unchunked"):
+        ours.expect(Unchunked(HILBERT))
+    np.testing.assert_allclose(
+        nk.vqs.MCState.expect(ours, Unchunked(HILBERT)).mean, ours.expect(H).mean, rtol=1e-12
+    )
