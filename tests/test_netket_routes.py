@@ -355,8 +355,9 @@ def test_vmc_sr_divisor_warns_once():
     from vmcgrad.netket import _netket_chunked
 
     _netket_chunked._warned.clear()
-    _, ours = states("rbm_real", spy=False)
-    with pytest.warns(UserWarning, match="largest divisor at most chunk_size=16"):
+    sampler = nk.sampler.MetropolisExchange(HILBERT, graph=GRAPH, n_chains=N_CHAINS)
+    ours = vnk.MCState(sampler, MODELS["rbm_real"](), n_samples=N_SAMPLES, seed=0, chunk_size=20)
+    with pytest.warns(UserWarning, match="runs at 18, the largest divisor at most chunk_size=20"):
         vmc_sr_update(ours, True, True)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*largest divisor")
