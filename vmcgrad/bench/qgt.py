@@ -13,8 +13,9 @@ For NetKet's ``RBM`` with real float64 parameters (mode 'real'),
   ``netket``: ``QGTOnTheFly_DefaultConstructor(...) @ v`` (its construction is lazy, so this is its
   product; a jvp pass, a centring all-reduce, a vjp pass);
 - ``solve``: an SR solve of 50 conjugate-gradient iterations (``tol=0``), operator construction
-  included: ``vmcgrad`` ``QGT(...).solve(b, tol=0, maxiter=50)``, ``vmcgrad cached`` (the same with
-  ``cache_bytes=2**30``: every chunk's linearisation kept, no forward pass per iteration) and ``netket``
+  included: ``vmcgrad`` ``QGT(...).solve(b, tol=0, maxiter=50)``, ``vmcgrad cached`` (the same
+  through ``QGT(...).linearize().solve(...)``: every chunk's linearisation kept, no forward pass
+  per iteration) and ``netket``
   ``QGTOnTheFly(...).solve(partial(jax.scipy.sparse.linalg.cg, tol=0, maxiter=50), b)`` (the
   solver ``nk.optimizer.SR`` uses by default).
 
@@ -49,9 +50,7 @@ def _setup(L: int, n_samples: int, seed: int = 0) -> dict[str, Any]:
     return {"model": model, "params": params, "model_state": model_state, "samples": samples, "v": v}
 
 
-def _functions(
-    model: Any, model_state: Any, chunk_size: int, diag_shift: float, cache_bytes: int = 2**30
-) -> dict[str, Any]:
+def _functions(model: Any, model_state: Any, chunk_size: int, diag_shift: float) -> dict[str, Any]:
     from netket.optimizer.qgt.qgt_onthefly import QGTOnTheFly_DefaultConstructor
 
     import vmcgrad
@@ -78,7 +77,7 @@ def _functions(
         "solve": {
             "vmcgrad": jax.jit(lambda w, x, b: ours(w, x).solve(b, tol=0.0, maxiter=50)[0]),
             "vmcgrad cached": jax.jit(
-                lambda w, x, b: ours(w, x).solve(b, tol=0.0, maxiter=50, cache_bytes=cache_bytes)[0]
+                lambda w, x, b: ours(w, x).linearize().solve(b, tol=0.0, maxiter=50)[0]
             ),
             "netket": jax.jit(lambda w, x, b: theirs(w, x).solve(solver, b)[0]),
         },
