@@ -1,18 +1,43 @@
-"""``QGTOnTheFly``: a NetKet ``LinearOperator`` backed by :func:`vmcgrad.QGT`, for ``nk.optimizer.SR``."""
+r"""``QGTOnTheFly``: a NetKet ``LinearOperator`` backed by :func:`vmcgrad.QGT`, for SR and TDVP.
+
+The operator is
+
+.. math::
+
+    S_\text{eff} = S + \epsilon_1 \operatorname{diag}(S) + \operatorname{diag}(\epsilon_2), \qquad
+    S = \frac1N \Delta O^\dagger \Delta O, \quad \Delta O_i = O_i - \bar O ,
+
+with :math:`\epsilon_1` = ``diag_scale`` (a scalar) and :math:`\epsilon_2` = ``diag_shift``, a scalar
+or, as NetKet's ``QGTOnTheFly`` allows, one shift per parameter (a pytree like the parameters).
+:math:`S` (and :math:`\epsilon_1`) live in the wrapped :class:`vmcgrad.QGTOperator`; the shift is
+added here, so that ``+``, ``replace(diag_shift=...)`` and a pytree shift need no new operator.
+
+How NetKet's solvers are fed: every product ``S @ v`` (what ``jax.scipy.sparse.linalg.cg`` and
+``gmres`` call, through ``lax.custom_linear_solve``) is one ``jax.custom_derivatives.linear_call``
+whose callee is vmcgrad's chunked product and whose transpose is declared as
+:math:`S^T v = \overline{S_\text{eff} \bar v}` (:math:`S_\text{eff}` is Hermitian, or real
+symmetric). vmcgrad's product accumulates into ``jax.new_ref`` refs that it creates and reads back
+inside itself; ``linear_call`` declares no effects, so ``custom_linear_solve`` sees a pure linear
+map and never has to transpose or discharge the chunk loop. No private JAX API and no mode flag:
+``@`` is the same operation everywhere (solvers, ``error_norm="qgt"``, user code). Dense solvers
+(``cholesky``, ``LU``, ``solve``, ``svd``, ``pinv``, ``pinv_smooth``) call :meth:`to_dense`.
+"""
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import netket as nk
+import numpy as np
 from flax import struct
 from jax.custom_derivatives import linear_call
 from jax.flatten_util import ravel_pytree
 from netket import jax as nkjax
-from netket.errors import HolomorphicUndeclaredWarning
+from netket.errors import HolomorphicUndeclaredWarning, IllegalHolomorphicDeclarationForRealParametersError
 from netket.optimizer import LinearOperator
 from netket.optimizer.linear_operator import SolverT, Uninitialized
 from netket.optimizer.qgt.common import check_valid_vector_type
@@ -32,7 +57,7 @@ def QGTOnTheFly(
     vstate: Any = None,
     *,
     chunk_size: int | None = None,
-    diag_shift: float = 0.0,
+    diag_shift: Any = 0.0,
     diag_scale: float | None = None,
     holomorphic: bool | None = None,
 ) -> QGTOnTheFlyT:
@@ -40,32 +65,44 @@ def QGTOnTheFly(
 
     .. math::
 
-        S_\text{eff} = S + \epsilon_1 \operatorname{diag}(S) + \epsilon_2 \mathbb 1, \qquad
-        S = \frac1N \Delta O^\dagger \Delta O, \quad \Delta O_i = O_i - \bar O
+        S_\text{eff} = S + \epsilon_1 \operatorname{diag}(S) + \operatorname{diag}(\epsilon_2),
+        \qquad S = \frac1N \Delta O^\dagger \Delta O, \quad \Delta O_i = O_i - \bar O
 
     with :math:`\epsilon_2` = ``diag_shift`` and :math:`\epsilon_1` = ``diag_scale`` (NetKet's
-    QGTJacobian regularisation), in NetKet's mode: the real part of :math:`S` for real parameters
-    ('real'), real and imaginary parts as separate real parameters for complex ones ('complex'),
-    or :math:`S` itself with ``holomorphic=True``. Each product :math:`S v` is one chunked pass
-    over ``vstate.samples`` with one reduction (:func:`vmcgrad.QGT`); no divisibility requirement.
+    QGTJacobian regularisation, which NetKet's own ``QGTOnTheFly`` lacks), in NetKet's mode: the
+    real part of :math:`S` for real parameters ('real'), real and imaginary parts as separate real
+    parameters for complex ones ('complex'), or :math:`S` itself with ``holomorphic=True``. Each
+    product :math:`S v` is one chunked pass over ``vstate.samples`` with one reduction
+    (:func:`vmcgrad.QGT`); the chunk size need not divide anything.
 
     Called with keyword arguments only, it returns a partial, as NetKet's ``QGTOnTheFly`` does::
 
         sr = nk.optimizer.SR(qgt=vmcgrad.netket.QGTOnTheFly(chunk_size=256), diag_shift=0.01)
+        te = nkx.driver.TDVP(H, vstate, integrator, qgt=vmcgrad.netket.QGTOnTheFly(diag_shift=1e-4))
 
-    It works with NetKet's iterative (``cg``, ``gmres``) and dense (``cholesky``, ``svd``,
-    ``pinv_smooth``, ...) solvers; ``to_dense()`` equals ``QGTJacobianDense``'s in the same mode.
+    It works with NetKet's iterative (``jax.scipy.sparse.linalg.cg``, ``gmres``) and dense
+    (``nk.optimizer.solver.cholesky``, ``LU``, ``solve``, ``svd``, ``pinv``, ``pinv_smooth``)
+    solvers; ``to_dense()`` equals ``QGTJacobianDense(...).to_dense()`` in the same mode (also in
+    'complex' mode, where NetKet's ``QGTOnTheFly`` refuses).
 
     Args:
         vstate: an ``nk.vqs.MCState`` (its samples, parameters and model state are used).
         chunk_size: samples per chunk on each device; None takes ``vstate.vmcgrad_chunk_size``
             (a :class:`vmcgrad.netket.MCState`), else ``vstate.chunk_size``.
-        diag_shift: :math:`\epsilon_2`.
-        diag_scale: :math:`\epsilon_1`, or None.
+        diag_shift: :math:`\epsilon_2 \ge 0`: a real scalar, or a pytree like the parameters
+            (one non-negative real shift per parameter; complex leaves must have zero imaginary
+            part). None means 0, as in NetKet.
+        diag_scale: :math:`\epsilon_1 \ge 0`, or None.
         holomorphic: whether the model is holomorphic in its complex parameters.
 
     Returns:
         A :class:`QGTOnTheFlyT`.
+
+    Raises:
+        TypeError: ``vstate`` is not an ``MCState``; a shift of the wrong kind.
+        ValueError: a negative, NaN or infinite shift or scale; a bad ``chunk_size``.
+        netket.errors.IllegalHolomorphicDeclarationForRealParametersError: ``holomorphic=True``
+            with real parameters (as NetKet).
     """
     if not isinstance(vstate, nk.vqs.MCState):
         raise TypeError(
@@ -76,6 +113,15 @@ def QGTOnTheFly(
     if chunk_size is None:
         chunk_size = getattr(vstate, "vmcgrad_chunk_size", None) or vstate.chunk_size
     params = vstate.parameters
+    if holomorphic is not None and not isinstance(holomorphic, bool):
+        raise TypeError(
+            f"{NAME}: `holomorphic` must be True, False or None; got {_short(holomorphic)}. "
+            "Fix: pass holomorphic=True for a holomorphic model of complex parameters."
+        )
+    if holomorphic and nkjax.tree_leaf_isreal(params):
+        raise IllegalHolomorphicDeclarationForRealParametersError()
+    diag_shift = check_shift(NAME, diag_shift, params)
+    diag_scale = check_scale(NAME, diag_scale)
     if holomorphic is None and nkjax.tree_leaf_iscomplex(params):
         warnings.warn(HolomorphicUndeclaredWarning(), UserWarning, stacklevel=2)
     qgt = vmcgrad.QGT(
@@ -83,7 +129,7 @@ def QGTOnTheFly(
         params,
         _flat_samples(vstate.samples),
         chunk_size=chunk_size,
-        diag_shift=diag_shift,
+        diag_shift=0.0,  # the shift is added by QGTOnTheFlyT (scalar or per parameter)
         diag_scale=diag_scale,
         holomorphic=holomorphic,
     )
@@ -97,25 +143,29 @@ def _flat_samples(samples: jax.Array) -> jax.Array:
 
 @struct.dataclass
 class QGTOnTheFlyT(LinearOperator):
-    """NetKet ``LinearOperator`` wrapping a :class:`vmcgrad.QGTOperator`.
+    """NetKet ``LinearOperator`` wrapping a :class:`vmcgrad.QGTOperator` (built with no shift).
 
-    ``diag_shift`` (NetKet's field, changed by ``+`` and ``replace``) is the one in force: it is
-    passed to the wrapped operator at every use.
+    ``diag_shift`` (NetKet's field, changed by ``+`` and ``replace``; a scalar or a pytree like the
+    parameters) is added to the wrapped operator at every use. Concrete shifts are checked
+    whenever the operator is built or replaced (negative, NaN or infinite values are refused);
+    shifts traced inside ``jax.jit`` cannot be checked.
     """
 
     qgt: Any = Uninitialized
-    """The :class:`vmcgrad.QGTOperator` (a pytree)."""
+    """The :class:`vmcgrad.QGTOperator` (a pytree): :math:`S + \\epsilon_1 \\operatorname{diag}(S)`."""
 
-    _in_solve: bool = struct.field(pytree_node=False, default=False)
-    """Set on the copy handed to the solver: products are then ref-free (see :func:`_pure_matmul`)."""
+    def __post_init__(self):
+        if isinstance(self.qgt, vmcgrad.QGTOperator) and _is_concrete(self.qgt.params):
+            check_shift(f"{NAME} (diag_shift)", self.diag_shift, self.qgt.params)
 
     @property
     def mode(self) -> str:
         """'real', 'complex' or 'holomorphic', as NetKet's QGT modes."""
         return self.qgt.mode
 
-    def _op(self) -> Any:
-        return self.qgt.replace(diag_shift=self.diag_shift)
+    def __add__(self, eps: Any) -> QGTOnTheFlyT:
+        """A copy with ``eps`` added to the shift (to every entry of a per-parameter shift)."""
+        return self.replace(diag_shift=jax.tree.map(lambda d: d + eps, self.diag_shift))
 
     def __matmul__(self, vec: Any) -> Any:
         return _matmul(self, vec)
@@ -129,79 +179,228 @@ class QGTOnTheFlyT(LinearOperator):
 
     def diagonal(self) -> jax.Array:
         """The diagonal of :meth:`to_dense`, without building the matrix."""
-        return self._op().diagonal()
+        return _diagonal(self)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        """``np.asarray(S)``: :meth:`to_dense` as a NumPy array (NetKet's returns a JAX array,
+        which NumPy refuses)."""
+        return np.asarray(self.to_dense(), dtype=dtype)
 
     def __repr__(self) -> str:
-        return f"vmcgrad.netket.QGTOnTheFly(diag_shift={self.diag_shift}, mode={self.mode!r})"
+        shift = self.diag_shift if _is_scalar(self.diag_shift) else "<per parameter>"
+        return f"vmcgrad.netket.QGTOnTheFly(diag_shift={shift}, mode={self.mode!r})"
+
+
+# --- input checks (eager) ------------------------------------------------------------------------
+
+
+def _short(x: Any, n: int = 80) -> str:
+    text = repr(x)
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def _is_scalar(x: Any) -> bool:
+    if isinstance(x, (dict, list, tuple)):
+        return False
+    return np.ndim(x) == 0 and jax.tree.structure(x).num_leaves == 1
+
+
+def _is_concrete(tree: Any) -> bool:
+    """Whether every leaf is a value (not a tracer, nor a placeholder JAX puts in while unflattening)."""
+    ok = (int, float, complex, np.ndarray, np.generic, jax.Array)
+    return all(isinstance(x, ok) and not isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
+
+
+def _is_number(x: Any) -> bool:
+    """Whether ``x`` is a non-boolean number or numeric array (concrete or traced)."""
+    try:
+        dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+    except (TypeError, ValueError):
+        return False
+    return not isinstance(x, bool) and np.issubdtype(dtype, np.number)
+
+
+def _check_values(where: str, name: str, value: Any, shown: Any) -> None:
+    if not _is_concrete(value):
+        return
+    arr = np.asarray(value)
+    if np.iscomplexobj(arr):
+        if np.any(arr.imag != 0):
+            raise ValueError(
+                f"{where}: `{name}` must be real; got {_short(shown)} with a non-zero imaginary "
+                f"part. Fix: pass its real part, e.g. {name}=jnp.real(...)."
+            )
+        arr = arr.real
+    if not np.all(np.isfinite(arr)) or np.any(arr < 0):
+        raise ValueError(
+            f"{where}: `{name}` must be finite and non-negative (a negative shift makes S_eff "
+            f"indefinite, NaN poisons every product); got {_short(shown)}. Fix: pass e.g. {name}=1e-3."
+        )
+
+
+def check_scale(where: str, scale: Any) -> Any:
+    """``diag_scale``: None, or a finite non-negative real scalar."""
+    if scale is None:
+        return None
+    if isinstance(scale, bool) or not _is_scalar(scale) or not _is_number(scale) or np.iscomplexobj(scale):
+        raise TypeError(
+            f"{where}: `diag_scale` must be None or a real number; got {_short(scale)}. "
+            "Fix: pass e.g. diag_scale=0.01."
+        )
+    _check_values(where, "diag_scale", scale, scale)
+    return scale
+
+
+def check_shift(where: str, shift: Any, params: Any) -> Any:
+    """``diag_shift``: a non-negative real scalar, or such a pytree shaped like ``params``.
+
+    Returns the shift (None becomes 0.0). Values are checked when concrete.
+    """
+    if shift is None:
+        return 0.0
+    if isinstance(shift, bool):
+        raise TypeError(
+            f"{where}: `diag_shift` must be a number; got {shift!r}. Fix: pass e.g. diag_shift=0.01."
+        )
+    if _is_scalar(shift) and jax.tree.structure(shift) != jax.tree.structure(params):
+        if not _is_number(shift):
+            raise TypeError(
+                f"{where}: `diag_shift` must be a real number or a pytree like the parameters; got "
+                f"{_short(shift)}. Fix: pass e.g. diag_shift=0.01."
+            )
+        _check_values(where, "diag_shift", shift, shift)
+        return shift
+    p_def, s_def = jax.tree.structure(params), jax.tree.structure(shift)
+    expected = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
+    if p_def != s_def:
+        raise TypeError(
+            f"{where}: `diag_shift` must be a real scalar or a pytree like the parameters "
+            f"({_short(expected, 200)}); got {_short(shift)}. Fix: pass e.g. diag_shift=0.01, or "
+            "jax.tree.map(lambda p: 0.01 * jnp.ones(p.shape), vstate.parameters)."
+        )
+    for (path, p), d in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(shift)):
+        if np.shape(d) != p.shape or not _is_number(d):
+            raise TypeError(
+                f"{where}: the leaf of `diag_shift` at {jax.tree_util.keystr(path)} must be a real "
+                f"array of the parameter's shape {tuple(p.shape)}; got {_short(d)}. Fix: build it "
+                "with jax.tree.map over vstate.parameters."
+            )
+        _check_values(where, f"diag_shift{jax.tree_util.keystr(path)}", d, d)
+    return shift
+
+
+# --- vectors: one function from any kind NetKet passes to the flat representation ---------------
+
+
+def _as_rep_flat(params: Any, mode: str, v: Any) -> tuple[jax.Array, Any]:
+    """``v`` as a flat vector of the mode's representation, and the map back to ``v``'s kind.
+
+    Kinds: a pytree like ``params`` (NetKet's gradients and forces; complex vectors on real
+    parameters raise NetKet's ``RealQGTComplexDomainError``), a flat vector in
+    ``ravel_pytree(params)`` order (NetKet's dense convention), or a flat real vector of the mode's
+    representation (length :math:`D`, the basis of :meth:`QGTOnTheFlyT.to_dense`; what the solvers
+    are handed). This is the only place the adapter guesses a vector's kind.
+    """
+    _, unravel_params = ravel_pytree(params)
+    rep_flat, unravel_rep = ravel_pytree(to_rep(mode, params))
+    n_par = sum(math.prod(p.shape) for p in jax.tree.leaves(params))
+    shapes_match = jax.tree.structure(v) == jax.tree.structure(params) and all(
+        np.shape(a) == p.shape for a, p in zip(jax.tree.leaves(v), jax.tree.leaves(params))
+    )
+    if shapes_match:
+        kind = "tree"
+    elif hasattr(v, "ndim") and v.ndim == 1 and v.shape[0] == n_par:
+        kind = "flat"
+    elif hasattr(v, "ndim") and v.ndim == 1 and v.shape[0] == rep_flat.size and not jnp.iscomplexobj(v):
+        kind = "rep"
+    elif not hasattr(v, "ndim"):
+        check_valid_vector_type(params, v)  # NetKet's "PyTree mismatch" ValueError for other trees
+        expected = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
+        raise ValueError(
+            f"{NAME}: the vector's leaf shapes differ from the parameters' ({_short(expected, 200)}). "
+            "Fix: build it with jax.tree.map over vstate.parameters."
+        )
+    else:
+        raise ValueError(
+            f"{NAME}: a flat vector must have shape ({n_par},) (ravel_pytree of the parameters) or "
+            f"({rep_flat.size},) (the real representation of mode {mode!r}); got an array of shape "
+            f"{tuple(v.shape)}. Fix: pass a pytree like vstate.parameters, or ravel_pytree of one."
+        )
+    if kind == "rep":
+        return v.astype(rep_flat.dtype), lambda x: x
+    if kind == "flat":
+        if jnp.iscomplexobj(v) and not nkjax.tree_leaf_iscomplex(params):
+            raise nk.errors.RealQGTComplexDomainError()
+        v = v.astype(ravel_pytree(params)[0].dtype)
+    tree = unravel_params(v) if kind == "flat" else v
+    check_valid_vector_type(params, tree)
+    flat = ravel_pytree(to_rep(mode, nkjax.tree_cast(tree, params)))[0]
+
+    def back(x):
+        out = from_rep(mode, unravel_rep(x))
+        return ravel_pytree(out)[0] if kind == "flat" else out
+
+    return flat, back
+
+
+def _shift_rep(self: QGTOnTheFlyT) -> jax.Array:
+    r"""The shift :math:`\epsilon_2` in the representation: a scalar, or a flat real ``(D,)`` vector
+    (a complex parameter's shift applies to its real and imaginary parts alike)."""
+    params, mode = self.qgt.params, self.qgt.mode
+    real = self.qgt._real_dtype()
+    if jax.tree.structure(self.diag_shift) != jax.tree.structure(params):
+        return jnp.real(jnp.asarray(self.diag_shift)).astype(real)
+    both = jax.tree.map(
+        lambda d, p: (jnp.real(d) * (1 + 1j)).astype(p.dtype) if jnp.iscomplexobj(p) else jnp.real(d),
+        self.diag_shift,
+        params,
+    )
+    return ravel_pytree(to_rep(mode, both))[0].real.astype(real)
+
+
+# --- traced operations -------------------------------------------------------------------------
+
+
+def _apply(self: QGTOnTheFlyT, rep: jax.Array) -> jax.Array:
+    r""":math:`S_\text{eff} v` for a flat representation vector, as one ``linear_call`` (see the
+    module docstring): the callee is vmcgrad's chunked product plus the shift, the declared
+    transpose :math:`\overline{S_\text{eff} \bar v}`."""
+
+    def product(res, x):
+        qgt, shift = res
+        return (qgt @ x + shift * x).astype(x.dtype)
+
+    def transpose(res, ct):
+        return jnp.conj(product(res, jnp.conj(ct)))
+
+    return linear_call(product, transpose, (self.qgt, _shift_rep(self)), rep)
 
 
 @jax.jit
 def _matmul(self: QGTOnTheFlyT, vec: Any) -> Any:
-    params = self.qgt.params
-    if not hasattr(vec, "ndim"):
-        check_valid_vector_type(params, vec)
-        vec = nkjax.tree_cast(vec, params)
-    if self._in_solve:
-        return _pure_matmul(self._op(), vec)
-    return self._op() @ vec
-
-
-def _pure_matmul(op: Any, vec: Any) -> Any:
-    r"""``op @ vec`` for NetKet's iterative solvers: ref-free, with a declared transpose.
-
-    vmcgrad's products accumulate into ``jax.new_ref`` refs; on jax 0.10.2 the solvers built on
-    ``lax.custom_linear_solve`` (``jax.scipy.sparse.linalg.cg``, ``gmres``) cannot hold a function
-    with ref effects ("No state discharge rule implemented for primitive: custom_linear_solve").
-    Discharging the product's jaxpr (refs become scan carries: the same program for XLA) gives a
-    pure function. ``gmres`` also transposes the operator, which cannot go through the chunk loop;
-    as NetKet's QGTOnTheFly does, the transpose is declared with ``linear_call``: :math:`S` is
-    Hermitian, so :math:`S^T v = \overline{S \bar v}` (just :math:`S v` when :math:`S` is real).
-    """
-
-    def apply(op, v):
-        closed, out_shape = jax.make_jaxpr(lambda op, v: op @ v, return_shape=True)(op, v)
-        from .._jax_private import discharge_state
-
-        pure = discharge_state()(closed)
-        out = jax.core.eval_jaxpr(pure.jaxpr, pure.consts, *jax.tree.leaves((op, v)))
-        return jax.tree.unflatten(jax.tree.structure(out_shape), out)
-
-    def transpose(op, ct):
-        return jax.tree.map(jnp.conj, apply(op, jax.tree.map(jnp.conj, ct)))
-
-    return linear_call(apply, transpose, op, vec)
+    rep, back = _as_rep_flat(self.qgt.params, self.mode, vec)
+    return back(_apply(self, rep))
 
 
 @jax.jit
 def _to_dense(self: QGTOnTheFlyT) -> jax.Array:
-    return self._op().to_dense()
+    dense = self.qgt.to_dense()
+    return dense + jnp.diag(jnp.broadcast_to(_shift_rep(self), dense.shape[:1])).astype(dense.dtype)
+
+
+@jax.jit
+def _diagonal(self: QGTOnTheFlyT) -> jax.Array:
+    diag = self.qgt.diagonal()
+    return (diag + _shift_rep(self)).astype(diag.dtype)
 
 
 @jax.jit
 def _solve(self: QGTOnTheFlyT, solve_fun: Any, y: Any, *, x0: Any) -> tuple[Any, Any]:
-    """Solves in the flat representation of the mode (as QGTJacobianDense does), so that iterative
-    solvers see ``self @ flat`` and dense solvers see ``to_dense()`` in the same basis."""
-    params = self.qgt.params
-    if not hasattr(y, "ndim"):
-        check_valid_vector_type(params, y)
-    y_rep, back = _to_rep_flat(self, y)
-    x0_rep = None if x0 is None else _to_rep_flat(self, x0)[0]
-    if x0_rep is None:
-        x0_rep = jax.numpy.zeros_like(y_rep)
-    x_rep, info = solve_fun(self.replace(_in_solve=True), y_rep, x0=x0_rep)
+    """Solves in the flat representation of the mode (as QGTJacobianDense does): iterative solvers
+    see ``self @ flat`` and dense ones ``to_dense()``, in the same basis. ``info`` is the solver's
+    own (None for ``jax.scipy``'s ``cg``/``gmres``, which report no convergence)."""
+    params, mode = self.qgt.params, self.mode
+    y_rep, back = _as_rep_flat(params, mode, y)
+    x0_rep = jnp.zeros_like(y_rep) if x0 is None else _as_rep_flat(params, mode, x0)[0]
+    x_rep, info = solve_fun(self, y_rep, x0=x0_rep)
     return back(x_rep), info
-
-
-def _to_rep_flat(self: QGTOnTheFlyT, v: Any) -> tuple[jax.Array, Any]:
-    """``v`` (a params-like pytree, or its ravel) as a flat vector of the mode's representation."""
-    params, mode = self.qgt.params, self.qgt.mode
-    _, unravel_params = ravel_pytree(params)
-    was_flat = hasattr(v, "ndim")
-    tree = unravel_params(v) if was_flat else nkjax.tree_cast(v, params)
-    flat, unravel_rep = ravel_pytree(to_rep(mode, tree))
-
-    def back(x):
-        out = from_rep(mode, unravel_rep(x))
-        return ravel_pytree(out)[0] if was_flat else out
-
-    return flat, back
