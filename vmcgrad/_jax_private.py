@@ -6,7 +6,6 @@ version if the private API has moved, instead of an ``ImportError`` deep inside 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -22,15 +21,6 @@ def _missing(what: str, err: Exception | None = None) -> PrivateJaxAPIError:
         f"(vmcgrad was written against jax 0.10.2){f': {err}' if err else ''}. "
         "Fix: install jax==0.10.2, or report this to vmcgrad."
     )
-
-
-def discharge_state() -> Callable[..., Any]:
-    """``jax._src.state.discharge.discharge_state``: a closed jaxpr with refs -> a pure one."""
-    try:
-        from jax._src.state.discharge import discharge_state as fn
-    except ImportError as err:
-        raise _missing("jax._src.state.discharge.discharge_state", err) from None
-    return fn
 
 
 def gloo_tcp_collectives_module() -> Any:

@@ -46,7 +46,8 @@ from netket.utils.api_utils import partial_from_kwargs
 import vmcgrad
 
 from .. import _validation as check
-from .._qgt_modes import from_rep, to_rep
+from .._qgt_modes import to_rep
+from .._views import Views
 from ._expect_grad import log_psi
 
 NAME = "vmcgrad.netket.QGTOnTheFly"
@@ -302,7 +303,7 @@ def _as_rep_flat(params: Any, mode: str, v: Any) -> tuple[jax.Array, Any]:
     are handed). This is the only place the adapter guesses a vector's kind.
     """
     _, unravel_params = ravel_pytree(params)
-    rep_flat, unravel_rep = ravel_pytree(to_rep(mode, params))
+    views = Views(params, mode)  # the core's one conversion between vector kinds
     n_par = sum(math.prod(p.shape) for p in jax.tree.leaves(params))
     shapes_match = jax.tree.structure(v) == jax.tree.structure(params) and all(
         np.shape(a) == p.shape for a, p in zip(jax.tree.leaves(v), jax.tree.leaves(params))
@@ -311,7 +312,7 @@ def _as_rep_flat(params: Any, mode: str, v: Any) -> tuple[jax.Array, Any]:
         kind = "tree"
     elif hasattr(v, "ndim") and v.ndim == 1 and v.shape[0] == n_par:
         kind = "flat"
-    elif hasattr(v, "ndim") and v.ndim == 1 and v.shape[0] == rep_flat.size and not jnp.iscomplexobj(v):
+    elif hasattr(v, "ndim") and v.ndim == 1 and v.shape[0] == views.dim and not jnp.iscomplexobj(v):
         kind = "rep"
     elif not hasattr(v, "ndim"):
         check_valid_vector_type(params, v)  # NetKet's "PyTree mismatch" ValueError for other trees
@@ -323,22 +324,23 @@ def _as_rep_flat(params: Any, mode: str, v: Any) -> tuple[jax.Array, Any]:
     else:
         raise ValueError(
             f"{NAME}: a flat vector must have shape ({n_par},) (ravel_pytree of the parameters) or "
-            f"({rep_flat.size},) (the real representation of mode {mode!r}); got an array of shape "
+            f"({views.dim},) (the real representation of mode {mode!r}); got an array of shape "
             f"{tuple(v.shape)}. Fix: pass a pytree like vstate.parameters, or ravel_pytree of one."
         )
     if kind == "rep":
-        return v.astype(rep_flat.dtype), lambda x: x
-    if kind == "flat":
+        v = v.astype(views.rep_dtype)
+    elif kind == "flat":
         if jnp.iscomplexobj(v) and not nkjax.tree_leaf_iscomplex(params):
             raise nk.errors.RealQGTComplexDomainError()
         v = v.astype(ravel_pytree(params)[0].dtype)
-    tree = unravel_params(v) if kind == "flat" else v
-    check_valid_vector_type(params, tree)
-    flat = ravel_pytree(to_rep(mode, nkjax.tree_cast(tree, params)))[0]
+        check_valid_vector_type(params, unravel_params(v))
+    else:
+        check_valid_vector_type(params, v)
+        v = nkjax.tree_cast(v, params)
+    flat = ravel_pytree(views.to_rep(v, kind))[0]
 
     def back(x):
-        out = from_rep(mode, unravel_rep(x))
-        return ravel_pytree(out)[0] if kind == "flat" else out
+        return views.from_rep(views.to_rep(x, "rep"), kind)
 
     return flat, back
 
@@ -347,7 +349,7 @@ def _shift_rep(self: QGTOnTheFlyT) -> jax.Array:
     r"""The shift :math:`\epsilon_2` in the representation: a scalar, or a flat real ``(D,)`` vector
     (a complex parameter's shift applies to its real and imaginary parts alike)."""
     params, mode = self.qgt.params, self.qgt.mode
-    real = self.qgt._real_dtype()
+    real = self.qgt.views.real_dtype
     if jax.tree.structure(self.diag_shift) != jax.tree.structure(params):
         return jnp.real(jnp.asarray(self.diag_shift)).astype(real)
     both = jax.tree.map(
