@@ -28,6 +28,7 @@ from ._args import HelpFormatter, positive_int
 #: Benchmark suites: name -> the modules of :mod:`vmcgrad.bench` it runs, in order (``--suite``).
 SUITES: dict[str, tuple[str, ...]] = {
     "default": ("core", "grad", "qgt", "vmc_step"),
+    "large": (),  # GCNN / ViT at a memory budget: vmcgrad.bench.large's own runner
 }
 
 #: Every benchmark module of the suites (``--only`` picks among them).
@@ -199,6 +200,10 @@ def run(args) -> int:
     """Runs the benchmarks; returns 0, 1 when a benchmark failed (its cross-check, say), or 130 when
     interrupted (the first Ctrl-C stops after the setting in progress, a second one at once; both
     keep ``bench.json`` with the rows measured so far)."""
+    if args.suite == "large":  # its own runner: compile-only memory tables and an SR step
+        from ..bench.large import run_cli
+
+        return run_cli(Path(args.out), repeats=args.repeats)
     t_start = time.perf_counter()
     result: dict = {}
     out = Path(args.out)
