@@ -20,6 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+#: vmcgrad.bench.large.IMPLS (not imported here: the device count must be set before JAX starts)
+IMPLS = ("vmcgrad", "vmcgrad auto", "netket chunked", "VMC_SR dense", "VMC_SR ntk")
+
 
 def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -36,6 +39,7 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--cg-iters", type=int, default=10, help="CG iterations of the on-the-fly SR steps")
     ap.add_argument("--time-n", type=int, default=256, help="N of the timed SR steps (0: no timing)")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved timed calls per candidate")
+    ap.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS), help="implementations")
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON here (after every stage)")
     return ap.parse_args(argv)
 
@@ -70,6 +74,7 @@ def main(argv=None) -> int:
         repeats=args.repeats,
         st=st,
         n_max=args.n_max,
+        impls=tuple(args.impls),
         on_result=save,
     )
     save(result)

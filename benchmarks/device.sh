@@ -7,7 +7,7 @@
 #   SMOKE=1 bash benchmarks/device.sh          # tiny sizes on CPU (tested: tests/test_device_script.py)
 #
 # PYTHON defaults to `python`. Every step has its own timeout (seconds: core, grad and qgt 90 each,
-# large 200, so at most 470 s in all; SMOKE: 300 each, on a CPU) so one slow step cannot eat the
+# large 200, so at most 470 s in all; SMOKE: 300, large 600, on a CPU) so one slow step cannot eat the
 # whole budget; a failed step is recorded and the others still run (the exit status is then 1).
 set -u
 cd "$(dirname "$0")/.."
@@ -18,13 +18,13 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 if [ "$SMOKE" = 1 ]; then
-  T_SMALL=300 T_LARGE=300
+  T_SMALL=300 T_LARGE=600
   export JAX_PLATFORMS=cpu
   CORE=(--L 8 --n-samples 256 --chunk-size 64 --repeats 1 --dtypes float64)
   GRAD=(--L 8 --n-samples 256 --chunk-size 64 --repeats 1)
   QGT=(--L 8 --n-samples 256 --chunk-size 64 --repeats 1 --memory-n 256 512)
   LARGE=(--size small --models gcnn --dtypes float64 --sizes 256 512 --budgets-mib 8 --n-max 8192
-         --chunk 32 --time-n 64 --repeats 1)
+         --chunk 32 --time-n 64 --repeats 1 --impls vmcgrad "netket chunked" "VMC_SR dense")
 else
   T_SMALL=90 T_LARGE=200
   CORE=(--L 64 --n-samples 65536 --chunk-size 4096 --repeats 5)

@@ -32,3 +32,23 @@ def test_largest_n_brackets_the_limit(fits, hint):
 def test_largest_n_none_fits_and_all_fit():
     assert largest_n(lambda n: False, granule=4, hint=100, n_max=1024)[:2] == (0, 4)
     assert largest_n(lambda n: True, granule=4, hint=100, n_max=1024)[:2] == (1024, None)
+
+
+def test_script_lists_the_same_implementations():
+    import importlib.util
+    from pathlib import Path
+
+    from vmcgrad.bench import large
+
+    path = Path(__file__).parent.parent / "benchmarks" / "bench_large.py"
+    spec = importlib.util.spec_from_file_location("bench_large", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.IMPLS == large.IMPLS
+
+
+def test_cli_registers_the_large_suite():
+    from vmcgrad.cli import build_parser
+
+    assert build_parser().parse_args(["bench", "--suite", "large"]).suite == "large"
+    assert build_parser().parse_args(["bench"]).suite == "standard"

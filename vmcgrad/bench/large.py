@@ -657,6 +657,7 @@ def run_suite(
     repeats: int = 3,
     st: Settings = Settings(),
     n_max: int = 2**24,
+    impls: tuple[str, ...] = IMPLS,
     log: Any = print,
     on_result: Callable[[dict], None] | None = None,
 ) -> dict:
@@ -669,7 +670,10 @@ def run_suite(
         for dtype in dtypes:
             prob = make_problem(name, dtype, size=size)
             log(f"== {name} {dtype}: P = {prob.n_params}, mode {prob.mode}")
-            result["memory"] += memory_table(prob, sizes, st=st, auto_budget=budgets[0], log=log)
+            auto_budget = budgets[0] if budgets else BUDGETS[0]
+            result["memory"] += memory_table(
+                prob, sizes, st=st, impls=impls, auto_budget=auto_budget, log=log
+            )
             if on_result is not None:
                 on_result(result)
             if budgets:
@@ -677,6 +681,7 @@ def run_suite(
                 result["limits"] += n_limits(
                     prob,
                     st=st,
+                    impls=impls,
                     estimators=limit_estimators,
                     budgets=budgets,
                     n_max=n_max,
@@ -686,7 +691,8 @@ def run_suite(
                 if on_result is not None:
                     on_result(result)
             if time_n:
-                rows, ratios = step_times(prob, time_n, st=st, repeats=repeats, log=log)
+                against = tuple(i for i in ("netket chunked", "VMC_SR ntk", "VMC_SR dense") if i in impls)
+                rows, ratios = step_times(prob, time_n, st=st, repeats=repeats, against=against, log=log)
                 result["times"] += [r.as_dict() for r in rows]
                 result["ratios"] += ratios
                 if on_result is not None:
