@@ -640,7 +640,7 @@ def format_memory(rows: list[dict]) -> str:
             if r is None or not math.isfinite(r["total_bytes"]):
                 cells.append(f"{'-':>15}")
             else:
-                cells.append(f"{r['temp_bytes'] / MiB:>8.1f}/{r['total_bytes'] / MiB:<6.0f}")
+                cells.append(f"{r['temp_bytes'] / MiB:>8.1f}/{r['total_bytes'] / MiB:<6.1f}")
         lines.append(f"{k[0]:<6}{k[1]:<9}{k[2]:<13}{k[3]:<16}" + "".join(cells))
     return "\n".join(lines) + "\n(temp/total MiB per device; total = temp + arguments + outputs)"
 
