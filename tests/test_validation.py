@@ -1,11 +1,17 @@
 """Bad input raises a clear TypeError/ValueError before tracing: argument, given, expected, fix."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from helpers import make_case
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import vmcgrad
+from vmcgrad._validation import check_memory_budget, describe
 
 FUN, PARAMS, SAMPLES = make_case("r2c", 8)
 CT = jnp.ones(8, jnp.complex128)
@@ -116,3 +122,199 @@ def test_errors_are_raised_before_tracing():
 
     with pytest.raises(TypeError, match="`cotangent` must match the output of `fun`"):
         user(PARAMS, SAMPLES)
+
+
+# --- every message abbreviates its input (describe) -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "x, text",
+    [
+        ([0.5] * 10**5, "a list of 100000 elements [0.5, 0.5, 0.5, ...]"),
+        (tuple(range(4)), "a tuple of 4 elements (0, 1, 2, ...)"),
+        ({f"k{i}": jnp.ones(3) for i in range(9)}, "{'k0': float64[3], 'k1': float64[3], 'k2': f"),
+        (jnp.zeros(10**6), "shape (1000000,) and dtype float64 (jax.Array)"),
+        (np.zeros((2, 3), np.float32), "shape (2, 3) and dtype float32 (numpy.ndarray)"),
+        (np.float32(-0.5), "-0.5 (numpy.float32)"),
+        ("x" * 10**4, "xxx... (str)"),
+        (3, "3 (int)"),
+    ],
+)
+def test_describe_is_short(x, text):
+    out = describe(x)
+    assert text in out and len(out) < 120, out
+
+
+def test_long_list_cotangent_is_abbreviated():
+    with pytest.raises(TypeError, match="`cotangent` must match the output of `fun`") as info:
+        vmcgrad.batched_vjp(FUN, PARAMS, SAMPLES, [0.5 + 0j] * 8)
+    message = str(info.value)
+    assert "got a list of 8 elements [0.5j, 0.5j, 0.5j, ...]" in message.replace("(0.5+0j)", "0.5j")
+    assert "Fix: pass one complex128 value per sample, e.g. jnp.asarray(v, complex128)" in message
+    with pytest.raises(TypeError) as info:
+        vmcgrad.batched_vjp(FUN, PARAMS, SAMPLES, [0.5] * 10**5)
+    assert len(str(info.value)) < 400 and "a list of 100000 elements" in str(info.value)
+    # the fix the message suggests works
+    out = vmcgrad.batched_vjp(FUN, PARAMS, SAMPLES, jnp.asarray([0.5 + 0j] * 8, jnp.complex128))
+    assert jax.tree.structure(out) == jax.tree.structure(PARAMS)
+
+
+# --- fun: callable, floating output ------------------------------------------------------------
+
+E_LOC = jnp.linspace(0.0, 1.0, 8)
+
+
+def entry_points(fun, samples=SAMPLES):
+    """Each public entry point called with ``fun`` (the 4th argument matched to the output dtype)."""
+    return {
+        "batched_vjp": lambda: vmcgrad.batched_vjp(fun, PARAMS, samples, CT),
+        "batched_jvp": lambda: vmcgrad.batched_jvp(fun, PARAMS, samples, T),
+        "expect_grad": lambda: vmcgrad.expect_grad(fun, PARAMS, samples, E_LOC),
+        "QGT": lambda: vmcgrad.QGT(fun, PARAMS, samples),
+        "auto_chunk_size": lambda: vmcgrad.auto_chunk_size(fun, PARAMS, samples),
+    }
+
+
+@pytest.mark.parametrize("api", ["batched_vjp", "batched_jvp", "expect_grad", "QGT", "auto_chunk_size"])
+@pytest.mark.parametrize("fun", [3, "fun", None], ids=["int", "str", "None"])
+def test_fun_not_callable(api, fun):
+    arg = "logpsi" if api in ("expect_grad", "QGT") else "fun"
+    with pytest.raises(TypeError, match=f"vmcgrad.{api}: `{arg}` must be a function") as info:
+        entry_points(fun)[api]()
+    assert f"got {describe(fun)}, which is not callable" in str(info.value) and "Fix:" in str(info.value)
+
+
+@pytest.mark.parametrize("api", ["batched_vjp", "batched_jvp", "expect_grad", "QGT", "auto_chunk_size"])
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.bool_], ids=["int32", "bool"])
+def test_integer_valued_fun_refused(api, dtype):
+    """It was told to pass an int cotangent, which then returned zeros."""
+    fun = lambda p, x: (FUN(p, x).real > 0).astype(dtype)
+    arg = "logpsi" if api in ("expect_grad", "QGT") else "fun"
+    with pytest.raises(TypeError, match=rf"`{arg}\(params, samples\)` must return floating values") as info:
+        entry_points(fun)[api]()
+    assert f"it returned dtype {jnp.dtype(dtype)}" in str(info.value) and "Fix:" in str(info.value)
+    if api == "batched_vjp":  # an integer cotangent does not get through either
+        with pytest.raises(TypeError, match="must return floating values"):
+            vmcgrad.batched_vjp(fun, PARAMS, SAMPLES, jnp.ones(8, dtype))
+
+
+# --- memory_budget -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "budget", [2**30, np.int64(2**30), float(2**30), np.float64(2**30), np.float32(2**30), jnp.asarray(2**30)]
+)
+def test_memory_budget_any_positive_real(budget):
+    assert check_memory_budget("f", budget) == 2**30 and type(check_memory_budget("f", budget)) is int
+    fun, params, samples = make_case("r2r", 64)
+    assert vmcgrad.auto_chunk_size(fun, params, samples, memory_budget=budget) == vmcgrad.auto_chunk_size(
+        fun, params, samples, memory_budget=2**30
+    )
+
+
+def test_memory_budget_fractional_and_1e9():
+    assert check_memory_budget("f", 1e9) == 10**9 and check_memory_budget("f", 1.5) == 1.5
+    assert check_memory_budget("f", None) is None
+    fun, params, samples = make_case("r2r", 64)
+    c = vmcgrad.auto_chunk_size(fun, params, samples, memory_budget=1e9)
+    assert c & (c - 1) == 0
+
+
+@pytest.mark.parametrize(
+    "budget, error, text",
+    [
+        (True, TypeError, "got True (bool)"),
+        (False, TypeError, "got False (bool)"),
+        (np.bool_(True), TypeError, "got True (numpy.bool)"),
+        ("1e9", TypeError, "got '1e9' (str)"),
+        ([2**30], TypeError, "got a list of 1 element"),
+        (jnp.ones(2), TypeError, "got shape (2,)"),
+        (1j, TypeError, "got 1j (complex)"),
+        (float("nan"), ValueError, "got nan (float)"),
+        (float("inf"), ValueError, "got inf (float)"),
+        (0, ValueError, "got 0 (int)"),
+        (-1.0, ValueError, "got -1.0 (float)"),
+        (np.int64(-5), ValueError, "got -5 (numpy.int64)"),
+    ],
+)
+def test_memory_budget_refused(budget, error, text):
+    message = r"vmcgrad\.auto_chunk_size: `memory_budget` must be a positive number of bytes"
+    with pytest.raises(error, match=message) as info:
+        vmcgrad.auto_chunk_size(FUN, PARAMS, SAMPLES, memory_budget=budget)
+    assert text in str(info.value) and "Fix: pass e.g. memory_budget=2**30" in str(info.value)
+
+
+# --- samples sharded under the user's jit with no mesh visible -------------------------------
+
+multi = pytest.mark.skipif(jax.device_count() == 1, reason="needs more than one device")
+SHARDING_WARNING = "cannot tell whether they are split over devices"
+APIS = ["batched_vjp", "batched_jvp", "expect_grad", "QGT"]
+
+
+def _jitted(api):
+    calls = {
+        "batched_vjp": lambda x: vmcgrad.batched_vjp(FUN, PARAMS, x, CT_N(x)),
+        "batched_jvp": lambda x: vmcgrad.batched_jvp(FUN, PARAMS, x, T),
+        "expect_grad": lambda x: vmcgrad.expect_grad(FUN, PARAMS, x, jnp.ones(x.shape[0])),
+        "QGT": lambda x: vmcgrad.QGT(FUN, PARAMS, x, chunk_size=2) @ T,
+    }
+    return calls[api]
+
+
+def CT_N(x):
+    return jnp.ones(x.shape[0], jnp.complex128)
+
+
+def _sharded_samples(axis_type):
+    mesh = jax.make_mesh((jax.device_count(),), ("S",), axis_types=(axis_type,))
+    _, _, x = make_case("r2c", 4 * jax.device_count())
+    return mesh, jax.device_put(x, NamedSharding(mesh, P("S")))
+
+
+def _vmcgrad_warnings(record):
+    return [w for w in record if SHARDING_WARNING in str(w.message)]
+
+
+@multi
+@pytest.mark.parametrize("api", APIS)
+def test_warns_when_auto_sharded_samples_are_traced_without_mesh(api):
+    mesh, x = _sharded_samples(AxisType.Auto)
+    with pytest.warns(UserWarning, match=SHARDING_WARNING) as record:
+        jax.jit(_jitted(api))(x)
+    (w,) = _vmcgrad_warnings(record)
+    assert f"vmcgrad.{api}:" in str(w.message) and "with Auto axes" in str(w.message)
+    assert "Fix: call your jitted function inside `with jax.set_mesh(mesh):`" in str(w.message)
+    assert w.filename == __file__  # points at the user's line that called vmcgrad
+    # the fix the warning suggests: no warning
+    with warnings.catch_warnings(record=True) as record, jax.set_mesh(mesh):
+        warnings.simplefilter("always")
+        jax.jit(_jitted(api))(x)
+    assert not _vmcgrad_warnings(record)
+
+
+@multi
+def test_no_warning_when_the_split_is_visible():
+    """(Explicit-axis samples with no context mesh are not tried: on jax 0.10.2 vmcgrad's own
+    replicate/reshard raises 'Using PartitionSpec when you are not under a mesh context', eagerly and
+    under jit, before and after this change. Nor ``jax.device_put(x_auto, one_device)``: its type
+    keeps the 4-device Auto mesh of ``x_auto`` on jax 0.10.2, so it is warned about.)"""
+    _, x_auto = _sharded_samples(AxisType.Auto)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _jitted("batched_vjp")(x_auto)  # eager: the concrete sharding is read
+        jax.jit(_jitted("batched_vjp"))(jax.device_put(np.asarray(x_auto), jax.devices()[0]))  # one device
+    assert not [str(w.message) for w in record if "on a mesh" in str(w.message)]
+
+
+@multi
+def test_warns_once_per_call_site_when_no_sharding_is_visible():
+    """jit(in_shardings=...) over a plain array: the type shows no mesh at all; warned (the text says
+    why), once for one call site even when traced twice."""
+    mesh, x = _sharded_samples(AxisType.Auto)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("default")
+        for _ in range(2):
+            f = jax.jit(_jitted("batched_vjp"), in_shardings=NamedSharding(mesh, P("S")))
+            f(np.asarray(x))
+    (w,) = _vmcgrad_warnings(record)
+    assert "no sharding visible in their type" in str(w.message)

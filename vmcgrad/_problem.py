@@ -91,6 +91,7 @@ def problem(
     chunk_size = check.check_chunk_size(name, chunk_size)
     memory_budget = check.check_memory_budget(name, memory_budget)
     params, samples, n, out = check.check_problem(name, fun, params, samples, arg=arg)
+    check.warn_if_sharding_unseen(name, samples)
     where = find_sample_axis(samples)
     static, data = split_fun(fun)
     params, data, extra = replicate((params, data, extra), where)

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
+from . import _validation as check
 from ._problem import Inputs, Problem, auto_chunk, call, problem
 from ._qgt_modes import choose_mode, to_rep
 from ._qgt_passes import jacobian_body, mean_body, product_body
@@ -133,9 +134,10 @@ class QGTOperator:
     ) -> tuple[Any, CGInfo]:
         r"""Solves :math:`S_\text{eff}\, x = b` by conjugate gradient (one pass per iteration).
 
-        With ``diag_scale`` set, as NetKet does, CG runs on the Jacobi-rescaled system
-        :math:`D^{-1/2} S_\text{eff} D^{-1/2} y = D^{-1/2} b`, :math:`x = D^{-1/2} y`,
-        :math:`D = \operatorname{diag}(S) + \epsilon_2/\epsilon_1`.
+        With ``diag_scale`` set, CG is preconditioned by Jacobi, :math:`M = D^{-1}`,
+        :math:`D = \epsilon_1 \operatorname{diag}(S) + \epsilon_2` (NetKet's rescaling of the system
+        by :math:`D^{-1/2}`, which gives the same iterates in exact arithmetic); the tolerances and
+        ``info`` refer to the original system :math:`S_\text{eff}\, x = b`.
 
         To keep every chunk's linearisation for the whole solve (no forward pass per iteration),
         solve with ``S.linearize().solve(b)`` instead (:class:`vmcgrad.LinearizedQGT`).
@@ -145,11 +147,16 @@ class QGTOperator:
             x0: initial guess of the same kind, or None for zeros.
             tol, atol: stop when :math:`\lVert r\rVert \le \max(\mathrm{tol}\lVert b\rVert,
                 \mathrm{atol})` (``jax.scipy.sparse.linalg.cg``'s rule and defaults).
-            maxiter: iteration cap; None means ``10 * dim``.
+            maxiter: iteration cap, an int >= 0; None means ``10 * dim``.
 
         Returns:
-            ``(x, info)``: ``x`` of the kind of ``b``, ``info`` a :class:`~vmcgrad.CGInfo` (with
-            ``diag_scale`` set, its residual norm and the tolerances refer to the rescaled system).
+            ``(x, info)``: ``x`` of the kind of ``b``, ``info`` a :class:`~vmcgrad.CGInfo`;
+            ``info.converged`` is true only if the returned ``x`` meets the tolerance on the true
+            residual :math:`\lVert S_\text{eff} x - b\rVert` (one more product after the loop).
+
+        Raises:
+            TypeError, ValueError: for bad vectors, tolerances or ``maxiter``, before anything is
+                traced.
         """
         return _solve(self, b, x0=x0, tol=tol, atol=atol, maxiter=maxiter)
 
@@ -175,8 +182,8 @@ class QGTOperator:
         real = self.views.real_dtype
         if "diag_shift" in changes:
             changes["diag_shift"] = _scalar(f"{_NAME}.replace", "diag_shift", changes["diag_shift"], real)
-        if "diag_scale" in changes and changes["diag_scale"] is not None:
-            changes["diag_scale"] = _scalar(f"{_NAME}.replace", "diag_scale", changes["diag_scale"], real)
+        if "diag_scale" in changes:
+            changes["diag_scale"] = _diag_scale(f"{_NAME}.replace", changes["diag_scale"], real)
         new = dataclasses.replace(self, **changes)
         if new.diag_scale is not None and new.diag_s is None:
             new = dataclasses.replace(new, diag_s=call(_diag_s_program, new.problem, new))
@@ -240,19 +247,16 @@ class QGTOperator:
 
 
 def _scalar(where: str, name: str, x: Any, real_dtype: Any) -> jax.Array:
-    try:
-        arr = jnp.asarray(x)
-    except TypeError:
-        arr = None
-    if (
-        arr is None
-        or arr.ndim != 0
-        or not (jnp.issubdtype(arr.dtype, jnp.floating) or jnp.issubdtype(arr.dtype, jnp.integer))
-    ):
-        raise TypeError(
-            f"{where}: `{name}` must be a real scalar; got {x!r}. Fix: pass a float, e.g. {name}=1e-3."
-        )
-    return arr.astype(real_dtype)
+    """A shift: a finite real number >= 0 (checked when concrete), as a 0-d ``real_dtype`` array."""
+    return check.check_nonnegative_scalar(where, name, x, real_dtype)
+
+
+def _diag_scale(where: str, x: Any, real_dtype: Any) -> jax.Array | None:
+    """``diag_scale``: None, or a shift; a concrete 0 means no scaling, the same as None."""
+    if x is None:
+        return None
+    x = _scalar(where, "diag_scale", x, real_dtype)
+    return None if not isinstance(x, jax.core.Tracer) and float(x) == 0 else x
 
 
 def QGT(
@@ -327,8 +331,7 @@ def QGT(
     mode = choose_mode(_NAME, inputs.params, out, mode, holomorphic)
     real = Views(inputs.params, mode).real_dtype
     diag_shift = _scalar(_NAME, "diag_shift", 0.0 if diag_shift is None else diag_shift, real)
-    if diag_scale is not None:
-        diag_scale = _scalar(_NAME, "diag_scale", diag_scale, real)
+    diag_scale = _diag_scale(_NAME, diag_scale, real)
     op = QGTOperator(
         inputs=inputs,
         obar=None,
@@ -431,7 +434,8 @@ def _solve(A: Any, b: Any, *, x0: Any, tol: Any, atol: Any, maxiter: Any) -> tup
                 f"{where}: `x0` must be the same kind of vector as `b` ({kind}); got {kind0}. "
                 "Fix: pass both as pytrees, or both flat."
             )
-    maxiter = 10 * A.dim if maxiter is None else maxiter
+    tol, atol = check.check_tolerances(where, tol, atol)
+    maxiter = check.check_maxiter(where, maxiter, default=10 * A.dim)
     return call(_solve_program, A.problem, A, b, x0, tol, atol, maxiter, kind)
 
 
@@ -441,14 +445,19 @@ def _solve_program(prob: Problem, A: Any, b: Any, x0: Any, tol: Any, atol: Any, 
     op, views = A.operator, A.operator.views
     b = views.to_rep(b, kind)
     x0 = None if x0 is None else views.to_rep(x0, kind)
-    matvec = A._apply_rep
-    if op.diag_scale is None:
-        x, info = cg(matvec, b, x0, tol=tol, atol=atol, maxiter=maxiter)
-    else:
-        s = jax.tree.map(lambda d: jnp.sqrt(d + op.diag_shift / op.diag_scale), op.diag_s)
-        div = lambda t: jax.tree.map(lambda a, c: (a / c).astype(a.dtype), t, s)
-        mul = lambda t: jax.tree.map(lambda a, c: (a * c).astype(a.dtype), t, s)
-        y, info = cg(lambda y: div(matvec(div(y))), div(b), None if x0 is None else mul(x0), tol=tol,
-                     atol=atol, maxiter=maxiter)  # fmt: skip
-        x = div(y)
+    x, info = cg(A._apply_rep, b, x0, tol=tol, atol=atol, maxiter=maxiter, M=_jacobi(op))
     return views.from_rep(x, kind), info
+
+
+def _jacobi(op: QGTOperator) -> Any:
+    r"""With ``diag_scale`` set, the preconditioner :math:`r \mapsto D^{-1} r`,
+    :math:`D = \epsilon_1 \operatorname{diag}(S) + \epsilon_2` (None without ``diag_scale``).
+
+    Entries with :math:`D_{kk} = 0` (a parameter that does not change :math:`\log\psi`, no shift)
+    are left unscaled, so that :math:`M` stays positive definite.
+    """
+    if op.diag_scale is None:
+        return None
+    d = jax.tree.map(lambda s: op.diag_scale * s + op.diag_shift, op.diag_s)
+    inv = jax.tree.map(lambda d: jnp.where(d > 0, 1 / jnp.where(d > 0, d, 1), 1), d)
+    return lambda r: jax.tree.map(lambda a, w: (a * w).astype(a.dtype), r, inv)

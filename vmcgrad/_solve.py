@@ -1,20 +1,33 @@
-r"""Conjugate gradient for Hermitian positive-definite operators on pytrees, in one ``lax.while_loop``.
+r"""Preconditioned conjugate gradient for Hermitian positive-definite operators on pytrees.
 
 Written here rather than taken from ``jax.scipy.sparse.linalg.cg`` because the latter fails on
 jax 0.10.2 when a *complex* mat-vec accumulates into refs (``DynamicJaxprTracer has no attribute
-ref``), which is exactly what the QGT product does. The iteration is the textbook one (and the
-same as ``jax.scipy``'s, so that solves compare iterate for iterate):
+ref``), which is exactly what the QGT product does. The iteration is the textbook preconditioned
+one, the same as ``jax.scipy``'s (given the same ``M``), so that solves compare iterate for
+iterate: with :math:`z = M r` (:math:`M \approx A^{-1}` Hermitian positive definite; the identity
+when no preconditioner is given)
 
 .. math::
 
-    r_0 = b - A x_0,\quad p_0 = r_0,\quad
-    \alpha_k = \frac{\langle r_k, r_k\rangle}{\mathrm{Re}\,\langle p_k, A p_k\rangle},\quad
-    x_{k+1} = x_k + \alpha_k p_k,\quad r_{k+1} = r_k - \alpha_k A p_k,\quad
-    p_{k+1} = r_{k+1} + \frac{\langle r_{k+1}, r_{k+1}\rangle}{\langle r_k, r_k\rangle} p_k ,
+    r_0 = b - A x_0,\quad z_0 = M r_0,\quad p_0 = z_0,\quad \gamma_k = \mathrm{Re}\langle r_k, z_k\rangle,
 
-with :math:`\langle a, b\rangle = \sum_j \bar a_j b_j` over all leaves (complex-safe), stopping when
-:math:`\lVert r_k\rVert \le \max(\mathrm{tol}\,\lVert b\rVert, \mathrm{atol})` or after ``maxiter``
-iterations. With ``x0=None`` the start is :math:`x_0 = 0` and no product is spent on :math:`A x_0`.
+    \alpha_k = \frac{\gamma_k}{\mathrm{Re}\,\langle p_k, A p_k\rangle},\quad
+    x_{k+1} = x_k + \alpha_k p_k,\quad r_{k+1} = r_k - \alpha_k A p_k,\quad
+    p_{k+1} = z_{k+1} + \frac{\gamma_{k+1}}{\gamma_k} p_k ,
+
+with :math:`\langle a, b\rangle = \sum_j \bar a_j b_j` over all leaves (complex-safe). The loop
+stops when the recursion residual meets :math:`\lVert r_k\rVert \le \tau = \max(\mathrm{tol}\,
+\lVert b\rVert, \mathrm{atol})` or after ``maxiter`` iterations. With ``x0=None`` the start is
+:math:`x_0 = 0` and no product is spent on :math:`A x_0`.
+
+**Converged means the true residual.** The recursion residual :math:`r_k` drifts from
+:math:`b - A x_k` in floating point, and it says nothing when the iteration breaks down (a
+singular :math:`A`, an indefinite one, a NaN). So after the loop, when the recursion claims
+convergence, the residual is measured once more with one extra product,
+:math:`\lVert b - A x\rVert \le \tau`, and only that (finite) value makes ``converged`` true. When
+the recursion itself misses the tolerance the solve is reported as not converged and the extra
+product is skipped (``lax.cond``): a solve is never reported converged on a wrong answer, and a
+solve that ran out of iterations costs no more than before.
 """
 
 from __future__ import annotations
@@ -31,14 +44,19 @@ class CGInfo(NamedTuple):
 
     Attributes:
         iterations: number of iterations run (= operator products after the first residual).
-        residual_norm: :math:`\\lVert b - A x\\rVert_2` of the returned ``x`` (as updated by the
-            recursion, not recomputed).
-        converged: whether the tolerance was met (False when stopped by ``maxiter``).
+        residual_norm: :math:`\\lVert r_k\\rVert_2`, the residual as updated by the recursion (what
+            the loop stops on).
+        converged: whether the returned ``x`` meets the tolerance, measured on the true residual
+            :math:`\\lVert b - A x\\rVert_2` (False when stopped by ``maxiter`` short of it, or on
+            a NaN).
+        true_residual_norm: :math:`\\lVert b - A x\\rVert_2` recomputed after the loop; NaN when
+            not measured (the recursion residual already missed the tolerance).
     """
 
     iterations: jax.Array
     residual_norm: jax.Array
     converged: jax.Array
+    true_residual_norm: jax.Array
 
 
 def vdot(a: Any, b: Any) -> jax.Array:
@@ -51,6 +69,10 @@ def _axpy(alpha: jax.Array, x: Any, y: Any) -> Any:
     return jax.tree.map(lambda a, b: (alpha * a + b).astype(b.dtype), x, y)
 
 
+def _sub(a: Any, b: Any) -> Any:
+    return jax.tree.map(lambda x, y: (x - y).astype(x.dtype), a, b)
+
+
 def cg(
     matvec: Callable[[Any], Any],
     b: Any,
@@ -59,43 +81,63 @@ def cg(
     tol: float | jax.Array = 1e-5,
     atol: float | jax.Array = 0.0,
     maxiter: int | jax.Array,
+    M: Callable[[Any], Any] | None = None,
 ) -> tuple[Any, CGInfo]:
-    """Solves ``matvec(x) = b`` for Hermitian positive-definite ``matvec`` by conjugate gradient.
+    """Solves ``matvec(x) = b`` for Hermitian positive-definite ``matvec`` by (preconditioned) CG.
 
     Args:
         matvec: linear, Hermitian positive-definite map on pytrees shaped like ``b``.
         b: right-hand side, a pytree of real or complex arrays.
         x0: initial guess shaped like ``b``, or None for zeros (saves one product).
-        tol, atol: relative and absolute tolerances on the residual 2-norm.
+        tol, atol: relative and absolute tolerances on the residual 2-norm (of the original system
+            ``matvec(x) = b``, also with a preconditioner).
         maxiter: maximum number of iterations (may be traced).
+        M: preconditioner ``r -> M r`` (an approximation of the inverse of ``matvec``, Hermitian
+            positive definite), as ``jax.scipy.sparse.linalg.cg``'s ``M``; None for none.
 
     Returns:
-        ``(x, info)`` with ``info`` a :class:`CGInfo`.
+        ``(x, info)`` with ``info`` a :class:`CGInfo`; ``info.converged`` refers to the residual
+        :math:`\\lVert b - \\mathrm{matvec}(x)\\rVert` recomputed after the loop.
     """
     real = jnp.real
+    precondition = M if M is not None else (lambda r: r)
     bnorm2 = real(vdot(b, b))
     thresh2 = jnp.maximum(jnp.square(tol) * bnorm2, jnp.square(atol))
     if x0 is None:
         x0 = jax.tree.map(jnp.zeros_like, b)
         r0 = b
     else:
-        r0 = jax.tree.map(lambda bb, ax: bb - ax, b, matvec(x0))
-    gamma0 = real(vdot(r0, r0))
+        r0 = _sub(b, matvec(x0))
+    z0 = precondition(r0)
+    gamma0 = real(vdot(r0, z0))
+    rnorm0 = gamma0 if M is None else real(vdot(r0, r0))
 
     def cond(state):
-        _, _, _, gamma, k = state
-        return (gamma > thresh2) & (k < maxiter)
+        *_, rnorm2, k = state
+        return (rnorm2 > thresh2) & (k < maxiter)
 
     def body(state):
-        x, r, p, gamma, k = state
+        x, r, p, gamma, _, k = state
         ap = matvec(p)
         alpha = gamma / real(vdot(p, ap))
         x = _axpy(alpha, p, x)
         r = _axpy(-alpha, ap, r)
-        gamma_new = real(vdot(r, r))
-        p = _axpy(gamma_new / gamma, p, r)
-        return x, r, p, gamma_new, k + 1
+        z = precondition(r)
+        gamma_new = real(vdot(r, z))
+        p = _axpy(gamma_new / gamma, p, z)
+        rnorm2 = gamma_new if M is None else real(vdot(r, r))
+        return x, r, p, gamma_new, rnorm2, k + 1
 
-    init = (x0, r0, r0, gamma0, jnp.zeros((), jnp.int32))
-    x, _, _, gamma, k = jax.lax.while_loop(cond, body, init)
-    return x, CGInfo(iterations=k, residual_norm=jnp.sqrt(gamma), converged=gamma <= thresh2)
+    init = (x0, r0, z0, gamma0, rnorm0, jnp.zeros((), jnp.int32))
+    x, _, _, _, rnorm2, k = jax.lax.while_loop(cond, body, init)
+    claimed = rnorm2 <= thresh2  # False for NaN
+
+    def true_residual2(x):
+        r = _sub(b, matvec(x))
+        return real(vdot(r, r))
+
+    true2 = jax.lax.cond(claimed, true_residual2, lambda x: jnp.full_like(rnorm2, jnp.nan), x)
+    converged = claimed & (true2 <= thresh2)
+    return x, CGInfo(
+        iterations=k, residual_norm=jnp.sqrt(rnorm2), converged=converged, true_residual_norm=jnp.sqrt(true2)
+    )

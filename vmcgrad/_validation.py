@@ -6,7 +6,12 @@ and how to fix it, so a user mistake never surfaces as a JAX-internal traceback.
 
 from __future__ import annotations
 
+import math
+import numbers
 import operator
+import os
+import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -14,21 +19,83 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+#: How many elements, items or characters :func:`describe` shows of a long input.
+_MAX_ITEMS = 3
+_MAX_CHARS = 80
+
 
 def describe(x: Any) -> str:
-    """A short description of a value for messages: shape and dtype, or an abbreviated repr."""
-    if hasattr(x, "shape") and hasattr(x, "dtype"):
-        return f"shape {tuple(x.shape)} and dtype {x.dtype}"
-    if isinstance(x, (list, tuple, dict)) or jax.tree.leaves(x) != [x]:
-        leaves = jax.tree.leaves(x)
-        text = repr(x)
-        short = text if len(text) <= 80 else text[:60] + " ... " + text[-15:]
-        return f"a {type(x).__name__} with {len(leaves)} leaves: {short}"
-    text = repr(x)
-    return f"{type(x).__name__} {text if len(text) <= 80 else text[:60] + ' ...'}"
+    """A short description of a user's input for error messages: type, shape, dtype, a few elements.
+
+    Arrays (and ``ShapeDtypeStruct``) are described by shape and dtype only, never by their values;
+    lists, tuples and dicts by their length and first :data:`_MAX_ITEMS` elements; anything else
+    by its ``repr``, cut to :data:`_MAX_CHARS` characters. So a message about a cotangent given as
+    a list of 10^6 numbers stays one line.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> describe(jnp.ones((3, 2), jnp.float32))
+        'shape (3, 2) and dtype float32 (jax.Array)'
+        >>> describe([0.5] * 1000)
+        'a list of 1000 elements [0.5, 0.5, 0.5, ...]'
+        >>> describe({"a": jnp.ones(8, jnp.float32), "b": 3})
+        "{'a': float32[8], 'b': 3} (dict)"
+    """
+    if _is_array_like(x):
+        kind = _array_kind(x)
+        if _is_concrete_scalar(x):
+            return f"{_short(x)} ({kind if isinstance(x, np.generic) else f'{kind} of dtype {x.dtype}'})"
+        return f"shape {tuple(x.shape)} and dtype {x.dtype}" + (f" ({kind})" if kind else "")
+    if isinstance(x, (list, tuple)):
+        return f"a {type(x).__name__} of {len(x)} element{'' if len(x) == 1 else 's'} {_items(x)}"
+    if isinstance(x, dict):
+        return f"{_items(x)} ({type(x).__name__})"
+    return f"{_cut(repr(x))} ({type(x).__name__})"
 
 
-_describe = describe
+def _is_array_like(x: Any) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, type)
+
+
+def _is_concrete_scalar(x: Any) -> bool:
+    return not isinstance(x, (jax.core.Tracer, jax.ShapeDtypeStruct)) and np.ndim(x) == 0
+
+
+def _array_kind(x: Any) -> str:
+    if isinstance(x, jax.core.Tracer):
+        return "a traced array"
+    if isinstance(x, jax.Array):
+        return "jax.Array"
+    if isinstance(x, (np.ndarray, np.generic)):
+        return f"numpy.{type(x).__name__}"
+    return "" if isinstance(x, jax.ShapeDtypeStruct) else type(x).__name__
+
+
+def _items(x: list | tuple | dict) -> str:
+    """``[e0, e1, e2, ...]`` or ``{k0: e0, ...}`` with at most :data:`_MAX_ITEMS` shown."""
+    if isinstance(x, dict):
+        shown = [f"{k!r}: {_short(v)}" for k, v in list(x.items())[:_MAX_ITEMS]]
+        open_, close = "{", "}"
+    else:
+        shown = [_short(e) for e in x[:_MAX_ITEMS]]
+        open_, close = ("(", ")") if isinstance(x, tuple) else ("[", "]")
+    more = ", ..." if len(x) > _MAX_ITEMS else ""
+    return open_ + ", ".join(shown) + more + close
+
+
+def _short(x: Any) -> str:
+    """One element inside :func:`describe`: ``float64[8]``, a scalar's value, or a nested summary."""
+    if _is_array_like(x):
+        if _is_concrete_scalar(x):
+            return _cut(repr(np.asarray(x).item()))
+        return f"{np.dtype(x.dtype).name}{list(x.shape)}"
+    if isinstance(x, (list, tuple, dict)):
+        return f"{type(x).__name__}[{len(x)}]"
+    return _cut(repr(x))
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= _MAX_CHARS else text[: _MAX_CHARS - 3] + "..."
 
 
 def check_chunk_size(where: str, chunk_size: Any) -> int | None:
@@ -118,13 +185,31 @@ def check_output(
     bare = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, samples))
     out = jax.eval_shape(fun, *bare)
     if not isinstance(out, jax.ShapeDtypeStruct) or tuple(out.shape) != (n,):
-        got = _describe(out) if isinstance(out, jax.ShapeDtypeStruct) else f"a {type(out).__name__}"
+        got = describe(out) if isinstance(out, jax.ShapeDtypeStruct) else f"a {type(out).__name__}"
         raise ValueError(
             f"{where}: `{arg}(params, samples)` must return one value per sample, an array of shape "
             f"({n},); it returned {got}. Fix: make `{arg}` map a batch of samples to a "
             "vector, e.g. reduce the per-sample outputs or use jax.vmap over single samples."
         )
+    if not jnp.issubdtype(out.dtype, jnp.inexact):
+        raise TypeError(
+            f"{where}: `{arg}(params, samples)` must return floating values (real or complex), since "
+            f"vmcgrad differentiates them; it returned dtype {out.dtype}. An integer or boolean "
+            "output has no derivative (JAX would give zeros). Fix: return the floating value "
+            f"before any rounding or integer cast, or cast inside `{arg}`, e.g. "
+            f"`lambda p, x: f(p, x).astype(jnp.float64)`."
+        )
     return out
+
+
+def check_callable(where: str, name: str, fun: Any) -> None:
+    """``fun`` must be callable (checked before anything calls it)."""
+    if not callable(fun):
+        raise TypeError(
+            f"{where}: `{name}` must be a function `{name}(params, samples) -> (N,) array`; got "
+            f"{describe(fun)}, which is not callable. Fix: pass the function itself, e.g. "
+            f"`lambda params, x: model.apply(params, x)`, or jax.tree_util.Partial(f, state)."
+        )
 
 
 def check_cotangent(where: str, name: str, ct: Any, out: jax.ShapeDtypeStruct) -> None:
@@ -132,7 +217,7 @@ def check_cotangent(where: str, name: str, ct: Any, out: jax.ShapeDtypeStruct) -
     if not isinstance(ct, jax.Array) or ct.shape != out.shape or ct.dtype != out.dtype:
         raise TypeError(
             f"{where}: `{name}` must match the output of `fun`, shape {tuple(out.shape)} and "
-            f"dtype {out.dtype}; got {_describe(ct) if hasattr(ct, 'shape') else repr(ct)}. "
+            f"dtype {out.dtype}; got {describe(ct)}. "
             f"Fix: pass one {out.dtype} value per sample, e.g. jnp.asarray(v, {out.dtype})."
         )
 
@@ -149,7 +234,7 @@ def check_tangent(where: str, tangent: Any, params: Any) -> None:
         if p.shape != t.shape or p.dtype != t.dtype:
             raise TypeError(
                 f"{where}: the leaf of `tangent` at {jax.tree_util.keystr(path)} must have the "
-                f"shape {tuple(p.shape)} and dtype {p.dtype} of the parameter; got {_describe(t)}. "
+                f"shape {tuple(p.shape)} and dtype {p.dtype} of the parameter; got {describe(t)}. "
                 "Fix: build `tangent` with jax.tree.map over `params` (e.g. jnp.zeros_like)."
             )
 
@@ -161,12 +246,14 @@ def check_local_values(where: str, local_values: Any, n: int) -> None:
         "local_values.reshape(-1) if they come per chain."
     )
     if not isinstance(local_values, jax.Array) or not jnp.issubdtype(local_values.dtype, jnp.number):
-        got = _describe(local_values) if hasattr(local_values, "dtype") else repr(local_values)
-        raise TypeError(f"{where}: `local_values` must be a real or complex numeric array; got {got}. {fix}")
+        raise TypeError(
+            f"{where}: `local_values` must be a real or complex numeric array; got "
+            f"{describe(local_values)}. {fix}"
+        )
     if local_values.shape != (n,):
         raise ValueError(
             f"{where}: `local_values` must have one value per sample, shape ({n},); got "
-            f"{_describe(local_values)}. {fix}"
+            f"{describe(local_values)}. {fix}"
         )
 
 
@@ -179,6 +266,7 @@ def check_problem(
         ``(params, samples, n, out)``: the inputs as JAX arrays, the sample count and the shape and
         dtype of ``fun(params, samples)``.
     """
+    check_callable(where, arg, fun)
     params = as_arrays(where, "params", params)
     samples = as_arrays(where, "samples", samples)
     check_params(where, params)
@@ -186,17 +274,174 @@ def check_problem(
     return params, samples, n, check_output(where, fun, params, samples, n, arg=arg)
 
 
-def check_memory_budget(where: str, memory_budget: Any) -> int | None:
-    """A memory budget: None, or any positive finite real number of bytes (returned as an int)."""
+# --- numbers: shifts, tolerances, iteration caps, memory budgets -----------------------------------
+
+
+def _real_scalar(x: Any) -> Any:
+    """``x`` as a 0-d real (integer or floating, not bool) array, or None if it is not one.
+
+    Concrete values go through numpy, so that their value can be checked also when the call is
+    being traced (``jnp.asarray`` of a Python float under ``jax.jit`` is already a tracer).
+    """
+    if isinstance(x, jax.core.Tracer):
+        arr = x
+    else:
+        try:
+            arr = np.asarray(x)
+        except (TypeError, ValueError, OverflowError):
+            return None
+    real = jnp.issubdtype(arr.dtype, jnp.floating) or jnp.issubdtype(arr.dtype, jnp.integer)
+    return arr if np.ndim(arr) == 0 and real else None
+
+
+def check_nonnegative_scalar(
+    where: str, name: str, x: Any, dtype: Any = None, *, example: str = "1e-3"
+) -> jax.Array:
+    """``x`` as a 0-d array (of ``dtype`` if given) after checking it is a finite real number >= 0.
+
+    A traced ``x`` (an operator rebuilt inside ``jax.jit``) is checked for shape and dtype only;
+    its value cannot be seen before tracing.
+
+    Raises:
+        TypeError: not a real scalar (strings, bools, arrays with axes, complex numbers).
+        ValueError: negative, NaN or infinite.
+    """
+    fix = f"Fix: pass a finite float >= 0, e.g. {name}={example}."
+    arr = _real_scalar(x)
+    if arr is None:
+        raise TypeError(f"{where}: `{name}` must be a real scalar; got {describe(x)}. {fix}")
+    if not isinstance(arr, jax.core.Tracer):
+        value = float(arr)
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{where}: `{name}` must be a finite number >= 0; got {describe(x)}. {fix}")
+    out = jnp.asarray(x)  # a jnp op: placed like other results under a context mesh (no recompile)
+    return out if dtype is None else out.astype(dtype)
+
+
+def check_tolerances(where: str, tol: Any, atol: Any) -> tuple[jax.Array, jax.Array]:
+    """``(tol, atol)`` of an iterative solve, each a finite real number >= 0 (see
+    :func:`check_nonnegative_scalar`)."""
+    return (
+        check_nonnegative_scalar(where, "tol", tol, example="1e-5"),
+        check_nonnegative_scalar(where, "atol", atol, example="0.0"),
+    )
+
+
+def check_maxiter(where: str, maxiter: Any, default: int) -> int | jax.Array:
+    """``maxiter`` as an int >= 0 (``default`` for None); an integer tracer is passed through."""
+    fix = "Fix: pass e.g. maxiter=100, or maxiter=None for the default."
+    if maxiter is None:
+        return default
+    if isinstance(maxiter, jax.core.Tracer):
+        if maxiter.ndim == 0 and jnp.issubdtype(maxiter.dtype, jnp.integer):
+            return maxiter
+    elif not isinstance(maxiter, (bool, np.bool_)):
+        try:
+            value = operator.index(maxiter)
+        except TypeError:
+            value = None
+        if value is not None:
+            if value < 0:
+                raise ValueError(f"{where}: `maxiter` must be an int >= 0; got {describe(maxiter)}. {fix}")
+            return value
+    raise TypeError(f"{where}: `maxiter` must be an int >= 0 or None; got {describe(maxiter)}. {fix}")
+
+
+def check_memory_budget(where: str, memory_budget: Any) -> int | float | None:
+    """``memory_budget`` (bytes per device) after checking it is a finite number > 0, or None.
+
+    Any real number is accepted (``2**30``, ``1e9``, ``np.int64(2**30)``, a 0-d array); bools are
+    refused rather than taken as 0 or 1 byte. Returns an int when the value is integral.
+    """
+    fix = "Fix: pass e.g. memory_budget=2**30 (1 GiB per device), or None for the default."
     if memory_budget is None:
         return None
-    ok = isinstance(memory_budget, (int, float, np.integer, np.floating)) and not isinstance(
-        memory_budget, (bool, np.bool_)
+    if isinstance(memory_budget, (numbers.Real, np.ndarray, jax.Array)) and not isinstance(
+        memory_budget, (bool, np.bool_, jax.core.Tracer)
+    ):
+        arr = _real_scalar(memory_budget)
+        if arr is not None:
+            value = float(arr)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(
+                    f"{where}: `memory_budget` must be a positive number of bytes; got "
+                    f"{describe(memory_budget)}. {fix}"
+                )
+            return int(value) if value.is_integer() else value
+    raise TypeError(
+        f"{where}: `memory_budget` must be a positive number of bytes or None; got "
+        f"{describe(memory_budget)}. {fix}"
     )
-    if not ok or not np.isfinite(memory_budget) or memory_budget < 1:
-        raise ValueError(
-            f"{where}: `memory_budget` must be a positive number of bytes; got {memory_budget!r} "
-            "(expected bytes per device, a positive finite int or float). Fix: pass e.g. "
-            "memory_budget=2**30 (1 GiB), or None for the default."
+
+
+# --- samples under the user's jit ----------------------------------------------------------------
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def warn_if_sharding_unseen(where: str, samples: Any) -> None:
+    """Warns (once per call site) when traced samples may be sharded in a way vmcgrad cannot see.
+
+    Under ``jax.jit`` the samples are tracers. Their abstract type (``jax.typeof(x).sharding``)
+    shows the split on Explicit mesh axes, which :func:`vmcgrad._sharding.find_sample_axis` uses.
+    On Auto axes (jax 0.10.2) it shows the mesh but not the split (``spec`` is all None), and an
+    array placed by ``jax.jit(..., in_shardings=...)`` shows neither. With no context mesh
+    (``jax.set_mesh``) vmcgrad then runs as on one device: if the samples are in fact sharded,
+    every device walks all N samples. This warns when, with no context mesh set and no sample
+    leaf's split visible, a traced leaf is on a mesh with Auto axes of more than one device, or
+    shows no mesh at all while there is more than one device.
+    """
+    if not jax.sharding.get_abstract_mesh().empty:
+        return
+    leaves = jax.tree.leaves(samples)
+    shardings = [_aval_sharding(x) for x in leaves]
+    if any(_leading_spec(s) is not None for s in shardings):
+        return  # the split is visible and used
+    for leaf, sharding in zip(leaves, shardings):
+        if not isinstance(leaf, jax.core.Tracer):
+            continue
+        mesh = getattr(sharding, "mesh", None)
+        if mesh is not None and not mesh.empty:
+            if mesh.size == 1 or jax.sharding.AxisType.Auto not in mesh.axis_types:
+                continue  # one device, or Explicit axes: replicated for sure
+            seen = f"on a mesh {dict(mesh.shape)} with Auto axes, which do not show the split under jit"
+        elif jax.device_count() > 1:
+            seen = f"with no sharding visible in their type, and there are {jax.device_count()} devices"
+        else:
+            continue
+        n = leaf.shape[0] if leaf.ndim else "all"
+        warnings.warn(
+            f"{where}: `samples` (shape {tuple(leaf.shape)}) are traced {seen}, and no mesh is "
+            "set, so vmcgrad cannot tell whether they are split over devices; it runs them as on "
+            f"one device: if they are sharded, every device walks all {n} samples and holds their "
+            "activations. Fix: call your jitted function inside `with jax.set_mesh(mesh):` "
+            "(vmcgrad then splits the samples over all the mesh's axes), or give the mesh "
+            "AxisType.Explicit axes so that the split is part of the type. If the samples are on "
+            "one device on purpose, ignore this warning.",
+            UserWarning,
+            stacklevel=_stacklevel_outside_package(),
         )
-    return int(memory_budget)
+        return
+
+
+def _aval_sharding(x: Any) -> Any:
+    concrete = None if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
+    if concrete is not None:
+        return concrete
+    try:
+        return jax.typeof(x).sharding
+    except (TypeError, AttributeError):
+        return None
+
+
+def _leading_spec(sharding: Any) -> Any:
+    spec = getattr(sharding, "spec", None)
+    return spec[0] if isinstance(sharding, jax.sharding.NamedSharding) and len(spec) > 0 else None
+
+
+def _stacklevel_outside_package() -> int:
+    """The ``stacklevel`` (for a ``warnings.warn`` in the caller) of the first frame outside vmcgrad."""
+    frame, level = sys._getframe(1), 1  # level 1: the function that calls warnings.warn
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    return level
