@@ -62,6 +62,10 @@ def loss(out):
     return total
 
 
+def real_part_replaced(x, xr):
+    return xr + 1j * jnp.imag(x) if jnp.iscomplexobj(x) else xr
+
+
 def shift(tree, s, d):
     return jax.tree.map(lambda a, b: a + s * b, tree, d)
 
@@ -81,6 +85,10 @@ TRANSFORMS = {
         lambda p, x, a, dp, dx, da, **_: jax.jacfwd(
             lambda s: est(shift(p, s, dp), shift(x, s, dx), shift(a, s, da))
         )(0.0)
+    ),
+    # jacfwd in the samples' real part: JAX builds an unsharded basis that becomes a tangent operand
+    "jacfwd_samples": lambda est: (
+        lambda p, x, a, **_: jax.jacfwd(lambda xr: loss(est(p, real_part_replaced(x, xr), a)))(jnp.real(x))
     ),
     "hessian_line": lambda est: (
         lambda p, x, a, dp, dx, da, **_: jax.hessian(
@@ -124,6 +132,9 @@ def placement(kind):
         spec = P() if axis is None else P(*([None] * axis), "S")
         return jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, spec)), tree)
 
+    if kind == "explicit_no_context":  # sharded arrays, no jax.set_mesh around the user's jit
+        yield Devices(mesh, "S"), place
+        return
     with jax.set_mesh(mesh):
         yield Devices(mesh, "S"), place
 
@@ -206,6 +217,7 @@ EXPLICIT_SUBSET = [
     "grad_params",
     "grad_samples",
     "jvp_all",
+    "jacfwd_samples",
     "vmap_arg",
     "vmap_samples",
     "checkpoint_grad",
@@ -217,6 +229,13 @@ EXPLICIT_SUBSET = [
 def test_transform_explicit_mesh(est_kind, case, transform):
     """An Explicit-axis mesh (jax.make_mesh's default): operands made by transformations are resharded."""
     run_case(est_kind, case, transform, "explicit")
+
+
+@pytest.mark.parametrize("transform", ["value", "grad_samples", "jacfwd_samples", "vmap_samples"])
+@pytest.mark.parametrize(("est_kind", "case"), [("vjp", "c2c_nonholo"), ("jvp", "r2c")])
+def test_transform_explicit_mesh_no_context(est_kind, case, transform):
+    """Explicit-axis arrays under the user's jit with no context mesh (the seed discussion's set-up)."""
+    run_case(est_kind, case, transform, "explicit_no_context")
 
 
 @pytest.mark.parametrize("transform", ["value", "grad_params", "grad_arg", "jvp_all", "vmap_arg"])
