@@ -393,3 +393,17 @@ def test_hlo_detector_fires_on_psum_inside_loop():
     f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("S"), out_specs=P()))
     x = jnp.arange(N, dtype=jnp.float64)
     assert vmcgrad.collective_report(f.lower(x).compile()).total_in_loops >= 1
+
+
+def test_no_recompile_under_jit():
+    """A jitted transformed estimator compiles once (eager calls do retrace: see module notes)."""
+    from helpers import compile_count
+
+    fun, params, x = make_case("r2c", N)
+    c = random_like(jax.random.key(9), (N,), jnp.complex128)
+    f = jax.jit(jax.grad(lambda p, c: loss(vjp_pass(fun, p, x, c, chunk_size=CHUNK)), (0, 1)))
+    c2 = jax.block_until_ready(2 * c)
+    f(params, c)
+    before = compile_count()
+    f(params, c2)
+    assert compile_count() == before
