@@ -126,13 +126,13 @@ def placement(kind):
     if kind == "none":
         yield None, lambda tree, axis=None: tree
         return
-    mesh = auto_mesh() if kind == "netket" else explicit_mesh()
+    mesh = auto_mesh() if kind in ("netket", "auto_no_context") else explicit_mesh()
 
     def place(tree, axis):
         spec = P() if axis is None else P(*([None] * axis), "S")
         return jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, spec)), tree)
 
-    if kind == "explicit_no_context":  # sharded arrays, no jax.set_mesh around the user's jit
+    if kind.endswith("_no_context"):  # sharded arrays, no jax.set_mesh around the user's jit
         yield Devices(mesh, "S"), place
         return
     with jax.set_mesh(mesh):
@@ -407,3 +407,28 @@ def test_no_recompile_under_jit():
     before = compile_count()
     f(params, c2)
     assert compile_count() == before
+
+
+def spin_fun(p, s):
+    """Integer spins in {0, 1}: the usual VMC sample type (no tangent, no cotangent)."""
+    return jnp.sum(jnp.tanh((2 * s - 1) @ p["W"]), -1) + 1j * jnp.sum(s * p["a"], -1)
+
+
+@pytest.mark.parametrize("setup", ["none", "netket", "auto_no_context"])
+def test_integer_samples_captured_by_the_users_jit(setup):
+    """int8 samples, sharded and closed over by the user's jit (all jit arguments unsharded)."""
+    p = {"W": jax.random.normal(jax.random.key(0), (6, 4)) / 3, "a": jnp.linspace(0.0, 1.0, 6)}
+    s = jax.random.bernoulli(jax.random.key(1), 0.5, (N, 6)).astype(jnp.int8)
+    c = random_like(jax.random.key(2), (N,), jnp.complex128)
+
+    def transforms(vjp, s):
+        grad = jax.grad(lambda p, c: loss(vjp(p, s, c)), (0, 1))(p, c)
+        tangents = jax.jvp(lambda p, c: vjp(p, s, c), (p, c), (p, c))
+        batched = jax.vmap(lambda q: vjp(q, s, c))(jax.tree.map(lambda a: jnp.stack([a, -a]), p))
+        return grad, tangents, batched
+
+    expected = jax.jit(lambda: transforms(ref_vjp(spin_fun), s))()
+    with placement(setup) as (devices, place):
+        s_placed = place(s, 0)
+        actual = jax.jit(lambda: transforms(chunked("vjp", spin_fun, devices), s_placed))()
+    assert_tree_allclose(jax.device_get(actual), jax.device_get(expected), rtol=RTOL, atol=ATOL)

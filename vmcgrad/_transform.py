@@ -66,7 +66,9 @@ summed parts into refs -> one psum per summed output)``. The ``shard_map`` uses
 it was taken before, so there is no implicit invariant->varying cast whose transpose could insert
 a reduction: netket#2228 cannot happen). Bodies are traced with no context mesh (a
 ``jax.set_mesh`` Explicit mesh would otherwise put global shardings into local ops), and on an
-Explicit mesh the operands are ``reshard``-ed first (jacfwd's basis, for one, arrives unsharded).
+Explicit mesh the operands are ``reshard``-ed first (jacfwd's basis, for one, arrives unsharded);
+on an Auto mesh they get a ``with_sharding_constraint``, which also tells the user's ``jit`` that
+the program spans the mesh (see :func:`_place`).
 
 A chunk function that closes over a *traced* value (an outer jit/grad/vmap variable) has it
 hoisted into an explicit replicated operand. Without this the value would be a constant of the
@@ -256,12 +258,6 @@ def _impl(*args, body, n_rep, n_sum, chunk, devices):
     axis = devices.axis
     n_map = len(body.out_avals) - n_sum
 
-    if devices.mesh.axis_types[0] == AxisType.Explicit:
-        # Transformations make new operands (jacfwd's basis, zeros) that are not yet sharded.
-        rep = [jax.sharding.reshard(a, NamedSharding(devices.mesh, P())) for a in rep]
-        per_sample = [jax.sharding.reshard(a, NamedSharding(devices.mesh, P(axis))) for a in per_sample]
-        args = (*rep, *per_sample)
-
     def local(*args):
         rep, per_sample = list(args[:n_rep]), list(args[n_rep:])
         sums, maps = _loop(body, rep, per_sample, n_sum, _plan(n // devices.size, chunk))
@@ -304,7 +300,26 @@ def _trace_body(fn: Callable, avals: Sequence[Any]) -> ClosedJaxpr:
 _NO_MESH = jax.sharding.AbstractMesh((), ())
 
 
+def _place(rep, per_sample, devices):
+    """Constrains operands to the sample mesh *in the jaxpr* (replicated / split on the axis).
+
+    The primitive's ``shard_map`` lives only in its lowering, so without this a ``jax.jit`` whose
+    arguments are all unsharded (sharded samples captured as a constant, say) would not know it
+    spans the mesh and compiles for one device (``No registered implementation for untyped custom
+    call to xla.sdy.GlobalToLocalShape for Host``). It also shards operands that transformations
+    create (jacfwd's basis arrives unsharded; on an Explicit mesh shard_map would refuse it).
+    """
+    if devices is None:
+        return list(rep), list(per_sample)
+    explicit = devices.mesh.axis_types[0] == AxisType.Explicit
+    put = jax.sharding.reshard if explicit else jax.lax.with_sharding_constraint
+    rep = [put(a, NamedSharding(devices.mesh, P())) for a in rep]
+    per_sample = [put(a, NamedSharding(devices.mesh, P(devices.axis))) for a in per_sample]
+    return rep, per_sample
+
+
 def _bind(rep, per_sample, *, body, n_sum, chunk, devices):
+    rep, per_sample = _place(rep, per_sample, devices)
     return chunked_p.bind(
         *rep, *per_sample, body=body, n_rep=len(rep), n_sum=n_sum, chunk=chunk, devices=devices
     )
@@ -314,7 +329,7 @@ def _bind(rep, per_sample, *, body, n_sum, chunk, devices):
 
 
 def _jvp_rule(primals, tangents, *, body, n_rep, n_sum, chunk, devices):
-    out = chunked_p.bind(*primals, body=body, n_rep=n_rep, n_sum=n_sum, chunk=chunk, devices=devices)
+    out = _bind(primals[:n_rep], primals[n_rep:], body=body, n_sum=n_sum, chunk=chunk, devices=devices)
     nz = [type(t) is not ad.Zero for t in tangents]
     if not any(nz):
         return out, [ad.Zero(a.to_tangent_aval()) for a in map(jax.typeof, out)]
