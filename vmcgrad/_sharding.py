@@ -5,7 +5,8 @@ Where the sample axis comes from, in order:
 1. the samples' own sharding: a concrete ``NamedSharding`` (eager call) or the sharding in the
    abstract type (``jax.typeof``; Explicit mesh axes, also under ``jax.jit``);
 2. otherwise the context mesh (``jax.set_mesh``), as NetKet sets it: all its axes. Under the user's
-   ``jax.jit`` an Auto-axis type carries no sharding, so this is what NetKet's set-up relies on;
+   ``jax.jit`` an Auto-axis type carries no split, so this is what NetKet's set-up relies on;
+   with no context mesh, the Auto mesh a traced sample's type names (all its axes);
 3. otherwise (no mesh) there is no sample axis: one device, no ``shard_map``, no collectives.
 
 A mesh of one device still goes through ``shard_map`` (so that Explicit-axis types are handled the
@@ -24,7 +25,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 
@@ -56,9 +57,25 @@ def find_sample_axis(samples: Any) -> SampleAxis | None:
                 return SampleAxis(sharding.mesh, spec)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
+        mesh = _traced_auto_mesh(samples)
+    if mesh is None or mesh.empty:
         return None
     names = tuple(mesh.axis_names)
     return SampleAxis(mesh, names[0] if len(names) == 1 else names)
+
+
+def _traced_auto_mesh(samples: Any) -> Any:
+    """Under the user's ``jax.jit`` with no context mesh: the Auto-axis mesh (of more than one device)
+    in a traced sample's type, or None. On Auto axes jax 0.10.2 types show the mesh but not the split,
+    so the samples are split over all its axes, as under ``jax.set_mesh(mesh)`` (a replicated array
+    is then just sliced)."""
+    for leaf in jax.tree.leaves(samples):
+        if not isinstance(leaf, jax.core.Tracer):
+            continue
+        mesh = getattr(_typeof_sharding(leaf), "mesh", None)
+        if mesh is not None and not mesh.empty and mesh.size > 1 and AxisType.Auto in mesh.axis_types:
+            return mesh
+    return None
 
 
 def _typeof_sharding(leaf: Any) -> Any:

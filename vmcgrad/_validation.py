@@ -387,9 +387,9 @@ def warn_if_sharding_unseen(where: str, samples: Any) -> None:
     On Auto axes (jax 0.10.2) it shows the mesh but not the split (``spec`` is all None), and an
     array placed by ``jax.jit(..., in_shardings=...)`` shows neither. With no context mesh
     (``jax.set_mesh``) vmcgrad then runs as on one device: if the samples are in fact sharded,
-    every device walks all N samples. This warns when, with no context mesh set and no sample
-    leaf's split visible, a traced leaf is on a mesh with Auto axes of more than one device, or
-    shows no mesh at all while there is more than one device.
+    every device walks all N samples. An Auto mesh in the type is used as the sample mesh
+    (:func:`vmcgrad._sharding.find_sample_axis`); this warns when, with no context mesh set, a traced
+    leaf shows no mesh at all while there is more than one device.
     """
     if not jax.sharding.get_abstract_mesh().empty:
         return
@@ -402,10 +402,8 @@ def warn_if_sharding_unseen(where: str, samples: Any) -> None:
             continue
         mesh = getattr(sharding, "mesh", None)
         if mesh is not None and not mesh.empty:
-            if mesh.size == 1 or jax.sharding.AxisType.Auto not in mesh.axis_types:
-                continue  # one device, or Explicit axes: replicated for sure
-            seen = f"on a mesh {dict(mesh.shape)} with Auto axes, which do not show the split under jit"
-        elif jax.device_count() > 1:
+            continue  # a mesh in the type: vmcgrad._sharding.find_sample_axis splits over it
+        if jax.device_count() > 1:
             seen = f"with no sharding visible in their type, and there are {jax.device_count()} devices"
         else:
             continue
