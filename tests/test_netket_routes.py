@@ -405,3 +405,42 @@ def test_netket_fallback_is_refused():
     np.testing.assert_allclose(
         nk.vqs.MCState.expect(ours, Unchunked(HILBERT)).mean, ours.expect(H).mean, rtol=1e-12
     )
+
+
+def test_auto_chunk_halves_once_after_out_of_memory_in_the_netket_adapter(monkeypatch):
+    """``chunk_size="auto"`` in ``vmcgrad.netket.expect_and_grad``: the core's OOM rule — an eager step
+    that runs out of memory is retried once at half the chunk, with a warning, and the smaller chunk
+    is kept for the next call (simulated: the jitted step fails above 8 rows per chunk)."""
+    import warnings
+
+    import netket as nk
+
+    import vmcgrad.netket as vnk
+    from vmcgrad.netket import _expect_grad
+
+    hi = nk.hilbert.Spin(0.5, 4)
+    H = nk.operator.Ising(hi, nk.graph.Chain(4), h=1.0)
+    vs = nk.vqs.MCState(
+        nk.sampler.MetropolisLocal(hi, n_chains=4), nk.models.RBM(alpha=1), n_samples=32, seed=0
+    )
+    expected = vs.expect_and_grad(H)
+    real_step, chunks = _expect_grad._expect_and_grad_step, []
+
+    def step(kernel, apply_fun, chunk_size, *args):
+        chunks.append(chunk_size)
+        if chunk_size > 8:
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory (simulated)")
+        return real_step(kernel, apply_fun, chunk_size, *args)
+
+    monkeypatch.setattr(_expect_grad, "_expect_and_grad_step", step)
+    monkeypatch.setattr(_expect_grad, "auto_chunk_size", lambda vstate, sigma: 16)
+    monkeypatch.setattr(_expect_grad, "_SHRUNK", {})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stats, grad = vnk.expect_and_grad(vs, H, chunk_size="auto")
+        vnk.expect_and_grad(vs, H, chunk_size="auto")  # remembered: 8 at once
+    assert chunks == [16, 8, 8]
+    assert any("out of memory at chunk_size=16" in str(w.message) for w in caught)
+    np.testing.assert_allclose(stats.mean, expected[0].mean, rtol=1e-10)
+    for a, b in zip(jax.tree.leaves(grad), jax.tree.leaves(expected[1])):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-11)

@@ -12,6 +12,7 @@ from netket.utils import HashablePartial
 from netket.vqs.mc import get_local_kernel, get_local_kernel_arguments
 
 import vmcgrad
+from vmcgrad._auto_chunk import run_with_oom_retry
 
 from .. import _validation as check
 
@@ -63,15 +64,27 @@ def covariance_grad(vstate: Any, operator: Any, chunk_size: int | str | None) ->
     """:func:`expect_and_grad` for a checked state and chunk size, any operator with a local
     kernel: ``force_to_grad`` of the covariance force (NetKet's ``use_covariance=True``)."""
     sigma, args = get_local_kernel_arguments(vstate, operator)
-    if chunk_size == "auto":
-        chunk_size = auto_chunk_size(vstate, sigma)
-    if chunk_size is None:
-        kernel = get_local_kernel(vstate, operator)
-    else:
-        kernel = HashablePartial(get_local_kernel(vstate, operator, chunk_size), chunk_size=chunk_size)
-    return _expect_and_grad_step(
-        kernel, vstate._apply_fun, chunk_size, vstate.parameters, vstate.model_state, sigma, args
-    )
+
+    def step(chunk):
+        if chunk is None:
+            kernel = get_local_kernel(vstate, operator)
+        else:
+            kernel = HashablePartial(get_local_kernel(vstate, operator, chunk), chunk_size=chunk)
+        return _expect_and_grad_step(
+            kernel, vstate._apply_fun, chunk, vstate.parameters, vstate.model_state, sigma, args
+        )
+
+    if chunk_size != "auto":
+        return step(chunk_size)
+    # the core's rule: the chunk whose gradient program fits the budget; halved once after an OOM,
+    # and the smaller chunk kept for these shapes
+    key = (vstate._apply_fun, tuple(sigma.shape), str(sigma.dtype))
+    chunk = _SHRUNK.get(key) or auto_chunk_size(vstate, sigma)
+    return run_with_oom_retry(step, chunk, lambda c: _SHRUNK.__setitem__(key, c), NAME)
+
+
+#: Automatic chunks halved after an out-of-memory error, per (model, sample shape and dtype).
+_SHRUNK: dict = {}
 
 
 def auto_chunk_size(vstate: Any, sigma: Any) -> int:
