@@ -1,6 +1,6 @@
 """Large models at a memory budget: GCNN and ViT on a 6x6 lattice, vmcgrad vs NetKet chunked vs VMC_SR.
 
-Usage::
+Usage (with vmcgrad installed, ``pip install -e .``, or ``PYTHONPATH=.`` in a checkout)::
 
     python benchmarks/bench_large.py                                  # everything (compile-heavy)
     python benchmarks/bench_large.py --models gcnn --dtypes float64 --json large.json
@@ -17,8 +17,6 @@ import argparse
 import json
 import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 #: vmcgrad.bench.large.IMPLS (not imported here: the device count must be set before JAX starts)
 IMPLS = ("vmcgrad", "vmcgrad auto", "netket chunked", "VMC_SR dense", "VMC_SR ntk")

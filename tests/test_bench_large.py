@@ -51,4 +51,4 @@ def test_cli_registers_the_large_suite():
     from vmcgrad.cli import build_parser
 
     assert build_parser().parse_args(["bench", "--suite", "large"]).suite == "large"
-    assert build_parser().parse_args(["bench"]).suite == "standard"
+    assert build_parser().parse_args(["bench"]).suite == "default"

@@ -17,6 +17,12 @@ SYS_PATH = ("sys", "path")
 SOURCES = [*BENCH, ROOT / "vmcgrad" / "cli" / "bench.py", *SCRIPTS]
 
 
+#: The one allowed exception, by file and module: NetKet 3.23 exposes the jitted kernels that
+#: ``nk.driver.VMC_SR`` runs only from its private ``netket._src.ngd``, and the large-model benchmark
+#: lowers them (compile only) to measure VMC_SR's memory. Any other private name still fails.
+ALLOWED = {"large.py": {"netket._src.ngd.sr_srt_common", "netket._src.ngd.srt_onthefly"}}
+
+
 def _private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
@@ -29,7 +35,7 @@ def _problems(path: Path) -> list[str]:
         if isinstance(node, ast.ImportFrom):
             parts = (node.module or "").split(".")
             # a package's own private modules (vmcgrad.bench._harness, vmcgrad.cli._output, ...)
-            own = node.level == 1
+            own = node.level == 1 or node.module in ALLOWED.get(path.name, ())
             if not own and (any(_private(p) for p in parts) or any(_private(a.name) for a in node.names)):
                 found.append(f"{where}: from {'.' * node.level}{node.module or ''} import ...")
         elif isinstance(node, ast.Import):
