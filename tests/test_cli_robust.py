@@ -291,8 +291,11 @@ def test_second_ctrl_c_during_the_first_compile_ends_at_once_and_cleanly(tmp_pat
         while "exact energy" not in line:  # printed just before the driver compiles its first step
             assert time.monotonic() < deadline and proc.poll() is None, "no header within 90 s"
             line = proc.stdout.readline()
+        while not (out / "log.json").exists():  # the empty log is written, then the first step compiles
+            assert time.monotonic() < deadline and proc.poll() is None, "no log.json within 90 s"
+            time.sleep(0.01)
         proc.send_signal(signal.SIGINT)
-        time.sleep(0.3)
+        time.sleep(0.05)  # still inside the first step's compile (it takes seconds)
         proc.send_signal(signal.SIGINT)
         t_second = time.monotonic()
         rc, _, stderr = _finish(proc, timeout=60)

@@ -67,7 +67,9 @@ class Interrupts:
             return
         signal.set_wakeup_fd(self._old_wakeup)
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            # once a stop was asked for, the process is on its way out: a late second signal during
+            # shutdown stays ignored (the default handler would raise KeyboardInterrupt in JAX's atexit)
+            signal.signal(sig, _ignore if self.requested else handler)
         w = self._pipe[1]
         self._pipe = None
         os.close(w)  # the watcher's read returns b"" and it ends; it closes r
