@@ -3,9 +3,11 @@
 This must run before any JAX computation: ``jax_num_cpu_devices`` raises if set too late.
 """
 
+import gc
 import os
 
 import jax
+import pytest
 
 N_DEVICES = int(os.environ.get("VMCGRAD_TEST_DEVICES", "4"))
 jax.config.update("jax_num_cpu_devices", N_DEVICES)
@@ -15,11 +17,6 @@ os.environ.setdefault("NETKET_EXPERIMENTAL_SHARDING_CPU", str(N_DEVICES))
 
 # A worker script run in subprocesses by test_multiprocess.py; importing it would join a cluster.
 collect_ignore = ["mp_worker.py"]
-
-
-import gc  # noqa: E402
-
-import pytest  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")
