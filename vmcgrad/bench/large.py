@@ -401,8 +401,9 @@ def largest_n(
 
     Examples:
         >>> fits = lambda n: 1000 + 3 * n <= 10_000
-        >>> largest_n(fits, granule=8, hint=64, n_max=2**20)[:2]
-        (2984, 3008)
+        >>> lo, hi, _ = largest_n(fits, granule=8, hint=64, n_max=2**20)
+        >>> lo, fits(lo), fits(hi), hi - lo <= 0.02 * lo + 8
+        (2984, True, False, True)
     """
     k_max = n_max // granule
     probes = 0
