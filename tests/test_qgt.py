@@ -234,10 +234,18 @@ def test_solve_with_kept_linearisations(case):
         lin = S.linearize()
         assert isinstance(lin, vmcgrad.LinearizedQGT) and lin.nbytes > 0
         close(lin @ b, S @ b, jnp.float64)
+        # Iterate for iterate: 10 fixed iterations agree to rounding (c2c_nonholo, one device:
+        # 5e-16 relative). Later CG amplifies rounding (3e-8 at 20 iterations, 3e-6 at 40).
+        x10, _ = S.solve(b, tol=0.0, maxiter=10)
+        xc10, _ = lin.solve(b, tol=0.0, maxiter=10)
         x, info = S.solve(b, tol=1e-12)
         xc, info_c = lin.solve(b, tol=1e-12)
+    close(xc10, x10, jnp.float64)
     close(xc, x, jnp.float64, scale=1e3)
-    assert int(info_c.iterations) == int(info.iterations)
+    # Converged to 1e-12 after ~100 iterations, rounding differences between the recomputed and the
+    # kept products move the stopping iteration by a few (CI, one device: 105 vs 107).
+    assert bool(info.converged) and bool(info_c.converged)
+    assert abs(int(info_c.iterations) - int(info.iterations)) <= max(3, int(info.iterations) // 20)
 
     calls = []
 
