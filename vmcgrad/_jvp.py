@@ -7,11 +7,10 @@ from functools import partial
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from . import _validation as check
+from ._chunked import map_reduce_problem
 from ._problem import Inputs, Problem, call, problem
-from ._runner import SAMPLES, run
 
 
 def batched_jvp(
@@ -68,14 +67,11 @@ def batched_jvp(
 @partial(jax.jit, static_argnums=0)
 def jvp_program(prob: Problem, inputs: Inputs, tangent: Any) -> jax.Array:
     """The compiled ``batched_jvp``: per-sample outputs, split like the samples (no reduction)."""
-    body = partial(jvp_body, out_dtype=prob.out_dtype)
-    return run(prob, body, inputs, (tangent, prob.layout), out=SAMPLES)
+    _, out = map_reduce_problem(prob, inputs, jvp_chunk, (tangent, prob.layout))
+    return out
 
 
-def jvp_body(fun: Callable, params: Any, samples: Any, chunks: Any, tangent: Any, *, out_dtype) -> jax.Array:
-    """This device's rows of :math:`O t`, chunk by chunk (rows of weight 0 keep earlier values)."""
-
-    def chunk(x):
-        return jax.jvp(lambda p: fun(p, x), (params,), (tangent,))[1]
-
-    return chunks.map(chunk, samples, jnp.zeros((chunks.plan.n,), out_dtype))
+def jvp_chunk(fun: Callable, params: Any, x: Any, w: jax.Array, tangent: Any) -> tuple[tuple, jax.Array]:
+    """One chunk's rows of :math:`O t` (the per-sample part; rows where ``w`` is False are dropped)."""
+    del w
+    return (), jax.jvp(lambda p: fun(p, x), (params,), (tangent,))[1]

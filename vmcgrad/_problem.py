@@ -30,6 +30,7 @@ import numpy as np
 from . import _validation as check
 from ._auto_chunk import choose_chunk, default_memory_budget, remember, run_with_oom_retry, signature
 from ._function import split_fun
+from ._runner import Space
 from ._sharding import SampleAxis, find_sample_axis, layout_of, local_count, replicate
 
 
@@ -66,6 +67,11 @@ class Problem:
     out_dtype: Any
     chunk_size: int | str | None
     memory_budget: int | None = None
+
+    @property
+    def space(self) -> Space:
+        """The rows and how each device walks them (:class:`vmcgrad._runner.Space`)."""
+        return Space(self.where, self.n, self.n_local, self.chunk_size)
 
     def at_chunk(self, chunk_size: int | None) -> Problem:
         """The same problem at a fixed chunk size."""

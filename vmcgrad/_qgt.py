@@ -31,10 +31,10 @@ import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
 from . import _validation as check
+from ._chunked import map_reduce_problem
 from ._problem import Inputs, Problem, auto_chunk, call, problem
 from ._qgt_modes import choose_mode, to_rep
-from ._qgt_passes import jacobian_body, mean_body, product_body
-from ._runner import REPLICATED, Laid, run
+from ._qgt_passes import jacobian_chunk, mean_chunk, product_chunk
 from ._solve import CGInfo, cg
 from ._views import Views
 
@@ -213,18 +213,18 @@ class QGTOperator:
         return jax.eval_shape(partial(to_rep, self.mode), self.params)
 
     def _apply_rep(self, rep: Any) -> Any:
-        """:math:`S_\\text{eff} \\tilde v` for a representation pytree: one pass, one reduction."""
+        """:math:`S_\text{eff} \tilde v` for a representation pytree: one pass, one reduction."""
         layout = self._rep_layout()
-        body = partial(product_body, mode=self.mode)
-        total = run(
-            self.problem,
-            body,
-            self.inputs,
-            (self.obar, layout),
-            (rep, layout),
-            out=Laid(self._rep_like(), layout),
+        chunk = partial(product_chunk, mode=self.mode)
+        total, _ = map_reduce_problem(
+            self.problem, self.inputs, chunk, (self.obar, layout), (rep, layout), sum_layout=layout
         )
         return self._finish(total, rep)
+
+    def _product(self, rep: Any) -> Any:
+        """The product a program applies: the chunked pass itself (its transpose is the primitive's
+        rule, :mod:`vmcgrad._chunked`)."""
+        return self._apply_rep(rep)
 
     def _finish(self, total: Any, v: Any) -> Any:
         """From the reduced :math:`\\sum_i \\overline{O_i} w_i` to :math:`S_\\text{eff} v`."""
@@ -241,8 +241,8 @@ class QGTOperator:
         return jax.tree.map(finish, total, v, self.diag_s)
 
     def _jacobian_stats(self, *, dense: bool) -> jax.Array:
-        body = partial(jacobian_body, mode=self.mode, out_dtype=self.problem.out_dtype, dense=dense)
-        total = run(self.problem, body, self.inputs, (self.obar, self._rep_layout()), out=REPLICATED)
+        chunk = partial(jacobian_chunk, mode=self.mode, out_dtype=self.problem.out_dtype, dense=dense)
+        total, _ = map_reduce_problem(self.problem, self.inputs, chunk, (self.obar, self._rep_layout()))
         return total / self.problem.n
 
 
@@ -353,8 +353,8 @@ def QGT(
 @partial(jax.jit, static_argnums=0)
 def _mean_program(prob: Problem, op: QGTOperator) -> Any:
     op = op._at(prob)
-    body = partial(mean_body, mode=op.mode, out_dtype=prob.out_dtype)
-    total = run(prob, body, op.inputs, out=Laid(op._rep_like(), op._rep_layout()))
+    chunk = partial(mean_chunk, mode=op.mode, out_dtype=prob.out_dtype)
+    total, _ = map_reduce_problem(prob, op.inputs, chunk, sum_layout=op._rep_layout())
     like = to_rep(op.mode, op.params)
     complex_o = jnp.issubdtype(prob.out_dtype, jnp.complexfloating)
 
@@ -405,21 +405,7 @@ def _unflatten_like(flat: jax.Array, tree: Any) -> Any:
 def _matmul_program(prob: Problem, op: QGTOperator, v: Any, kind: str) -> Any:
     op = op._at(prob)
     views = op.operator.views
-    return views.from_rep(symmetric_product(op._apply_rep, op, views.to_rep(v, kind)), kind)
-
-
-def symmetric_product(apply: Any, op: Any, rep: Any) -> Any:
-    """``apply(rep)`` with its transpose declared (``linear_call``): :math:`S` is symmetric (real
-    modes) or Hermitian, so :math:`S^T y = \\overline{S \\bar y}`. Transposing ``S @ v`` (as
-    ``jax.scipy.sparse.linalg.cg`` does for complex vectors) then never transposes the chunk loop."""
-
-    def product(op, y):
-        return apply(y)
-
-    def transposed(op, y):
-        return jax.tree.map(jnp.conj, apply(jax.tree.map(jnp.conj, y)))
-
-    return jax.custom_derivatives.linear_call(product, transposed, op, rep)
+    return views.from_rep(op._product(views.to_rep(v, kind)), kind)
 
 
 def _solve(A: Any, b: Any, *, x0: Any, tol: Any, atol: Any, maxiter: Any) -> tuple[Any, CGInfo]:
@@ -445,8 +431,34 @@ def _solve_program(prob: Problem, A: Any, b: Any, x0: Any, tol: Any, atol: Any, 
     op, views = A.operator, A.operator.views
     b = views.to_rep(b, kind)
     x0 = None if x0 is None else views.to_rep(x0, kind)
-    x, info = cg(A._apply_rep, b, x0, tol=tol, atol=atol, maxiter=maxiter, M=_jacobi(op))
+    x, info = differentiable_cg(A._product, b, x0, tol=tol, atol=atol, maxiter=maxiter, M=_jacobi(op))
     return views.from_rep(x, kind), info
+
+
+def differentiable_cg(matvec: Any, b: Any, x0: Any, **options: Any) -> tuple[Any, CGInfo]:
+    r""":func:`vmcgrad._solve.cg` as ``jax.lax.custom_linear_solve``: :math:`x = A^{-1} b` is
+    differentiated implicitly, not through the iterations.
+
+    The tangent of :math:`x` is :math:`A^{-1}(\dot b - \dot A x)` (one more solve), its transpose a
+    solve with :math:`A^T`; for the Hermitian :math:`A` of a QGT, :math:`A^T y = \overline{A \bar y}`,
+    so the transposed solve is the same CG on conjugated vectors. ``jax.vmap`` batches the CG loop
+    (a batched stopping rule runs every lane until the last one stops; each lane's ``x`` stops
+    changing when its own residual does).
+    """
+
+    def solve(mv, rhs):
+        return cg(mv, rhs, x0, **options)
+
+    def transpose_solve(vecmat, rhs):
+        del vecmat
+        x, info = cg(matvec, _conj(rhs), None if x0 is None else _conj(x0), **options)
+        return _conj(x), info
+
+    return jax.lax.custom_linear_solve(matvec, b, solve, transpose_solve, has_aux=True)
+
+
+def _conj(tree: Any) -> Any:
+    return jax.tree.map(jnp.conj, tree)
 
 
 def _jacobi(op: QGTOperator) -> Any:

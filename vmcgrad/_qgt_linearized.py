@@ -16,6 +16,7 @@ from functools import partial
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from ._problem import Problem, call
 from ._qgt import QGTOperator, _matmul_program, _solve
@@ -81,6 +82,11 @@ class LinearizedQGT:
     def _at(self, prob: Problem) -> LinearizedQGT:
         return dataclasses.replace(self, op=self.op._at(prob))
 
+    def _product(self, rep: Any) -> Any:
+        """The product a program applies, with its transpose declared (:func:`symmetric_product`):
+        the kept-linearisation loop accumulates into refs, which JAX cannot transpose."""
+        return symmetric_product(self._apply_rep, self, rep)
+
     def _apply_rep(self, rep: Any) -> Any:
         op = self.op
         layout = op._rep_layout()
@@ -108,3 +114,17 @@ def linearize(op: QGTOperator) -> LinearizedQGT:
 def _linearize_program(prob: Problem, op: QGTOperator) -> tuple[Any, jax.Array]:
     body = partial(linearize_body, mode=op.mode)
     return run(prob, body, op.inputs, out=PER_DEVICE)
+
+
+def symmetric_product(apply: Any, op: Any, rep: Any) -> Any:
+    """``apply(rep)`` with its transpose declared (``linear_call``): :math:`S` is symmetric (real
+    modes) or Hermitian, so :math:`S^T y = \\overline{S \\bar y}`. Transposing ``S @ v`` (as
+    ``jax.scipy.sparse.linalg.cg`` does for complex vectors) then never transposes the chunk loop."""
+
+    def product(op, y):
+        return apply(y)
+
+    def transposed(op, y):
+        return jax.tree.map(jnp.conj, apply(jax.tree.map(jnp.conj, y)))
+
+    return jax.custom_derivatives.linear_call(product, transposed, op, rep)

@@ -1,19 +1,22 @@
 r"""The loop bodies behind :class:`~vmcgrad.QGTOperator`, each run by :func:`vmcgrad._runner.run`.
 
-Every body has the runner's signature ``body(fun, params, samples, chunks, *extra)`` and returns
-this device's *un-reduced* sums; the runner adds the one reduction. The bodies work on the
+The chunk functions (``*_chunk``) have the signature ``chunk(fun, params, x, w, *extra) -> (sums, ())``
+of :func:`vmcgrad._chunked.map_reduce_problem` and return one chunk's sums (``w`` the row mask); the
+primitive walks the chunks and adds the one reduction, and JAX's transformations act on them. The
+kept-linearisation bodies (``linearize_body``, ``cached_product_body``) have the runner's signature
+``body(fun, params, samples, chunks, *extra)`` and loop themselves. The bodies work on the
 representation :math:`\tilde\theta` of the parameters (:mod:`vmcgrad._qgt_modes`) through
 :math:`g(\tilde\theta, x) = f(\mathrm{from\_rep}(\tilde\theta), x)`. Rows carry the weights of
 :mod:`vmcgrad._chunking` (0 for padded rows and rows an earlier chunk covered).
 
-- :func:`mean_body`: :math:`\sum_i w_i O_i` (real and imaginary parts by two pullbacks of one
+- :func:`mean_chunk`: :math:`\sum_i w_i O_i` (real and imaginary parts by two pullbacks of one
   linearisation when the output is complex and :math:`\tilde\theta` real).
-- :func:`product_body`, the fused product: per chunk, one ``jax.linearize`` gives
+- :func:`product_chunk`, the fused product: per chunk, one ``jax.linearize`` gives
   :math:`\Delta w_i = w_i (O_i v - \bar O\cdot v)` and the transpose of the same linear map gives
   :math:`\sum_i \overline{O_i}\, \Delta w_i` (for a real :math:`\tilde\theta`, JAX's transpose of a
   real-to-complex map takes the real part, which is :math:`\mathrm{Re}\,O^\dagger w`). As
   :math:`\sum_i w_i \Delta O_i = 0`, :math:`O^\dagger \Delta w = \Delta O^\dagger \Delta O v`.
-- :func:`jacobian_body`: per chunk, the chunk's rows of :math:`\Delta O` (one vmapped per-sample
+- :func:`jacobian_chunk`: per chunk, the chunk's rows of :math:`\Delta O` (one vmapped per-sample
   pullback) reduced to the diagonal :math:`\sum_i |\Delta O_{ik}|^2` or the full
   :math:`\Delta O^\dagger \Delta O` (for ``to_dense``).
 - :func:`linearize_body` / :func:`cached_product_body`: every chunk's linearisation kept, and the
@@ -52,45 +55,29 @@ def _dot(a: Any, b: Any) -> jax.Array:
     return sum(jnp.sum(x * y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-def mean_body(fun, params, samples, chunks, *, mode: str, out_dtype) -> Any:
-    """This device's :math:`\\sum_i w_i O_i` (complex where :math:`O` is), shaped like the representation."""
+def mean_chunk(fun, params, x, w, *, mode: str, out_dtype) -> tuple[Any, tuple]:
+    r"""One chunk's :math:`\sum_i w_i O_i` (complex where :math:`O` is), shaped like the representation."""
     g, theta = _on_rep(fun, params, mode)
     two = split_imag(theta, out_dtype)
-    acc_re = accumulators(theta)
-    acc_im = accumulators(theta) if two else None
-    real = jnp.finfo(out_dtype).dtype
-    wide = promote(theta)  # pullbacks arrive in the accumulators' dtype (see vmcgrad._vjp.vjp_body)
-
-    def body(k):
-        x, w = chunks.take(k, samples, dtype=real)
-        _, f_vjp = jax.vjp(lambda p: g(cast_like(p, theta), x), wide)
-        f_vjp.with_refs(acc_re)(w.astype(out_dtype))
-        if two:
-            f_vjp.with_refs(acc_im)((-1j * w).astype(out_dtype))
-
-    chunks.loop(body)
+    wide = promote(theta)  # pullbacks arrive in the accumulators' dtype (see vmcgrad._vjp.vjp_chunk)
+    _, f_vjp = jax.vjp(lambda p: g(cast_like(p, theta), x), wide)
+    weights = w.astype(out_dtype)
+    (re,) = f_vjp(weights)
     if not two:
-        return freeze(acc_re)
-    return jax.tree.map(jax.lax.complex, freeze(acc_re), freeze(acc_im))
+        return re, ()
+    (im,) = f_vjp((-1j * weights).astype(out_dtype))
+    return jax.tree.map(jax.lax.complex, re, im), ()
 
 
-def product_body(fun, params, samples, chunks, obar, v, *, mode: str) -> Any:
-    """This device's :math:`\\sum_i \\overline{O_i}\\,w_i (O_i v - \\bar O\\cdot v)` (real part for a real
-    :math:`\\tilde\\theta`): one linearisation per chunk, its jvp and its transpose."""
+def product_chunk(fun, params, x, w, obar, v, *, mode: str) -> tuple[Any, tuple]:
+    """One chunk's :math:`\\sum_i \\overline{O_i}\\,w_i (O_i v - \bar O\\cdot v)` (real part for a real
+    :math:`\tilde\theta`): one linearisation, its jvp and its transpose."""
     g, theta = _on_rep(fun, params, mode)
     obar_v = _dot(obar, v)
-    acc = accumulators(theta)
-
-    def body(k):
-        x, w = chunks.take(k, samples, dtype=jnp.finfo(obar_v.dtype).dtype)
-        _, f_jvp = jax.linearize(lambda p: g(p, x), theta)
-        dw = (f_jvp(v) - obar_v) * w
-        (ct,) = jax.linear_transpose(f_jvp, theta)(jnp.conj(dw))
-        for ref, val in zip(jax.tree.leaves(acc), jax.tree.leaves(ct)):
-            ref[...] += val.astype(ref.dtype)
-
-    chunks.loop(body)
-    return freeze(acc)
+    _, f_jvp = jax.linearize(lambda p: g(p, x), theta)
+    dw = (f_jvp(v) - obar_v) * w.astype(jnp.finfo(obar_v.dtype).dtype)
+    (ct,) = jax.linear_transpose(f_jvp, theta)(jnp.conj(dw))
+    return ct, ()
 
 
 def jacobian_rows(g: Callable, theta: Any, x: Any, out_dtype) -> jax.Array:
@@ -111,28 +98,18 @@ def jacobian_rows(g: Callable, theta: Any, x: Any, out_dtype) -> jax.Array:
     return jax.vmap(row)(x)
 
 
-def jacobian_body(fun, params, samples, chunks, obar, *, mode: str, out_dtype, dense: bool) -> jax.Array:
-    """This device's :math:`\\sum_i w_i |\\Delta O_{ik}|^2` (``dense=False``, shape ``(D,)``) or
+def jacobian_chunk(fun, params, x, w, obar, *, mode: str, out_dtype, dense: bool) -> tuple[jax.Array, tuple]:
+    """One chunk's :math:`\\sum_i w_i |\\Delta O_{ik}|^2` (``dense=False``, shape ``(D,)``) or
     :math:`\\sum_i w_i \\Delta O_i^\\dagger \\Delta O_i` (``dense=True``, ``(D, D)``; its real part
-    for a real :math:`\\tilde\\theta`)."""
+    for a real :math:`\tilde\theta`)."""
     g, theta = _on_rep(fun, params, mode)
     obar_flat = ravel_pytree(obar)[0]
-    real_rep = _real_theta(theta)
-    d = obar_flat.shape[0]
-    dtype = obar_flat.dtype if (dense and not real_rep) else jnp.finfo(obar_flat.dtype).dtype
-    acc = jax.new_ref(jnp.zeros((d, d) if dense else (d,), dtype))
-
-    def body(k):
-        x, w = chunks.take(k, samples, dtype=jnp.finfo(obar_flat.dtype).dtype)
-        rows = (jacobian_rows(g, theta, x, out_dtype) - obar_flat) * w[:, None]
-        if dense:
-            s = rows.conj().T @ rows
-            acc[...] += s.real if real_rep else s
-        else:
-            acc[...] += jnp.sum((rows * rows.conj()).real, axis=0)
-
-    chunks.loop(body)
-    return jax.ref.freeze(acc)
+    real = jnp.finfo(obar_flat.dtype).dtype
+    rows = (jacobian_rows(g, theta, x, out_dtype) - obar_flat) * w.astype(real)[:, None]
+    if not dense:
+        return jnp.sum((rows * rows.conj()).real, axis=0), ()
+    s = rows.conj().T @ rows
+    return (s.real if _real_theta(theta) else s), ()
 
 
 def linearize_body(fun, params, samples, chunks, *, mode: str) -> tuple[Any, jax.Array]:
@@ -155,7 +132,7 @@ def linearize_body(fun, params, samples, chunks, *, mode: str) -> tuple[Any, jax
 
 
 def cached_product_body(fun, params, samples, chunks, obar, v, linear_maps, weights, *, mode: str) -> Any:
-    """:func:`product_body` from kept linearisations (:func:`linearize_body`'s output on this
+    """:func:`product_chunk` from kept linearisations (:func:`linearize_body`'s output on this
     device): the tangent and transpose only, no forward pass."""
     del fun, samples, chunks  # everything comes from the kept linear maps
     theta = to_rep(mode, params)

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ._chunking import Chunks, plan_chunks
@@ -39,6 +39,22 @@ from ._sharding import gather, pad_to_devices, reduce, specs
 #: Placements: one row per sample (padded, split, cut back to N on the way out); replicated; and
 #: per device (an output block per device, concatenated along axis 0; an input split the same way).
 SAMPLES, REPLICATED, PER_DEVICE = "samples", "replicated", "per_device"
+
+
+class Space(NamedTuple):
+    """Where the rows live and how each device walks them (static, hashable).
+
+    Attributes:
+        where: the sample mesh axis, or None on one device.
+        n: N, the global number of real samples.
+        n_local: rows per device after padding to the device count.
+        chunk_size: rows per chunk on each device, or None for one chunk.
+    """
+
+    where: Any
+    n: int
+    n_local: int
+    chunk_size: int | None
 
 
 def run(problem: Any, body: Any, inputs: Any, *extra: tuple[Any, Any], out: Any) -> Any:
@@ -55,59 +71,82 @@ def run(problem: Any, body: Any, inputs: Any, *extra: tuple[Any, Any], out: Any)
         out: how the result leaves the devices: a :class:`Laid` (reduce-scatter split leaves, psum
             the rest), :data:`REPLICATED` (psum everything) or :data:`SAMPLES` (no reduction: a
             per-row result, split like the samples and cut to the N real rows) or
-            :data:`PER_DEVICE` (no reduction: each device's block, concatenated along axis 0).
+            :data:`PER_DEVICE` (no reduction: each device's block, concatenated along axis 0); or a
+            tuple of these for a tuple result, one per element.
 
     Returns:
         The reduced result (or the per-sample one), outside ``shard_map``.
     """
-    where = problem.where
-    values = [v for v, _ in extra]
-    kinds = [k for _, k in extra]
-    samples = pad_to_devices(inputs.samples, where)
-    values = [pad_to_devices(v, where) if k == SAMPLES else v for v, k in zip(values, kinds)]
 
-    def local(fun_data, params, samples, *values):
-        fun = join_fun(problem.fun, fun_data)
-        params = gather(params, problem.layout, where)
+    def local(chunks, fun_data, params, samples, *values):
+        return body(join_fun(problem.fun, fun_data), params, samples, chunks, *values)
+
+    args = ((inputs.fun_data, REPLICATED), (inputs.params, problem.layout), (inputs.samples, SAMPLES))
+    return run_on(problem.space, local, *args, *extra, out=out)
+
+
+def run_on(space: Space, body: Any, *args: tuple[Any, Any], out: Any) -> Any:
+    """:func:`run` for any arguments: ``body(chunks, *values) -> result`` on every device's rows.
+
+    ``args`` are ``(value, placement)`` pairs as :func:`run`'s ``extra`` (at least one of them
+    :data:`SAMPLES`: the rows); ``out`` as :func:`run`'s.
+    """
+    where = space.where
+    kinds = [k for _, k in args]
+    values = [pad_to_devices(v, where) if k == SAMPLES else v for v, k in args]
+    multi = type(out) is tuple
+    outs = out if multi else (out,)
+
+    def local(*values):
         values = [_enter(v, k, where) for v, k in zip(values, kinds)]
-        first = 0 if where is None else jax.lax.axis_index(where.axis) * problem.n_local
-        chunks = Chunks(plan_chunks(problem.n_local, problem.chunk_size), first, problem.n)
-        result = body(fun, params, samples, chunks, *values)
-        if out in (SAMPLES, PER_DEVICE):
-            return result
-        return reduce(result, None if out == REPLICATED else out.layout, where)
+        first = 0 if where is None else jax.lax.axis_index(where.axis) * space.n_local
+        chunks = Chunks(plan_chunks(space.n_local, space.chunk_size), first, space.n)
+        result = body(chunks, *values)
+        results = tuple(_leave(r, o, where) for r, o in zip(result if multi else (result,), outs))
+        return results if multi else results[0]
 
-    args = (inputs.fun_data, inputs.params, samples, *values)
     if where is None:
-        result = local(*args)
+        result = local(*values)
     else:
-        in_specs = tuple(
-            _spec(a, k, where) for a, k in zip(args, (REPLICATED, problem.layout, SAMPLES, *kinds))
-        )
-        out_specs = _out_spec(out, where)
+        in_specs = tuple(_spec(v, k, where) for v, k in zip(values, kinds))
+        out_specs = tuple(_out_spec(o, where) for o in outs)
         mapped = jax.shard_map(
-            local, mesh=where.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+            local,
+            mesh=where.mesh,
+            in_specs=in_specs,
+            out_specs=out_specs if multi else out_specs[0],
+            check_vma=False,
         )
         if AxisType.Explicit in where.mesh.axis_types:
             # Explicit axes: shard_map takes inputs typed as its in_specs (replicated samples under an
             # Explicit mesh, or samples just padded to the device count): reshard them.
-            args = tuple(_reshard(a, s) for a, s in zip(args, in_specs))
-        result = mapped(*args)
-    if out == SAMPLES:
-        result = _cut(result, problem.n, where)
-    return result
+            values = tuple(_reshard(v, s, where.mesh) for v, s in zip(values, in_specs))
+        result = mapped(*values)
+    results = tuple(
+        _cut(r, space.n, where) if o == SAMPLES else r for r, o in zip(result if multi else (result,), outs)
+    )
+    return results if multi else results[0]
+
+
+def _leave(result: Any, out: Any, where: Any) -> Any:
+    """A body result leaving the devices: reduced once, or (per-sample, per-device) as it is."""
+    if isinstance(out, str) and out in (SAMPLES, PER_DEVICE):
+        return result
+    if not jax.tree.leaves(result):
+        return result
+    return reduce(result, None if out == REPLICATED else out.layout, where)
 
 
 def _enter(value: Any, kind: Any, where: Any) -> Any:
     """An extra argument inside the body: split ones as they are, others gathered / cast varying."""
-    if kind in (SAMPLES, PER_DEVICE):
+    if isinstance(kind, str) and kind in (SAMPLES, PER_DEVICE):
         return value
     layout = (None,) * len(jax.tree.leaves(value)) if kind == REPLICATED else kind
     return gather(value, layout, where)
 
 
 def _spec(value: Any, kind: Any, where: Any) -> Any:
-    if kind in (SAMPLES, PER_DEVICE):
+    if isinstance(kind, str) and kind in (SAMPLES, PER_DEVICE):
         return P(where.axis)
     if kind == REPLICATED:
         return P()
@@ -123,18 +162,22 @@ class Laid(NamedTuple):
 
 
 def _out_spec(out: Any, where: Any) -> Any:
-    if out in (SAMPLES, PER_DEVICE):
+    if isinstance(out, str) and out in (SAMPLES, PER_DEVICE):
         return P(where.axis)
     if out == REPLICATED:
         return P()
     return specs(out.like, out.layout, where)
 
 
-def _reshard(tree: Any, spec: Any) -> Any:
+def _reshard(tree: Any, spec: Any, mesh: Any) -> Any:
+    """``tree`` resharded to ``spec`` (a prefix of it) on ``mesh``: a ``NamedSharding``, not a bare spec,
+    since a program that a transformation rule lowers has no context mesh."""
     is_spec = lambda s: isinstance(s, P)
-    return jax.tree.map(
-        lambda s, sub: jax.tree.map(lambda x: jax.sharding.reshard(x, s), sub), spec, tree, is_leaf=is_spec
-    )
+
+    def put(s, sub):
+        return jax.tree.map(lambda x: jax.sharding.reshard(x, NamedSharding(mesh, s)), sub)
+
+    return jax.tree.map(put, spec, tree, is_leaf=is_spec)
 
 
 def _cut(x: Any, n: int, where: Any) -> Any:
@@ -145,7 +188,7 @@ def _cut(x: Any, n: int, where: Any) -> Any:
         if a.shape[0] == n:
             return a
         if where is not None and AxisType.Explicit in where.mesh.axis_types:
-            a = jax.sharding.reshard(a, P())
+            a = jax.sharding.reshard(a, NamedSharding(where.mesh, P()))
         return a[:n]
 
     return jax.tree.map(cut, x)

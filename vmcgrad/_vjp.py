@@ -10,8 +10,9 @@ import jax
 import jax.numpy as jnp
 
 from . import _validation as check
+from ._chunked import map_reduce_problem
 from ._problem import Inputs, Problem, call, problem
-from ._runner import SAMPLES, Laid, accumulators, cast_like, freeze, promote, run
+from ._runner import SAMPLES, cast_like, promote
 
 
 def batched_vjp(
@@ -85,26 +86,19 @@ def vjp_program(prob: Problem, inputs: Inputs, cotangent: jax.Array) -> Any:
 
 
 def vjp_sum(prob: Problem, inputs: Inputs, cotangent: jax.Array) -> Any:
-    """Σ_i ct_i ∂f_i/∂θ over all devices, at the accumulation dtype (one reduction)."""
-    return run(prob, vjp_body, inputs, (cotangent, SAMPLES), out=Laid(inputs.params, prob.layout))
+    """Σ_i ct_i ∂f_i/∂θ over all devices, at the accumulation dtype (one chunked pass, one reduction)."""
+    sums, _ = map_reduce_problem(prob, inputs, vjp_chunk, (cotangent, SAMPLES), sum_layout=prob.layout)
+    return sums
 
 
-def vjp_body(fun: Callable, params: Any, samples: Any, chunks: Any, cotangent: jax.Array) -> Any:
-    """This device's Σ_i w_i ct_i ∂f(θ, σ_i)/∂θ: one loop of chunk pullbacks into ref accumulators.
+def vjp_chunk(fun: Callable, params: Any, x: Any, w: jax.Array, cotangent: jax.Array) -> tuple[Any, tuple]:
+    """One chunk's Σ_i w_i ct_i ∂f(θ, σ_i)/∂θ (the summed part; no per-sample part).
 
-    Every parameter leaf gets a ref (all leaves or none: mixing refs and values is wrong in jax
-    0.10.2 when ``fun`` scans, jax#32468). The pullback is taken with respect to the parameters at
-    the accumulation dtype (:func:`vmcgrad._runner.acc_dtype`; ``fun`` sees them cast back), so the
-    chunk's cotangent arrives in the accumulators' dtype.
+    The pullback is taken with respect to the parameters at the accumulation dtype
+    (:func:`vmcgrad._runner.acc_dtype`; ``fun`` sees them cast back), so the chunk's sum arrives in
+    the accumulators' dtype (float32 or better for bfloat16 / float16 parameters).
     """
     theta = promote(params)
-    accs = accumulators(params)
-    real = jnp.finfo(cotangent.dtype).dtype
-
-    def body(k):
-        x, ct, w = chunks.take(k, samples, cotangent, dtype=real)
-        _, f_vjp = jax.vjp(lambda p: fun(cast_like(p, params), x), theta)
-        f_vjp.with_refs(accs)(ct * w)
-
-    chunks.loop(body)
-    return freeze(accs)
+    _, f_vjp = jax.vjp(lambda p: fun(cast_like(p, params), x), theta)
+    (ct,) = f_vjp(jnp.where(w, cotangent, jnp.zeros_like(cotangent)))
+    return ct, ()
