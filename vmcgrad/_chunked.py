@@ -162,7 +162,31 @@ def _trace(fn: Callable, avals: Sequence[Any]) -> ClosedJaxpr:
         return jax.make_jaxpr(fn)(*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals))
 
 
+def _place(rep: list, rep_layout: Sequence, per_sample: list, space: Space) -> tuple[list, list]:
+    """Places the operands on the sample mesh *in the jaxpr*, at bind time.
+
+    The runner's ``shard_map`` exists only in the primitive's lowering, so a ``jax.jit`` whose
+    arguments are all unsharded (sharded samples closed over, no context mesh) would not know it
+    spans the mesh and would compile for one device. A sharding constraint (Auto axes) or a
+    ``reshard`` (Explicit axes, where it also types operands that transformations create, e.g.
+    jacfwd's basis) on a concrete mesh tells it. Per-sample operands the devices do not divide are
+    left to the runner, which pads them first.
+    """
+    where = space.where
+    if where is None or not isinstance(where.mesh, jax.sharding.Mesh):
+        return rep, per_sample
+    put = jax.sharding.reshard if _explicit(space) else jax.lax.with_sharding_constraint
+    mesh = where.mesh
+    rep = [put(a, NamedSharding(mesh, _dim_spec(d, a.ndim, space))) for a, d in zip(rep, rep_layout)]
+    rows = P(where.axis)
+    per_sample = [
+        put(a, NamedSharding(mesh, rows)) if a.shape[0] % where.size == 0 else a for a in per_sample
+    ]
+    return rep, per_sample
+
+
 def _bind(rep, per_sample, *, body, rep_layout, n_sum, sum_layout, space):
+    rep, per_sample = _place(list(rep), rep_layout, list(per_sample), space)
     return chunked_p.bind(
         *rep,
         *per_sample,

@@ -94,6 +94,7 @@ def problem(
     ``extra`` is a pytree of further concrete arrays to replicate with the parameters (a tangent,
     shifts), returned placed.
     """
+    check.check_not_in_shard_map(name)
     chunk_size = check.check_chunk_size(name, chunk_size)
     memory_budget = check.check_memory_budget(name, memory_budget)
     params, samples, n, out = check.check_problem(name, fun, params, samples, arg=arg)

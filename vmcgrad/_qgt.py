@@ -431,8 +431,16 @@ def _solve_program(prob: Problem, A: Any, b: Any, x0: Any, tol: Any, atol: Any, 
     op, views = A.operator, A.operator.views
     b = views.to_rep(b, kind)
     x0 = None if x0 is None else views.to_rep(x0, kind)
-    x, info = differentiable_cg(A._product, b, x0, tol=tol, atol=atol, maxiter=maxiter, M=_jacobi(op))
+    # QGTOperator: differentiable implicitly. LinearizedQGT (A.operator is not A): its ref loop
+    # cannot be traced into custom_linear_solve's jaxprs, and is not differentiated anyway.
+    solver = differentiable_cg if A.operator is A else plain_cg
+    x, info = solver(A._product, b, x0, tol=tol, atol=atol, maxiter=maxiter, M=_jacobi(op))
     return views.from_rep(x, kind), info
+
+
+def plain_cg(matvec: Any, b: Any, x0: Any, **options: Any) -> tuple[Any, CGInfo]:
+    """:func:`vmcgrad._solve.cg` as it is (``jax.vmap`` batches it; not differentiable)."""
+    return cg(matvec, b, x0, **options)
 
 
 def differentiable_cg(matvec: Any, b: Any, x0: Any, **options: Any) -> tuple[Any, CGInfo]:

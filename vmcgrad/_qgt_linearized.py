@@ -16,7 +16,6 @@ from functools import partial
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from ._problem import Problem, call
 from ._qgt import QGTOperator, _matmul_program, _solve
@@ -69,12 +68,14 @@ class LinearizedQGT:
     def __matmul__(self, v: Any) -> Any:
         """:math:`S_\\text{eff} v` from the kept linearisations (as ``QGTOperator.__matmul__``)."""
         v, kind = self.op.views.kind("vmcgrad.LinearizedQGT (v)", "v", v)
+        _refuse_differentiation("vmcgrad.LinearizedQGT.__matmul__", self)
         return _matmul_program(self.problem, self, v, kind)
 
     def solve(
         self, b: Any, *, x0: Any = None, tol: float = 1e-5, atol: float = 0.0, maxiter: int | None = None
     ) -> tuple[Any, CGInfo]:
         """As :meth:`vmcgrad.QGTOperator.solve`, each iteration's product from the kept linearisations."""
+        _refuse_differentiation("vmcgrad.LinearizedQGT.solve", (self, b, x0))
         return _solve(self, b, x0=x0, tol=tol, atol=atol, maxiter=maxiter)
 
     # --- traced pieces (the interface _matmul_program and _solve_program use) -------------------
@@ -83,9 +84,9 @@ class LinearizedQGT:
         return dataclasses.replace(self, op=self.op._at(prob))
 
     def _product(self, rep: Any) -> Any:
-        """The product a program applies, with its transpose declared (:func:`symmetric_product`):
-        the kept-linearisation loop accumulates into refs, which JAX cannot transpose."""
-        return symmetric_product(self._apply_rep, self, rep)
+        """The product a program applies: the kept-linearisation loop (``jax.vmap`` batches it;
+        differentiation is refused before tracing, :func:`_refuse_differentiation`)."""
+        return self._apply_rep(rep)
 
     def _apply_rep(self, rep: Any) -> Any:
         op = self.op
@@ -116,15 +117,23 @@ def _linearize_program(prob: Problem, op: QGTOperator) -> tuple[Any, jax.Array]:
     return run(prob, body, op.inputs, out=PER_DEVICE)
 
 
-def symmetric_product(apply: Any, op: Any, rep: Any) -> Any:
-    """``apply(rep)`` with its transpose declared (``linear_call``): :math:`S` is symmetric (real
-    modes) or Hermitian, so :math:`S^T y = \\overline{S \\bar y}`. Transposing ``S @ v`` (as
-    ``jax.scipy.sparse.linalg.cg`` does for complex vectors) then never transposes the chunk loop."""
+_DIFFERENTIATING = ("JVPTracer", "LinearizeTracer")  # jax.jvp / jax.grad's tracers (jax 0.10.2)
 
-    def product(op, y):
-        return apply(y)
 
-    def transposed(op, y):
-        return jax.tree.map(jnp.conj, apply(jax.tree.map(jnp.conj, y)))
+def _refuse_differentiation(where: str, tree: Any) -> None:
+    """Refuses differentiating through kept linearisations, before tracing.
 
-    return jax.custom_derivatives.linear_call(product, transposed, op, rep)
+    The kept linear maps are constants of one parameter point, and the CG loop carries refs, which
+    JAX can batch but not differentiate. Differentiating a *product* in its vector is allowed (the
+    product is linear in it; tested against ``QGT @ v``); this guards the parameters (the operator's
+    leaves) and the solve.
+    """
+    if any(type(x).__name__ in _DIFFERENTIATING for x in jax.tree.leaves(tree)):
+        raise TypeError(
+            f"{where}: a vmcgrad.LinearizedQGT cannot be differentiated here (jax.grad / jax.jvp / "
+            "jax.jacfwd through its kept linearisations or its solve): the kept linear maps are "
+            "constants of one parameter point, and the solve's loop carries refs. Fix: differentiate "
+            "the operator itself, vmcgrad.QGT(...) @ v or vmcgrad.QGT(...).solve(b) (every "
+            "transformation works there; the forward pass is recomputed), or wrap the inputs in "
+            "jax.lax.stop_gradient. jax.vmap works here."
+        )

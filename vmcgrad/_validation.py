@@ -443,3 +443,22 @@ def _stacklevel_outside_package() -> int:
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def check_not_in_shard_map(where: str) -> None:
+    """Refuses a call inside the user's ``jax.shard_map`` (manual mesh axes in context).
+
+    vmcgrad's estimators are global operations that shard themselves over the samples; inside a
+    ``shard_map`` each device would see only its own rows as "all samples" and the one reduction
+    would be missing.
+    """
+    try:
+        manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
+    except AttributeError:  # no abstract mesh API: nothing to detect
+        return
+    if manual:
+        raise ValueError(
+            f"{where} was called inside jax.shard_map (manual mesh axes {manual}); vmcgrad's "
+            "estimators are global operations that split the samples over the devices themselves and "
+            "reduce once. Fix: call it outside shard_map, on the global (sharded) arrays."
+        )

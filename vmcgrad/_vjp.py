@@ -37,10 +37,16 @@ def batched_vjp(
     result is :math:`\mathrm{Re} \sum_i c_i O_i`; pass ``conj(v)`` to get :math:`\mathrm{Re}(O^\dagger v)`).
 
     On each device the local samples are walked ``chunk_size`` at a time by one loop; each
-    chunk's pullback is added into ``jax.new_ref`` accumulators with ``f_vjp.with_refs``. When the
+    chunk's pullback is added into ``jax.new_ref`` accumulators. When the
     samples are split over a mesh axis (their sharding, or the context mesh as NetKet sets it), each
     device works on its own shard and one ``psum`` after the loop is the only communication.
     Accumulators are at float32 or better whatever the parameter dtype; the result is cast back.
+
+    It composes with JAX's transformations (:mod:`vmcgrad._chunked`): ``jax.grad`` / ``jax.vjp`` /
+    ``jax.jvp`` / ``jax.jacfwd`` in ``params``, ``samples`` and ``cotangent``, ``jax.vmap`` over any
+    of them and ``jax.checkpoint``; each transformed computation is again one chunked pass with one
+    reduction (the transpose in the cotangent is a :func:`batched_jvp`, the derivative in the
+    parameters a chunked forward-over-reverse pass).
 
     Args:
         fun: ``fun(params, batch) -> (batch_size,)`` array, real or complex. A plain callable is
