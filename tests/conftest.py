@@ -27,3 +27,13 @@ def _release_compiled_programs():
     yield
     jax.clear_caches()
     gc.collect()
+
+
+@pytest.fixture(autouse=True)
+def _no_mesh_left_behind(request):
+    """Fails the test that leaves a context mesh set (``jax.set_mesh`` not undone): later tests would
+    silently find a sample axis there."""
+    yield
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty:
+        pytest.fail(f"{request.node.nodeid} left a context mesh set: {mesh}")
