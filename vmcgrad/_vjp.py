@@ -77,6 +77,13 @@ def batched_vjp(
         >>> (g_ref,) = jax.vjp(lambda w: fun(w, x), w)[1](ct)
         >>> bool(jnp.allclose(g, g_ref))
         True
+
+        Differentiating through it (a chunked forward-over-reverse pass):
+
+        >>> loss = lambda w: jnp.sum(vmcgrad.batched_vjp(fun, w, x, ct, chunk_size=4) ** 2)
+        >>> loss_ref = lambda w: jnp.sum(jax.vjp(lambda w: fun(w, x), w)[1](ct)[0] ** 2)
+        >>> bool(jnp.allclose(jax.grad(loss)(w), jax.grad(loss_ref)(w)))
+        True
     """
     name = "vmcgrad.batched_vjp"
     prob, inputs, _ = problem(name, fun, params, samples, chunk_size=chunk_size, memory_budget=memory_budget)

@@ -524,7 +524,7 @@ def step_times(
     args = (prob.params, x, e, v)
     rtol = 1e-8 if prob.dtype == "float64" else 1e-3
     if checks:
-        from .core import check_agree
+        from ._harness import check_agree
 
         # the check's CG runs with diag_shift 1 (well conditioned): at 0.01, 10 iterations of tol=0 CG
         # amplify rounding differences of 1e-16 to 1e-4 (the same inputs, both correct)
