@@ -106,7 +106,12 @@ chunked_p.def_effectful_abstract_eval(_abstract_eval)
 
 
 def _loop(g: Callable, rep: list, per_sample: list, chunks: Any, sum_avals: Sequence, map_avals: Sequence):
-    """One device's pass: a ``while_loop`` over chunks; sums into ref accumulators, rows into a carry."""
+    """One device's pass: a ``while_loop`` over chunks; sums into ref accumulators, rows into a carry.
+
+    A ``while_loop`` over an int32 counter, not a ``scan``: a scan's index array costs temp memory,
+    and the loop is never differentiated (the primitive's rules act instead). Rows of weight False
+    keep the buffer's earlier value (an earlier chunk's, or zeros for padded rows, which are cut).
+    """
     accs = [jax.new_ref(jnp.zeros(a.shape, acc_dtype(a.dtype))) for a in sum_avals]
     bufs = [jnp.zeros((chunks.plan.n, *a.shape[1:]), a.dtype) for a in map_avals]
     size = chunks.plan.size

@@ -21,7 +21,6 @@ value where ``w = 0``. Nothing else decides which rows count.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -83,32 +82,3 @@ class Chunks(NamedTuple):
         fresh = local >= k * self.plan.size
         real = self.first + local < self.n_total
         return (*sliced, (fresh & real).astype(dtype))
-
-    def loop(self, body: Callable[[jax.Array], None]) -> None:
-        """Runs ``body(k)`` for every chunk in one loop (bodies act through refs).
-
-        A ``lax.while_loop`` over an int32 counter: the body accumulates into refs, so the loop is
-        never reverse-differentiated, and a scan's index array would cost temp memory.
-        """
-
-        def step(k):
-            body(k)
-            return k + 1
-
-        jax.lax.while_loop(lambda k: k < self.plan.count, step, jnp.int32(0))
-
-    def map(self, body: Callable[[Any], jax.Array], tree: Any, out: jax.Array) -> jax.Array:
-        """Per-row outputs ``body(chunk)`` for all local rows, chunk by chunk, into the buffer ``out``.
-
-        Rows of weight 0 keep what the buffer held (an earlier chunk's value, or ``out``'s fill for
-        padded rows).
-        """
-
-        def step(k, buf):
-            x, w = self.take(k, tree, dtype=jnp.bool_)
-            start = self.start(k)
-            old = jax.lax.dynamic_slice_in_dim(buf, start, self.plan.size)
-            new = jnp.where(w, body(x), old)
-            return jax.lax.dynamic_update_slice_in_dim(buf, new, start, 0)
-
-        return jax.lax.fori_loop(0, self.plan.count, step, out)
