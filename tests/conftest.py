@@ -6,16 +6,6 @@ This must run before any JAX computation: ``jax_num_cpu_devices`` raises if set 
 import gc
 import os
 
-# XLA's CPU runtime kills the process ("Fatal Python error: Aborted") when a collective waits longer
-# than a timeout for the other fake devices' threads. On this 2-core machine, under load, the 4
-# device threads of a NetKet TDVP step were starved that long (seen twice in full 4-device runs, in
-# different tests; never alone). Raise the limits for the tests (and their subprocesses).
-_XLA_TIMEOUTS = (
-    "--xla_cpu_collective_call_warn_stuck_timeout_seconds=120",
-    "--xla_cpu_collective_call_terminate_timeout_seconds=1800",
-)
-os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *_XLA_TIMEOUTS]).strip()
-
 import jax
 import pytest
 
