@@ -213,7 +213,7 @@ class QGTOperator:
         return jax.eval_shape(partial(to_rep, self.mode), self.params)
 
     def _apply_rep(self, rep: Any) -> Any:
-        """:math:`S_\text{eff} \tilde v` for a representation pytree: one pass, one reduction."""
+        """:math:`S_\\text{eff} \\tilde v` for a representation pytree: one pass, one reduction."""
         layout = self._rep_layout()
         chunk = partial(product_chunk, mode=self.mode)
         total, _ = map_reduce_problem(
