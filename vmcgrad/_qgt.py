@@ -221,11 +221,6 @@ class QGTOperator:
         )
         return self._finish(total, rep)
 
-    def _product(self, rep: Any) -> Any:
-        """The product a program applies: the chunked pass itself (its transpose is the primitive's
-        rule, :mod:`vmcgrad._chunked`)."""
-        return self._apply_rep(rep)
-
     def _finish(self, total: Any, v: Any) -> Any:
         """From the reduced :math:`\\sum_i \\overline{O_i} w_i` to :math:`S_\\text{eff} v`."""
         inv_n = 1.0 / self.problem.n
@@ -405,7 +400,7 @@ def _unflatten_like(flat: jax.Array, tree: Any) -> Any:
 def _matmul_program(prob: Problem, op: QGTOperator, v: Any, kind: str) -> Any:
     op = op._at(prob)
     views = op.operator.views
-    return views.from_rep(op._product(views.to_rep(v, kind)), kind)
+    return views.from_rep(op._apply_rep(views.to_rep(v, kind)), kind)
 
 
 def _solve(A: Any, b: Any, *, x0: Any, tol: Any, atol: Any, maxiter: Any) -> tuple[Any, CGInfo]:
@@ -433,14 +428,9 @@ def _solve_program(prob: Problem, A: Any, b: Any, x0: Any, tol: Any, atol: Any, 
     x0 = None if x0 is None else views.to_rep(x0, kind)
     # QGTOperator: differentiable implicitly. LinearizedQGT (A.operator is not A): its ref loop
     # cannot be traced into custom_linear_solve's jaxprs, and is not differentiated anyway.
-    solver = differentiable_cg if A.operator is A else plain_cg
-    x, info = solver(A._product, b, x0, tol=tol, atol=atol, maxiter=maxiter, M=_jacobi(op))
+    solver = differentiable_cg if A.operator is A else cg
+    x, info = solver(A._apply_rep, b, x0, tol=tol, atol=atol, maxiter=maxiter, M=_jacobi(op))
     return views.from_rep(x, kind), info
-
-
-def plain_cg(matvec: Any, b: Any, x0: Any, **options: Any) -> tuple[Any, CGInfo]:
-    """:func:`vmcgrad._solve.cg` as it is (``jax.vmap`` batches it; not differentiable)."""
-    return cg(matvec, b, x0, **options)
 
 
 def differentiable_cg(matvec: Any, b: Any, x0: Any, **options: Any) -> tuple[Any, CGInfo]:

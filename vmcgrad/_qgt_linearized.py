@@ -83,11 +83,6 @@ class LinearizedQGT:
     def _at(self, prob: Problem) -> LinearizedQGT:
         return dataclasses.replace(self, op=self.op._at(prob))
 
-    def _product(self, rep: Any) -> Any:
-        """The product a program applies: the kept-linearisation loop (``jax.vmap`` batches it;
-        differentiation is refused before tracing, :func:`_refuse_differentiation`)."""
-        return self._apply_rep(rep)
-
     def _apply_rep(self, rep: Any) -> Any:
         op = self.op
         layout = op._rep_layout()
