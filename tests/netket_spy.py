@@ -9,6 +9,12 @@ needed by the derivative: a pullback that drops the primal output still runs it.
 
 Host callbacks inside collectives deadlock on several fake CPU devices in jax 0.10.2: use on one
 device only.
+
+Batch sizes tell a chunked path from an unchunked one, not vmcgrad's route from NetKet's own
+chunked one (NetKet's code on the switch runs chunked too). :func:`vmcgrad_passes` tells those
+apart: it records every vmcgrad chunked pass (a bind of vmcgrad's one primitive, which every
+vmcgrad estimator goes through) traced inside the block, with JAX's caches cleared on entry so
+that every program the block runs is traced there.
 """
 
 from __future__ import annotations
@@ -54,6 +60,25 @@ def batches():
     finally:
         seen.extend(_SEEN[start:])
         del _SEEN[start:]
+
+
+@contextlib.contextmanager
+def vmcgrad_passes():
+    """Yields the list of vmcgrad chunked passes (the primitive's ``space``) bound inside the block."""
+    from vmcgrad import _chunked
+
+    prim, passes = _chunked.chunked_p, []
+
+    def bind(*args, **params):
+        passes.append(params.get("space"))
+        return type(prim).bind(prim, *args, **params)
+
+    jax.clear_caches()  # every program the block runs is traced (and binds) inside it
+    prim.bind = bind
+    try:
+        yield passes
+    finally:
+        del prim.bind
 
 
 def run_and_record(fun, *args, **kwargs) -> tuple[Any, list[int]]:

@@ -197,7 +197,13 @@ def test_bad_input():
 def test_state_switch_matches_netket(model_name):
     H, ref = make_state(model_name, "heisenberg_chain")
     H, ours = make_state(model_name, "heisenberg_chain", cls=vnk.MCState, chunk_size=CHUNK)
-    assert ours.chunk_size is None and ours.vmcgrad_chunk_size == CHUNK
+    from vmcgrad.netket import _netket_chunked
+
+    _netket_chunked._warned.clear()  # the warning is once per process
+    n = ours.n_samples_per_rank
+    divisor = max(d for d in range(1, CHUNK + 1) if n % d == 0)
+    with pytest.warns(UserWarning, match=f"runs at chunk size {divisor}, the largest divisor"):
+        assert ours.chunk_size == divisor and ours.vmcgrad_chunk_size == CHUNK  # NetKet's code: d
     np.testing.assert_array_equal(np.asarray(ours.samples), np.asarray(ref.samples))
     expected_stats, expected_grad = ref.expect_and_grad(H)
     stats, grad = ours.expect_and_grad(H)
@@ -374,4 +380,20 @@ def test_state_serialization_keeps_the_chunk_size():
     _, other = make_state("rbm_real", "heisenberg_chain", cls=vnk.MCState, chunk_size=5, seed=3)
     restored = serialization.from_state_dict(other, state)
     assert type(restored) is vnk.MCState and restored.vmcgrad_chunk_size == CHUNK
+    assert restored._chunk_size is None  # NetKet's own chunk size stays unset
     assert_tree_allclose(restored.parameters, vs.parameters, rtol=0)
+
+
+def test_state_copies_keep_both_chunk_sizes_without_resolving_auto():
+    """Serialisation and _replace_model (NetKet's code that copies vstate.chunk_size) store NetKet's
+    own chunk size and vmcgrad's, and read chunk_size="auto" without resolving it (no sampling)."""
+    from flax import serialization
+
+    _, vs = make_state("rbm_real", "heisenberg_chain", cls=vnk.MCState, chunk_size="auto")
+    vs.reset()
+    state = serialization.to_state_dict(vs)
+    new = vs._replace_model(vs.model, variables=vs.variables)
+    assert vs._samples is None, "reading the chunk size sampled the state"
+    assert state["chunk_size"] is None and state["vmcgrad_chunk_size"] == "auto"
+    assert type(new) is vnk.MCState and new.vmcgrad_chunk_size == "auto" and new._chunk_size is None
+    assert vs.vmcgrad_chunk_size == "auto"  # restored after the copies

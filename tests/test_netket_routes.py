@@ -5,7 +5,11 @@ path twice on the same samples: NetKet's unchunked ``nk.vqs.MCState`` — the sp
 larger than ``c`` there (the companion check: the spy catches an unchunked path) — and the switch,
 where every batch must be at most ``c`` (NetKet's chunked local-value kernels count their chunk in
 configurations, connected ones included; vmcgrad's passes differentiate at most ``c``), with
-results equal to NetKet's to 1e-10.
+results equal to NetKet's to 1e-10. NetKet's own code on the switch runs chunked too, so batch
+sizes cannot tell vmcgrad's route from NetKet's: each test also says which one it expects, and
+``netket_spy.vmcgrad_passes`` checks it (a path claimed by vmcgrad binds vmcgrad's chunked pass,
+one claimed by NetKet binds none); :func:`test_route_check_catches_a_switch_that_takes_netkets_chunked_path`
+is its companion.
 
 Host callbacks deadlock on several fake CPU devices (jax 0.10.2), so the spy tests run on one
 device: directly when the suite runs on one (``VMCGRAD_TEST_DEVICES=1``), otherwise through
@@ -24,7 +28,7 @@ import optax
 import pytest
 from helpers import assert_tree_allclose
 from jax.sharding import AxisType, Mesh
-from netket_spy import Spy, run_and_record
+from netket_spy import Spy, run_and_record, vmcgrad_passes
 
 with jax.set_mesh(None):
     import netket as nk
@@ -134,13 +138,19 @@ def assert_stats_equal(got, expected):
         )
 
 
-def assert_routed(ref_fun, our_fun, *, bound=CHUNK):
-    """NetKet's run exceeds the bound (the spy sees it), ours stays within it; returns both results."""
+def assert_routed(ref_fun, our_fun, *, via, bound=CHUNK):
+    """NetKet's run exceeds the bound (the spy sees it), ours stays within it and goes ``via``
+    ``"vmcgrad"`` (binds vmcgrad's chunked pass) or ``"netket"`` (binds none); returns both results."""
     expected, seen_ref = run_and_record(ref_fun)
-    got, seen = run_and_record(our_fun)
+    with vmcgrad_passes() as passes:
+        got, seen = run_and_record(our_fun)
     assert seen and seen_ref, "the spy recorded nothing"
     assert max(seen_ref) > bound, f"NetKet's unchunked path was not caught: batches {sorted(set(seen_ref))}"
     assert max(seen) <= bound, f"batches {sorted(set(seen))} exceed chunk_size={bound}"
+    if via == "vmcgrad":
+        assert passes, "the switch did not go through vmcgrad (no vmcgrad chunked pass was traced)"
+    else:
+        assert not passes, f"a NetKet path went through {len(passes)} vmcgrad passes"
     return got, expected
 
 
@@ -164,11 +174,30 @@ def test_spy_records_runs_not_traces():
 
 @one_device
 def test_spy_catches_a_switch_that_takes_netkets_unchunked_path(monkeypatch):
-    """The companion test: make the switch's expect_and_grad NetKet's unchunked one, and the bound fails."""
+    """The companion test of the batch bound: a switch whose expect_and_grad is NetKet's and that
+    hides its chunk size from NetKet (``chunk_size`` None) runs unchunked, and the bound fails."""
     ref, ours = states("rbm_modphase")
+    monkeypatch.setattr(vnk.MCState, "chunk_size", property(lambda self: None))
     monkeypatch.setattr(vnk.MCState, "expect_and_grad", nk.vqs.MCState.expect_and_grad)
     with pytest.raises(AssertionError, match="exceed chunk_size"):
-        assert_routed(lambda: ref.expect_and_grad(H), lambda: ours.expect_and_grad(H))
+        assert_routed(lambda: ref.expect_and_grad(H), lambda: ours.expect_and_grad(H), via="vmcgrad")
+
+
+@one_device
+@pytest.mark.parametrize("method", ["expect_and_grad", "expect_and_forces"])
+def test_route_check_catches_a_switch_that_takes_netkets_chunked_path(monkeypatch, method):
+    """The companion test of the route check: a switch whose method is NetKet's runs NetKet's own
+    chunked path (at chunk_size 14 <= c, so the batch bound holds and the numbers agree); the
+    route check fails, and it passes on the real switch."""
+    ref, ours = states("rbm_modphase")
+    run, run_ref = getattr(ours, method), getattr(ref, method)
+    got, expected = assert_routed(lambda: run_ref(H), lambda: run(H), via="vmcgrad")
+    assert_tree_allclose(got[1], expected[1], rtol=RTOL, atol=ATOL)
+    monkeypatch.setattr(vnk.MCState, method, getattr(nk.vqs.MCState, method))
+    with pytest.raises(AssertionError, match="did not go through vmcgrad"):
+        assert_routed(lambda: run_ref(H), lambda: getattr(ours, method)(H), via="vmcgrad")
+    theirs, _ = assert_routed(lambda: run_ref(H), lambda: getattr(ours, method)(H), via="netket")
+    assert_tree_allclose(theirs[1], expected[1], rtol=RTOL, atol=ATOL)  # same numbers: no tell
 
 
 # --- expect_and_grad ---------------------------------------------------------------------------
@@ -188,7 +217,7 @@ def test_expect_and_grad_hermitian(model_name, op_name):
     ref, ours = states(model_name)
     op = OPERATORS[op_name]()
     (stats, grad), (stats_ref, grad_ref) = assert_routed(
-        lambda: ref.expect_and_grad(op), lambda: ours.expect_and_grad(op)
+        lambda: ref.expect_and_grad(op), lambda: ours.expect_and_grad(op), via="vmcgrad"
     )
     assert_stats_equal(stats, stats_ref)
     assert_tree_allclose(grad, grad_ref, rtol=RTOL, atol=ATOL)
@@ -218,7 +247,7 @@ def test_expect_and_grad_without_covariance(model_name, op_name, kw):
     ref, ours = states(model_name)
     op = OPERATORS[op_name]()
     (stats, grad), (stats_ref, grad_ref) = assert_routed(
-        lambda: ref.expect_and_grad(op, **kw), lambda: ours.expect_and_grad(op, **kw)
+        lambda: ref.expect_and_grad(op, **kw), lambda: ours.expect_and_grad(op, **kw), via="vmcgrad"
     )
     assert_stats_equal(stats, stats_ref)
     assert_tree_allclose(grad, netket_nonhermitian_reference(model_name, grad_ref), rtol=RTOL, atol=ATOL)
@@ -230,7 +259,7 @@ def test_expect_and_grad_squared(model_name):
     ref, ours = states(model_name)
     op = nk.operator.Squared(H)
     (stats, grad), (stats_ref, grad_ref) = assert_routed(
-        lambda: ref.expect_and_grad(op), lambda: ours.expect_and_grad(op)
+        lambda: ref.expect_and_grad(op), lambda: ours.expect_and_grad(op), via="vmcgrad"
     )
     assert_stats_equal(stats, stats_ref)
     assert_tree_allclose(grad, grad_ref, rtol=RTOL, atol=ATOL)
@@ -280,7 +309,7 @@ def test_expect_and_forces(model_name, op_name):
     ref, ours = states(model_name)
     op = OPERATORS[op_name]()
     (stats, force), (stats_ref, force_ref) = assert_routed(
-        lambda: ref.expect_and_forces(op), lambda: ours.expect_and_forces(op)
+        lambda: ref.expect_and_forces(op), lambda: ours.expect_and_forces(op), via="vmcgrad"
     )
     assert_stats_equal(stats, stats_ref)
     assert_tree_allclose(force, force_ref, rtol=RTOL, atol=ATOL)
@@ -295,10 +324,10 @@ def test_local_estimators_and_expect(op_name):
     ref, ours = states("rbm_modphase")
     op = OPERATORS[op_name]()
     got, expected = assert_routed(
-        lambda: ref.local_estimators(op).data, lambda: ours.local_estimators(op).data
+        lambda: ref.local_estimators(op).data, lambda: ours.local_estimators(op).data, via="netket"
     )
     np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL)
-    got, expected = assert_routed(lambda: ref.expect(op), lambda: ours.expect(op))
+    got, expected = assert_routed(lambda: ref.expect(op), lambda: ours.expect(op), via="netket")
     assert_stats_equal(got, expected)
 
 
@@ -324,12 +353,13 @@ def vmc_sr_update(vstate, use_ntk, on_the_fly, **kw):
 @pytest.mark.filterwarnings("ignore:.*largest divisor:UserWarning")
 @pytest.mark.parametrize(("use_ntk", "on_the_fly"), VMC_SR_MODES)
 def test_vmc_sr_update_matches_netket(use_ntk, on_the_fly):
-    """VMC_SR's step on the switch equals NetKet's on the same samples; local energies at c."""
+    """VMC_SR's step on the switch equals NetKet's on the same samples; local energies at c, and
+    NetKet's Jacobian / NTK at the chunk_size_bwd it reads from vstate.chunk_size: 14, the largest
+    divisor of the 252 samples per device at most c (the NTK on the fly needs one)."""
     ref, ours = states("rbm_modphase")
     _, ref_step = vmc_sr_update(ref, use_ntk, on_the_fly)
     driver, our_step = vmc_sr_update(ours, use_ntk, on_the_fly)
-    expected_c = 14 if on_the_fly else CHUNK  # the NTK on the fly needs a divisor of 252
-    assert driver.chunk_size_bwd == expected_c
+    assert driver.chunk_size_bwd == 14
     (stats_ref, dp_ref), seen_ref = run_and_record(ref_step)
     (stats, dp), seen = run_and_record(our_step)
     assert_stats_equal(stats, stats_ref)
@@ -337,7 +367,7 @@ def test_vmc_sr_update_matches_netket(use_ntk, on_the_fly):
     assert max(seen_ref) > CHUNK
     if on_the_fly:  # NetKet's srt_onthefly differentiates all local samples at once (documented)
         assert max(seen) == N_SAMPLES  # and 32 rows for its mean-Jacobian estimate
-        assert max(set(seen) - {N_SAMPLES, 32}) <= CHUNK, sorted(set(seen))
+        assert max(set(seen) - {N_SAMPLES, 32}) == 14, sorted(set(seen))  # its NTK columns
     else:
         assert max(seen) <= CHUNK, sorted(set(seen))
 
@@ -346,7 +376,7 @@ def test_vmc_sr_keeps_a_users_chunk_size_bwd():
     _, ours = states("rbm_real", spy=False)
     driver, _ = vmc_sr_update(ours, True, False, chunk_size_bwd=7)
     assert driver.chunk_size_bwd == 7
-    assert ours.chunk_size is None  # what anyone but NetKet's default readers sees
+    assert ours.chunk_size == 14  # what NetKet's code reads: the largest divisor of 252 at most c
 
 
 def test_vmc_sr_divisor_warns_once():
@@ -357,7 +387,11 @@ def test_vmc_sr_divisor_warns_once():
     _netket_chunked._warned.clear()
     sampler = nk.sampler.MetropolisExchange(HILBERT, graph=GRAPH, n_chains=N_CHAINS)
     ours = vnk.MCState(sampler, MODELS["rbm_real"](), n_samples=N_SAMPLES, seed=0, chunk_size=20)
-    with pytest.warns(UserWarning, match="runs at 18, the largest divisor at most chunk_size=20"):
+    n = N_SAMPLES // N_DEV  # 252; 18 divides it
+    with pytest.warns(
+        UserWarning,
+        match=f"runs at chunk size 18, the largest divisor of the {n} samples per device at most chunk_size=20",  # noqa: E501
+    ):
         vmc_sr_update(ours, True, True)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*largest divisor")
@@ -367,14 +401,51 @@ def test_vmc_sr_divisor_warns_once():
 @one_device
 @pytest.mark.parametrize("qgt", ["QGTJacobianDense", "QGTJacobianPyTree"])
 def test_sr_with_netkets_qgt_is_chunked(qgt):
-    """nk.optimizer.SR with NetKet's own QGT, built from the switch, runs chunked at c."""
+    """nk.optimizer.SR with NetKet's own QGT, built from the switch, runs chunked (at 14, the chunk
+    size the state reports to NetKet's code)."""
     ref, ours = states("rbm_modphase")
     _, grad = ref.expect_and_grad(H)
     sr = nk.optimizer.SR(
         qgt=getattr(nk.optimizer.qgt, qgt), solver=nk.optimizer.solver.cholesky, diag_shift=0.01
     )
-    got, expected = assert_routed(lambda: sr(ref, grad), lambda: sr(ours, grad))
+    got, expected = assert_routed(lambda: sr(ref, grad), lambda: sr(ours, grad), via="netket")
     assert_tree_allclose(got, expected, rtol=1e-9, atol=1e-11)
+
+
+@one_device
+@pytest.mark.filterwarnings("ignore:.*largest divisor:UserWarning")
+def test_sr_with_netkets_qgt_onthefly_runs_at_a_divisor():
+    """nk.optimizer.SR with NetKet's QGTOnTheFly, built from the switch: its chunked S @ v needs a
+    divisor of the samples per device, 14 (the largest divisor of 252 at most c); equal to NetKet."""
+    ref, ours = states("rbm_modphase")
+    _, grad = ref.expect_and_grad(H)
+    sr = nk.optimizer.SR(
+        qgt=nk.optimizer.qgt.QGTOnTheFly, solver=nk.optimizer.solver.cholesky, diag_shift=0.01
+    )
+    expected, seen_ref = run_and_record(lambda: sr(ref, grad))
+    with vmcgrad_passes() as passes:
+        got, seen = run_and_record(lambda: sr(ours, grad))
+    assert max(seen_ref) == N_SAMPLES and max(seen) == 14, (sorted(set(seen_ref)), sorted(set(seen)))
+    assert not passes  # NetKet's own QGT
+    assert_tree_allclose(got, expected, rtol=1e-9, atol=1e-11)
+
+
+def test_netket_qgt_onthefly_on_the_switch_takes_a_divisor_per_device():
+    """NetKet's QGTOnTheFly from the switch (c = 16 divides neither 63 nor the samples per device):
+    the same matrix as QGTJacobianDense, on every device count, announced once; a chunk size the
+    user passes to it is NetKet's, unchanged (NetKet's own divisibility error)."""
+    from vmcgrad.netket import _netket_chunked
+
+    ref, ours = states("rbm_real", spy=False)
+    dense = nk.optimizer.qgt.QGTJacobianDense(ref, diag_shift=0.01).to_dense()
+    _netket_chunked._warned.clear()
+    n = N_SAMPLES // N_DEV
+    with pytest.warns(UserWarning, match=f"runs at chunk size 14, the largest divisor of the {n} samples"):
+        S = nk.optimizer.qgt.QGTOnTheFly(ours, diag_shift=0.01)
+    np.testing.assert_allclose(S.to_dense(), dense, rtol=1e-10, atol=1e-12)
+    v = jax.tree.map(jnp.ones_like, ours.parameters)
+    with pytest.raises(ValueError, match="divisible by chunk_size"):
+        nk.optimizer.qgt.QGTOnTheFly(ours, chunk_size=CHUNK, diag_shift=0.01) @ v
 
 
 # --- refusals: never an unchunked fallback -------------------------------------------------------
@@ -402,9 +473,9 @@ def test_netket_fallback_is_refused():
 
     with pytest.raises(NetKetChunkFallbackError, match="would run it unchunked"):
         ours.expect(Unchunked(HILBERT))
-    np.testing.assert_allclose(
-        nk.vqs.MCState.expect(ours, Unchunked(HILBERT)).mean, ours.expect(H).mean, rtol=1e-12
-    )
+    with pytest.warns(UserWarning, match="Ignoring chunk_size=14"):  # NetKet's own method, unchunked
+        theirs = nk.vqs.MCState.expect(ours, Unchunked(HILBERT))
+    np.testing.assert_allclose(theirs.mean, ours.expect(H).mean, rtol=1e-12)
 
 
 def test_auto_chunk_halves_once_after_out_of_memory_in_the_netket_adapter(monkeypatch):

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import inspect
-import sys
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import netket as nk
 from flax import serialization
 from netket.operator import AbstractOperator, Squared
-from netket.optimizer.qgt import qgt_jacobian, qgt_onthefly
 from netket.vqs import expect as nk_expect
 from netket.vqs import expect_and_forces as nk_expect_and_forces
 from netket.vqs import expect_and_grad as nk_expect_and_grad
@@ -51,13 +50,12 @@ class MCState(nk.vqs.MCState):
       update made over the whole batch); with ``chunk_size=None`` they run NetKet's unchunked path.
 
     ``chunk_size`` is vmcgrad's (any positive int, it need not divide anything), stored as
-    :attr:`vmcgrad_chunk_size`; NetKet's own attribute :attr:`chunk_size` reads None (unless
-    given as ``netket_chunk_size``), except for NetKet's readers that take it as *their* default,
-    which see ``c``: ``nk.driver.VMC_SR``'s ``chunk_size_bwd`` (the largest divisor of the sample
-    count at most ``c`` for ``use_ntk=True, on_the_fly=True``, whose NTK needs one), and the
-    chunk size of NetKet's ``QGTJacobianDense``/``QGTJacobianPyTree`` (``c``) and ``QGTOnTheFly``
-    (the largest divisor of the samples per device at most ``c``) when built from this state —
-    so ``SR()`` with NetKet's default QGT is chunked too.
+    :attr:`vmcgrad_chunk_size`. NetKet's own attribute :attr:`chunk_size` — what NetKet's code
+    that is not routed through vmcgrad reads: ``VMC_SR``'s ``chunk_size_bwd``, the chunk size of
+    NetKet's QGTs built from this state (so ``SR()`` with NetKet's default QGT is chunked too),
+    ``to_array`` — reads the largest divisor of the samples per device at most ``c`` (``c``
+    itself when it divides them; NetKet's ``QGTOnTheFly`` and ``VMC_SR``'s NTK on the fly need a
+    divisor), or NetKet's own chunk size if one is given as ``netket_chunk_size``.
 
     Args:
         sampler, model: as for ``nk.vqs.MCState``.
@@ -80,43 +78,34 @@ class MCState(nk.vqs.MCState):
         self.vmcgrad_chunk_size = check.check_chunk_size(NAME, chunk_size)
         super().__init__(sampler, model, chunk_size=netket_chunk_size, **kwargs)
 
-    # --- NetKet's chunk_size, as NetKet's own readers see it ----------------------------------
+    # --- NetKet's chunk_size, as NetKet's own code reads it ---------------------------------
 
-    def _get_chunk_size(self) -> int | None:
+    @property
+    def chunk_size(self) -> int | None:
+        """The chunk size NetKet's own code runs at on this state (its QGTs, ``VMC_SR``'s Jacobian
+        or NTK, ``to_array``): NetKet's own if given as ``netket_chunk_size`` (or set), else the
+        largest divisor of the samples per device at most vmcgrad's ``chunk_size`` (NetKet's
+        ``QGTOnTheFly`` and ``VMC_SR``'s NTK on the fly need one; announced once when it is
+        smaller). vmcgrad's own paths run at :attr:`vmcgrad_chunk_size` itself."""
         own = self._chunk_size
         if own is not None or self.vmcgrad_chunk_size is None:
             return own
-        reader = sys._getframe(1)
-        if reader.f_code in _DEFAULT_READERS:
-            return self._chunk_size_for(reader)
-        return None
-
-    chunk_size = property(
-        _get_chunk_size, nk.vqs.MCState.chunk_size.fset, doc=nk.vqs.MCState.chunk_size.__doc__
-    )
-
-    def _chunk_size_for(self, reader: Any) -> int:
-        """``c`` for a NetKet reader of ``vstate.chunk_size`` (see the class doc)."""
-        c = self._chunk()
-        if reader.f_code is _VMC_SR_INIT:
-            local = reader.f_locals
-            if local.get("use_ntk") and local.get("on_the_fly"):
-                return self._divisor("VMC_SR(use_ntk=True, on_the_fly=True)", self.n_samples, c)
-        elif reader.f_code is _QGT_ONTHEFLY:
-            return self._divisor("nk.optimizer.qgt.QGTOnTheFly", self.n_samples_per_rank, c)
-        return c
-
-    @staticmethod
-    def _divisor(path: str, n: int, c: int) -> int:
+        n, c = self.n_samples_per_rank, self._chunk()
         d = divisor_at_most(n, c)
         if d != c:
             warn_once(
-                (path, n, c),
-                f"{NAME}: NetKet's {path} needs a chunk size that divides {n} samples; it runs at "
-                f"{d}, the largest divisor at most chunk_size={c}. Fix: choose n_samples or chunk_size "
-                "so that one divides the other.",
+                (n, c),
+                f"{NAME}: NetKet's own code on this state (its QGTs, VMC_SR's Jacobian or NTK, "
+                f"to_array) runs at chunk size {d}, the largest divisor of the {n} samples per device "
+                f"at most chunk_size={c} (NetKet's QGTOnTheFly and VMC_SR's NTK on the fly need a "
+                "divisor); vmcgrad's paths run at chunk_size. Fix: choose n_samples or chunk_size so "
+                "that one divides the other.",
             )
         return d
+
+    @chunk_size.setter
+    def chunk_size(self, chunk_size: int | None) -> None:
+        nk.vqs.MCState.chunk_size.fset(self, chunk_size)
 
     def _chunk(self, sigma: Any = None) -> int | None:
         """The chunk size in force for a NetKet path: NetKet's own if set, else vmcgrad's
@@ -198,37 +187,37 @@ class MCState(nk.vqs.MCState):
         return call_chunked(f"{NAME}.local_estimators", nk_local_estimators, self, op, chunk_size)
 
     def _replace_model(self, model=None, *, apply_fun=None, variables=None):
-        new = super()._replace_model(model, apply_fun=apply_fun, variables=variables)
-        new.vmcgrad_chunk_size = self.vmcgrad_chunk_size
-        new.chunk_size = self._chunk_size
+        with _netket_own_chunk_size(self) as chunk:  # NetKet's copies vstate.chunk_size
+            new = super()._replace_model(model, apply_fun=apply_fun, variables=variables)
+        new.vmcgrad_chunk_size = chunk
         return new
 
     def __repr__(self) -> str:
         return super().__repr__().replace("MCState(", "vmcgrad.netket.MCState(", 1)
 
 
-#: NetKet functions that read ``vstate.chunk_size`` as the default of their own chunk size.
-_VMC_SR_INIT = nk.driver.VMC_SR.__init__.__code__
-_QGT_ONTHEFLY = inspect.unwrap(qgt_onthefly.QGTOnTheFly).__code__
-_DEFAULT_READERS = frozenset(
-    (
-        _VMC_SR_INIT,
-        _QGT_ONTHEFLY,
-        inspect.unwrap(qgt_jacobian.QGTJacobianDense).__code__,
-        inspect.unwrap(qgt_jacobian.QGTJacobianPyTree).__code__,
-    )
-)
+@contextlib.contextmanager
+def _netket_own_chunk_size(vstate: MCState) -> Iterator[Any]:
+    """Inside the block ``vstate.chunk_size`` reads NetKet's own chunk size (no divisor, no
+    ``"auto"`` resolved, i.e. no sampling): for NetKet's code that copies it into another state.
+    Yields vmcgrad's chunk size, restored on exit."""
+    chunk, vstate.vmcgrad_chunk_size = vstate.vmcgrad_chunk_size, None
+    try:
+        yield chunk
+    finally:
+        vstate.vmcgrad_chunk_size = chunk
 
 
 def _serialize(vstate: MCState) -> dict:
-    return {**serialize_MCState(vstate), "vmcgrad_chunk_size": vstate.vmcgrad_chunk_size}
+    with _netket_own_chunk_size(vstate) as chunk:
+        return {**serialize_MCState(vstate), "vmcgrad_chunk_size": chunk}
 
 
 def _deserialize(vstate: MCState, state_dict: dict) -> MCState:
     state_dict = dict(state_dict)
-    chunk = state_dict.pop("vmcgrad_chunk_size", vstate.vmcgrad_chunk_size)
-    new = deserialize_MCState(vstate, state_dict)
-    new.vmcgrad_chunk_size = chunk
+    with _netket_own_chunk_size(vstate) as default:
+        new = deserialize_MCState(vstate, state_dict)  # a copy of vstate
+    new.vmcgrad_chunk_size = state_dict.pop("vmcgrad_chunk_size", default)
     return new
 
 
