@@ -158,3 +158,34 @@ def test_partial_fun_arrays_are_traced_not_compiled_in():
         np.testing.assert_allclose(g["W"], r["W"], rtol=1e-12)
     expected = jax.jvp(lambda p: scaled(scales[1], p, samples), (params,), (params,))[1]
     np.testing.assert_allclose(out, expected, rtol=1e-12)
+
+
+def _docstring_control_characters(source: str) -> list[tuple[str, str]]:
+    """(name, characters) for every docstring of ``source`` holding a control character — an
+    escape like ``\\t`` or ``\\b`` (in ``\\tilde``, ``\\bar``) written in a non-raw string."""
+    import ast
+
+    bad = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=False) or ""
+            chars = sorted({c for c in doc if ord(c) < 32 and c != "\n"})
+            if chars:
+                bad.append((getattr(node, "name", "<module>"), repr("".join(chars))))
+    return bad
+
+
+def test_no_docstring_holds_a_control_character():
+    """A math docstring that is not raw turns ``\\tilde`` into a tab and ``\\bar`` into a backspace."""
+    from pathlib import Path
+
+    assert _docstring_control_characters('def f():\n    """:math:`\\bar O \\tilde\\theta`"""\n') == [
+        ("f", repr("\b\t"))
+    ]  # the detector fires on the bad program
+    root = Path(vmcgrad.__file__).parent
+    found = {
+        str(p.relative_to(root)): bad
+        for p in root.rglob("*.py")
+        if (bad := _docstring_control_characters(p.read_text()))
+    }
+    assert not found, found

@@ -70,7 +70,7 @@ def mean_chunk(fun, params, x, w, *, mode: str, out_dtype) -> tuple[Any, tuple]:
 
 
 def product_chunk(fun, params, x, w, obar, v, *, mode: str) -> tuple[Any, tuple]:
-    """One chunk's :math:`\\sum_i \\overline{O_i}\\,w_i (O_i v - \bar O\\cdot v)` (real part for a real
+    r"""One chunk's :math:`\sum_i \overline{O_i}\,w_i (O_i v - \bar O\cdot v)` (real part for a real
     :math:`\tilde\theta`): one linearisation, its jvp and its transpose."""
     g, theta = _on_rep(fun, params, mode)
     obar_v = _dot(obar, v)
@@ -99,8 +99,8 @@ def jacobian_rows(g: Callable, theta: Any, x: Any, out_dtype) -> jax.Array:
 
 
 def jacobian_chunk(fun, params, x, w, obar, *, mode: str, out_dtype, dense: bool) -> tuple[jax.Array, tuple]:
-    """One chunk's :math:`\\sum_i w_i |\\Delta O_{ik}|^2` (``dense=False``, shape ``(D,)``) or
-    :math:`\\sum_i w_i \\Delta O_i^\\dagger \\Delta O_i` (``dense=True``, ``(D, D)``; its real part
+    r"""One chunk's :math:`\sum_i w_i |\Delta O_{ik}|^2` (``dense=False``, shape ``(D,)``) or
+    :math:`\sum_i w_i \Delta O_i^\dagger \Delta O_i` (``dense=True``, ``(D, D)``; its real part
     for a real :math:`\tilde\theta`)."""
     g, theta = _on_rep(fun, params, mode)
     obar_flat = ravel_pytree(obar)[0]
