@@ -397,3 +397,6 @@ def test_state_copies_keep_both_chunk_sizes_without_resolving_auto():
     assert state["chunk_size"] is None and state["vmcgrad_chunk_size"] == "auto"
     assert type(new) is vnk.MCState and new.vmcgrad_chunk_size == "auto" and new._chunk_size is None
     assert vs.vmcgrad_chunk_size == "auto"  # restored after the copies
+    _, both = make_state("rbm_real", "heisenberg_chain", cls=vnk.MCState, chunk_size=5, netket_chunk_size=8)
+    new = both._replace_model(both.model, variables=both.variables)
+    assert (new.vmcgrad_chunk_size, new._chunk_size, new.chunk_size) == (5, 8, 8)

@@ -189,7 +189,8 @@ class MCState(nk.vqs.MCState):
     def _replace_model(self, model=None, *, apply_fun=None, variables=None):
         with _netket_own_chunk_size(self) as chunk:  # NetKet's copies vstate.chunk_size
             new = super()._replace_model(model, apply_fun=apply_fun, variables=variables)
-        new.vmcgrad_chunk_size = chunk
+        # NetKet passes its chunk size as ``chunk_size=``, which is vmcgrad's here: put both back
+        new.vmcgrad_chunk_size, new.chunk_size = chunk, self._chunk_size
         return new
 
     def __repr__(self) -> str:
