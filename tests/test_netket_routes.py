@@ -12,14 +12,9 @@ one claimed by NetKet binds none); :func:`test_route_check_catches_a_switch_that
 is its companion.
 
 Host callbacks deadlock on several fake CPU devices (jax 0.10.2), so the spy tests run on one
-device: directly when the suite runs on one (``VMCGRAD_TEST_DEVICES=1``), otherwise through
-:func:`test_spy_tests_in_a_one_device_subprocess`, which runs this file in a one-device process.
+device: in the README's test command's second pass (``VMCGRAD_TEST_DEVICES=1 python -m pytest``,
+also run by ``.ci/run``); the 4-device pass skips them and runs the rest of this file.
 """
-
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -41,10 +36,10 @@ N_CHAINS = 4 * N_DEV
 N_SAMPLES = 63 * N_CHAINS  # 252 on one device
 CHUNK = 16  # divides neither 252 nor 63; larger than max_conn (9)
 RTOL, ATOL = 1e-10, 1e-12
-ROOT = Path(__file__).resolve().parents[1]
 
 one_device = pytest.mark.skipif(
-    N_DEV != 1, reason="host callbacks deadlock on several CPU devices; run by the one-device subprocess test"
+    N_DEV != 1,
+    reason="host callbacks deadlock on several CPU devices; run in the VMCGRAD_TEST_DEVICES=1 pass",
 )
 
 
@@ -58,35 +53,6 @@ def netket_mesh():
             yield
     finally:
         nk.config.netket_experimental = experimental
-
-
-def test_spy_tests_in_a_one_device_subprocess():
-    """The spy tests of this file, in a process with one CPU device (NetKet reads it at import)."""
-    if N_DEV == 1:
-        pytest.skip("this suite already runs on one device: the spy tests ran here")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_", "NETKET_"))}
-    env.update(VMCGRAD_TEST_DEVICES="1", NETKET_EXPERIMENTAL_SHARDING_CPU="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            str(Path(__file__)),
-            "-m",
-            "not slow",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[-3000:]
 
 
 # --- systems ---------------------------------------------------------------------------------
