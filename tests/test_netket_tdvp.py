@@ -113,6 +113,8 @@ def assert_same_history(ours, ref):
         np.testing.assert_allclose(e, e_ref, rtol=1e-10)
 
 
+_ISOLATED = "VMCGRAD_TEST_TDVP_ISOLATED"  # set in the child process of the 4-device complex case
+
 CASES = [  # (propagation, model, solver, holomorphic): each solver once, both propagations
     ("real", "RBMModPhase[float64]", "pinv_smooth", None),
     ("real", "RBM[complex128]", "cg", True),
@@ -128,11 +130,24 @@ def test_tdvp_matches_jacobian_dense(propagation_type, model_name, solver_name, 
     QGT and not the amplification of rounding by a near-singular S (with diag_shift=0 and
     pinv_smooth the runs agree to ~2e-8 relative).
     """
-    if N_DEV > 1 and model_name == "RBM[complex128]":
-        pytest.skip(
-            "open: this complex TDVP run aborts the process (Fatal Python error: Aborted) on 4 fake "
-            "CPU devices; it runs, and passes, in the one-device pass (VMCGRAD_TEST_DEVICES=1)"
+    if N_DEV > 1 and model_name == "RBM[complex128]" and not os.environ.get(_ISOLATED):
+        # Once, in a loaded full run, this case aborted the whole process on 4 fake CPU devices
+        # (XLA ending a stalled collective in NetKet's QGTJacobianDense reference run); it has
+        # not recurred since (alone, after the NetKet files, under load). It runs in its own
+        # process, so that an abort or a hang is this test's failure with its output, not the
+        # end of the suite.
+        test_id = f"{__file__}::test_tdvp_matches_jacobian_dense"
+        case = f"{propagation_type}-{model_name}-{solver_name}-{holomorphic}"
+        out = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{test_id}[{case}]"],
+            env={**os.environ, _ISOLATED: "1"},
+            cwd=os.path.dirname(__file__),
+            capture_output=True,
+            text=True,
+            timeout=600,
         )
+        assert out.returncode == 0 and " passed" in out.stdout, out.stdout[-4000:] + out.stderr[-4000:]
+        return
     kw = {"diag_shift": 1e-3} if holomorphic is None else {"diag_shift": 1e-3, "holomorphic": holomorphic}
     args = (model_name, propagation_type, SOLVERS[solver_name], nkx.dynamics.RK4(dt=DT))
     ref = run_tdvp(nk.optimizer.qgt.QGTJacobianDense(**kw), *args)
