@@ -45,7 +45,7 @@ is not silently dropped. Bodies are traced with no context mesh: they run on one
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +61,35 @@ from ._runner import SAMPLES, Laid, Space, acc_dtype, run_on
 chunked_p = Primitive("vmcgrad_chunked_map_reduce")
 chunked_p.multiple_results = True
 
+
+class Pullback(NamedTuple):
+    r"""A chunk's summed output written as a pullback, so the runner can add it straight into refs.
+
+    A chunk function may return ``Pullback(fun, primals)`` as its sums, meaning
+
+    .. math::
+
+        \mathrm{sums} = \mathrm{vjp}_{\mathrm{fun}}(\mathrm{primals})(c),
+        \qquad (y, c) = \mathrm{fun}(\mathrm{primals})
+
+    (``c`` is ``fun``'s auxiliary output: the cotangent, not differentiated). The untransformed
+    primitive lowers it as the seed's recipe, ``jax.vjp(fun, primals, has_aux=True)`` and
+    ``f_vjp.with_refs(*accumulators)(c)``: a function with a ``lax.scan`` over layers then adds each
+    layer's gradient straight into the accumulator instead of first building the stacked per-layer
+    gradient (measured: ``benchmarks/estimator_temp_bytes.py``). Transformation rules see the same
+    sums as an ordinary value (the generic body) and bind the primitive without the pullback form.
+    """
+
+    fun: Callable[[Any], tuple[Any, Any]]
+    primals: Any
+
+    def value(self) -> Any:
+        """The sums, as an ordinary value: ``f_vjp(c)``."""
+        _, f_vjp, ct = jax.vjp(self.fun, self.primals, has_aux=True)
+        (out,) = f_vjp(ct)
+        return out
+
+
 # Operands: (*replicated, *per_sample). Params:
 #   body:       ClosedJaxpr of g(*replicated, *per_sample_chunk, w) -> (*sums, *maps_chunk)
 #   n_rep:      how many operands are replicated
@@ -68,6 +97,9 @@ chunked_p.multiple_results = True
 #   rep_layout: per replicated operand, the dimension split over the sample axis, or None
 #   sum_layout: per summed output, the same (split sums are reduce-scattered)
 #   space:      the rows: sample axis, N, rows per device, chunk size (vmcgrad._runner.Space)
+#   pullback:   None, or (point, fwd, n_y): the sums as a pullback (see Pullback), for the lowering:
+#               point(*replicated, *chunk, w) -> primal leaves; fwd(*replicated, *chunk, w, *primals)
+#               -> (*y, *cotangent); sums = vjp of y at the primals with that cotangent
 
 
 def _chunk_rows(space: Space) -> int:
@@ -78,8 +110,8 @@ def _explicit(space: Space) -> bool:
     return space.where is not None and AxisType.Explicit in space.where.mesh.axis_types
 
 
-def _abstract_eval(*args, body, n_rep, n_sum, rep_layout, sum_layout, space):
-    del args, n_rep, rep_layout
+def _abstract_eval(*args, body, n_rep, n_sum, rep_layout, sum_layout, space, pullback):
+    del args, n_rep, rep_layout, pullback
     outs = body.out_avals
     explicit = _explicit(space)
     mesh = space.where.mesh.abstract_mesh if explicit else None
@@ -105,12 +137,23 @@ def _dim_spec(d: int | None, ndim: int, space: Space) -> P:
 chunked_p.def_effectful_abstract_eval(_abstract_eval)
 
 
-def _loop(g: Callable, rep: list, per_sample: list, chunks: Any, sum_avals: Sequence, map_avals: Sequence):
+def _loop(
+    g: Callable,
+    rep: list,
+    per_sample: list,
+    chunks: Any,
+    sum_avals: Sequence,
+    map_avals: Sequence,
+    pullback: tuple | None = None,
+):
     """One device's pass: a ``while_loop`` over chunks; sums into ref accumulators, rows into a carry.
 
     A ``while_loop`` over an int32 counter, not a ``scan``: a scan's index array costs temp memory,
     and the loop is never differentiated (the primitive's rules act instead). Rows of weight False
     keep the buffer's earlier value (an earlier chunk's, or zeros for padded rows, which are cut).
+    Sums given as a :class:`Pullback` are written by ``f_vjp.with_refs(*accumulators)``, every
+    leaf a whole ref (jax#32468, and a ref view under ``jit`` accumulates nothing: CONTEXT.md);
+    other sums by ``acc[...] += part``.
     """
     accs = [jax.new_ref(jnp.zeros(a.shape, acc_dtype(a.dtype))) for a in sum_avals]
     bufs = [jnp.zeros((chunks.plan.n, *a.shape[1:]), a.dtype) for a in map_avals]
@@ -119,9 +162,13 @@ def _loop(g: Callable, rep: list, per_sample: list, chunks: Any, sum_avals: Sequ
     def step(carry):
         k, bufs = carry
         *chunk, w = chunks.take(k, *per_sample, dtype=jnp.bool_)
-        outs = g(*rep, *chunk, w)
-        for acc, part in zip(accs, outs[: len(accs)]):
-            acc[...] += part.astype(acc.dtype)
+        if pullback is None:
+            outs = g(*rep, *chunk, w)
+            for acc, part in zip(accs, outs[: len(accs)]):
+                acc[...] += part.astype(acc.dtype)
+        else:
+            _pull_into(accs, pullback, rep, chunk, w)
+            outs = g(*rep, *chunk, w) if bufs else [None] * len(accs)  # only the rows are used
         start = chunks.start(k)
         new = []
         for buf, rows in zip(bufs, outs[len(accs) :]):
@@ -134,13 +181,26 @@ def _loop(g: Callable, rep: list, per_sample: list, chunks: Any, sum_avals: Sequ
     return [jax.ref.freeze(a) for a in accs], bufs
 
 
-def _impl(*args, body, n_rep, n_sum, rep_layout, sum_layout, space):
+def _pull_into(accs: list, pullback: tuple, rep: list, chunk: list, w: Any) -> None:
+    """The seed's recipe: one chunk's pullback added straight into the accumulators."""
+    point, fwd, n_y = pullback
+    primals = jaxpr_as_fun(point)(*rep, *chunk, w)
+
+    def f(*theta):
+        outs = jaxpr_as_fun(fwd)(*rep, *chunk, w, *theta)
+        return list(outs[:n_y]), list(outs[n_y:])
+
+    _, f_vjp, ct = jax.vjp(f, *primals, has_aux=True)
+    f_vjp.with_refs(*accs)(ct)
+
+
+def _impl(*args, body, n_rep, n_sum, rep_layout, sum_layout, space, pullback):
     rep, per_sample = list(args[:n_rep]), list(args[n_rep:])
     g = jaxpr_as_fun(body)
     sum_avals, map_avals = body.out_avals[:n_sum], body.out_avals[n_sum:]
 
     def local(chunks, rep, per_sample):
-        return _loop(g, rep, per_sample, chunks, sum_avals, map_avals)
+        return _loop(g, rep, per_sample, chunks, sum_avals, map_avals, pullback)
 
     like = [jax.ShapeDtypeStruct(a.shape, acc_dtype(a.dtype)) for a in sum_avals]
     sums, maps = run_on(
@@ -153,7 +213,9 @@ def _impl(*args, body, n_rep, n_sum, rep_layout, sum_layout, space):
     return [s.astype(a.dtype) for s, a in zip(sums, sum_avals)] + list(maps)
 
 
-_impl_jit = jax.jit(_impl, static_argnames=("body", "n_rep", "n_sum", "rep_layout", "sum_layout", "space"))
+_impl_jit = jax.jit(
+    _impl, static_argnames=("body", "n_rep", "n_sum", "rep_layout", "sum_layout", "space", "pullback")
+)
 chunked_p.def_impl(_impl_jit)
 mlir.register_lowering(chunked_p, mlir.lower_fun(_impl, multiple_results=True))
 
@@ -190,7 +252,7 @@ def _place(rep: list, rep_layout: Sequence, per_sample: list, space: Space) -> t
     return rep, per_sample
 
 
-def _bind(rep, per_sample, *, body, rep_layout, n_sum, sum_layout, space):
+def _bind(rep, per_sample, *, body, rep_layout, n_sum, sum_layout, space, pullback=None):
     rep, per_sample = _place(list(rep), rep_layout, list(per_sample), space)
     return chunked_p.bind(
         *rep,
@@ -201,6 +263,7 @@ def _bind(rep, per_sample, *, body, rep_layout, n_sum, sum_layout, space):
         rep_layout=tuple(rep_layout),
         sum_layout=tuple(sum_layout),
         space=space,
+        pullback=pullback,
     )
 
 
@@ -216,7 +279,7 @@ def _split(seq: Sequence, sizes: Sequence[int]) -> list:
 # --- jvp: tangent = CMR of the chunk's jvp, tangents as extra (replicated / per-sample) operands ---
 
 
-def _jvp_rule(primals, tangents, *, body, n_rep, n_sum, rep_layout, sum_layout, space):
+def _jvp_rule(primals, tangents, *, body, n_rep, n_sum, rep_layout, sum_layout, space, pullback):
     out = _bind(
         primals[:n_rep],
         primals[n_rep:],
@@ -225,6 +288,7 @@ def _jvp_rule(primals, tangents, *, body, n_rep, n_sum, rep_layout, sum_layout, 
         n_sum=n_sum,
         sum_layout=sum_layout,
         space=space,
+        pullback=pullback,
     )
     nz = [type(t) is not ad.Zero for t in tangents]
     if not any(nz):
@@ -272,7 +336,8 @@ ad.primitive_jvps[chunked_p] = _jvp_rule
 # --- transpose: CMR of the chunk's linear transpose; per-sample cotangents masked by w -------------
 
 
-def _transpose_rule(cts, *args, body, n_rep, n_sum, rep_layout, sum_layout, space):
+def _transpose_rule(cts, *args, body, n_rep, n_sum, rep_layout, sum_layout, space, pullback):
+    del pullback  # the transposed body is the generic one
     lin = [ad.is_undefined_primal(a) for a in args]
     in_avals, out_avals = body.in_avals, body.out_avals
     n_in = len(in_avals) - 1
@@ -334,7 +399,8 @@ ad.primitive_transposes[chunked_p] = _transpose_rule
 # --- vmap: CMR of the vmapped chunk function (replicated batch axis 0, per-sample axis 1) ---------
 
 
-def _batch_rule(args, dims, *, body, n_rep, n_sum, rep_layout, sum_layout, space):
+def _batch_rule(args, dims, *, body, n_rep, n_sum, rep_layout, sum_layout, space, pullback):
+    del pullback  # the batched body is the generic one
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     in_avals = body.in_avals
     moved, in_axes, avals = [], [], []
@@ -389,6 +455,48 @@ def _hoist(fn: Callable, avals: Sequence[Any]) -> tuple[ClosedJaxpr, list[Any]]:
     return _trace(explicit, [jax.typeof(h) for h in hoisted] + list(avals)), hoisted
 
 
+def _pullback_jaxprs(chunk_fun: Callable, unpack: Callable, avals: list, sum_avals: Sequence) -> tuple | None:
+    """The ``pullback`` parameter of a chunk function whose sums are a :class:`Pullback`, or None
+    where the lowering cannot write them through ``with_refs`` (then the generic body runs).
+
+    Two jaxprs on the body's operands: ``point`` gives the primal leaves, ``fwd`` the function's
+    outputs and the cotangent at given primals. ``with_refs`` adds into refs of the primals' own
+    shapes and dtypes, so the form is kept only where those are the accumulators' (the sums'
+    dtypes promoted to at least float32); and only where nothing traced is closed over (an outer
+    transformation's value: the primitive's operands must carry it, as :func:`_hoist` makes them).
+    """
+    structure = []
+
+    def point(*args):
+        rep, chunk, w = unpack(args)
+        pull = chunk_fun(*rep, *chunk, w)[0]
+        leaves, tree = jax.tree.flatten(pull.primals)
+        structure.append(tree)
+        return leaves
+
+    point_jaxpr = _trace(point, avals)
+    primal_avals = point_jaxpr.out_avals
+    n_y = []
+
+    def fwd(*args):
+        rep, chunk, w = unpack(args[: len(avals)])
+        pull = chunk_fun(*rep, *chunk, w)[0]
+        y, ct = pull.fun(jax.tree.unflatten(structure[0], args[len(avals) :]))
+        y_leaves, ct_leaves = jax.tree.leaves(y), jax.tree.leaves(ct)
+        n_y.append(len(y_leaves))
+        return [*y_leaves, *ct_leaves]
+
+    fwd_jaxpr = _trace(fwd, [*avals, *primal_avals])
+    like = len(primal_avals) == len(sum_avals) and all(
+        p.shape == a.shape and p.dtype == a.dtype == acc_dtype(a.dtype)
+        for p, a in zip(primal_avals, sum_avals)
+    )
+    traced = any(isinstance(c, jax.core.Tracer) for j in (point_jaxpr, fwd_jaxpr) for c in j.consts)
+    if not like or traced:
+        return None
+    return point_jaxpr, fwd_jaxpr, n_y[0]
+
+
 def map_reduce(
     space: Space,
     chunk_fun: Callable[..., tuple[Any, Any]],
@@ -430,15 +538,21 @@ def map_reduce(
     size = _chunk_rows(space)
     trees = []
 
-    def flat(*args):
+    def unpack(args):
         it = iter(args)
         rep = [jax.tree.unflatten(td, [next(it) for _ in leaves]) for leaves, td in rep_flat]
         chunk = [jax.tree.unflatten(td, [next(it) for _ in leaves]) for leaves, td in ps_flat]
-        (w,) = list(it)
+        return rep, chunk, next(it)
+
+    def flat(*args):
+        rep, chunk, w = unpack(args)
         sums, maps = chunk_fun(*rep, *chunk, w)
+        pull = isinstance(sums, Pullback)
+        if pull:
+            sums = sums.value()
         s_leaves, s_tree = jax.tree.flatten(sums)
         m_leaves, m_tree = jax.tree.flatten(maps)
-        trees.append((s_tree, m_tree, len(s_leaves)))
+        trees.append((s_tree, m_tree, len(s_leaves), pull))
         return [*s_leaves, *m_leaves]
 
     avals = (
@@ -447,7 +561,8 @@ def map_reduce(
         + [jax.ShapeDtypeStruct((size,), jnp.bool_)]
     )
     body, hoisted = _hoist(flat, avals)
-    s_tree, m_tree, n_sum = trees[0]
+    s_tree, m_tree, n_sum, pull = trees[0]
+    pullback = _pullback_jaxprs(chunk_fun, unpack, avals, body.out_avals[:n_sum]) if pull else None
     layout = (None,) * n_sum if sum_layout is None else tuple(sum_layout)
     outs = _bind(
         [*hoisted, *rep_leaves],
@@ -457,6 +572,7 @@ def map_reduce(
         n_sum=n_sum,
         sum_layout=layout,
         space=space,
+        pullback=None if hoisted else pullback,
     )
     return jax.tree.unflatten(s_tree, outs[:n_sum]), jax.tree.unflatten(m_tree, outs[n_sum:])
 

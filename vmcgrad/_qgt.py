@@ -34,7 +34,7 @@ from . import _validation as check
 from ._chunked import map_reduce_problem
 from ._problem import Inputs, Problem, auto_chunk, call, problem
 from ._qgt_modes import choose_mode, to_rep
-from ._qgt_passes import jacobian_chunk, mean_chunk, product_chunk
+from ._qgt_passes import jacobian_chunk, join_mean, mean_chunk, product_chunk, split_imag
 from ._solve import CGInfo, cg
 from ._views import Views
 
@@ -349,8 +349,11 @@ def QGT(
 def _mean_program(prob: Problem, op: QGTOperator) -> Any:
     op = op._at(prob)
     chunk = partial(mean_chunk, mode=op.mode, out_dtype=prob.out_dtype)
-    total, _ = map_reduce_problem(prob, op.inputs, chunk, sum_layout=op._rep_layout())
     like = to_rep(op.mode, op.params)
+    layout = op._rep_layout()
+    pair = split_imag(like, prob.out_dtype)
+    total, _ = map_reduce_problem(prob, op.inputs, chunk, sum_layout=layout * 2 if pair else layout)
+    total = join_mean(total, like, prob.out_dtype)
     complex_o = jnp.issubdtype(prob.out_dtype, jnp.complexfloating)
 
     def mean(t, p):
