@@ -167,7 +167,11 @@ def _loop(
             for acc, part in zip(accs, outs[: len(accs)]):
                 acc[...] += part.astype(acc.dtype)
         else:
-            _pull_into(accs, pullback, rep, chunk, w)
+            if not _has_uncounted_rows(chunks):
+                _pull_into(accs, pullback, rep, chunk, w)
+            else:  # rows of weight 0 must add an exact zero (see _finite_stand_ins)
+                chunk = _finite_stand_ins(pullback, rep, per_sample, chunks, k, w)
+                jax.lax.cond(jnp.any(w), lambda: _pull_into(accs, pullback, rep, chunk, w), lambda: None)
             outs = g(*rep, *chunk, w) if bufs else [None] * len(accs)  # only the rows are used
         start = chunks.start(k)
         new = []
@@ -179,6 +183,52 @@ def _loop(
 
     _, bufs = jax.lax.while_loop(lambda c: c[0] < chunks.plan.count, step, (jnp.int32(0), bufs))
     return [jax.ref.freeze(a) for a in accs], bufs
+
+
+def _has_uncounted_rows(chunks: Any) -> bool:
+    """Whether any chunk on any device holds rows of weight False (known statically: padding to the
+    device count, or a shifted last chunk)."""
+    plan = chunks.plan
+    return plan.count * plan.size != plan.n or plan.n * chunks.devices != chunks.n_total
+
+
+def _finite_stand_ins(pullback: tuple, rep: list, per_sample: list, chunks: Any, k: Any, w: Any) -> list:
+    r"""The chunk with every row of weight False replaced by a copy of a counted row whose derivative
+    is finite (when one exists), so that rows that do not count add an exact zero.
+
+    A row of weight 0 (re-read by the shifted last chunk, or padding) enters the pullback with
+    cotangent 0, and :math:`0 \cdot \infty` is NaN: one re-read row with an infinite derivative
+    would turn the whole sum into NaN where ``jax.vjp`` gives ``inf``. A row's derivative
+    :math:`J_r` is finite exactly when :math:`J_r \cdot \mathbf 1` is (a sum with an infinite or
+    NaN term is never finite), so one forward-mode pass over the chunk finds the rows that may stand
+    in. Run only for chunks that hold rows of weight 0 (at most two per device and pass).
+    """
+    point, fwd, n_y = pullback
+
+    def find(per_sample):
+        *chunk, _ = chunks.take(k, *per_sample)
+        primals = jaxpr_as_fun(point)(*rep, *chunk, w)
+        ones = [jnp.ones_like(p) for p in primals]
+        _, y_dot = jax.jvp(lambda *t: list(jaxpr_as_fun(fwd)(*rep, *chunk, w, *t)[:n_y]), primals, ones)
+        finite = w
+        for t in y_dot:
+            finite = finite & jnp.all(jnp.isfinite(t).reshape(t.shape[0], -1), axis=1)
+        return jnp.any(finite), jnp.argmax(finite).astype(jnp.int32)
+
+    # Only the stand-in's index leaves the cond, and the chunk is sliced from the device's rows once,
+    # fused with the replacement (a second chunk-sized buffer would cost temp memory).
+    none = lambda _: (jnp.bool_(False), jnp.int32(0))
+    found, stand_in = jax.lax.cond(jnp.all(w), none, find, per_sample)
+    keep = w | ~found
+    start = chunks.start(k)
+    size = w.shape[0]
+
+    def put(a):
+        rows = jax.lax.dynamic_slice_in_dim(a, start, size)
+        row = jax.lax.dynamic_slice_in_dim(a, start + stand_in, 1)
+        return jnp.where(keep.reshape((size,) + (1,) * (a.ndim - 1)), rows, row)
+
+    return jax.tree.map(put, list(per_sample))
 
 
 def _pull_into(accs: list, pullback: tuple, rep: list, chunk: list, w: Any) -> None:
