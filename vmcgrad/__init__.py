@@ -7,7 +7,7 @@ from ._grad import expect_grad as expect_grad
 from ._hlo import CollectiveReport as CollectiveReport
 from ._hlo import collective_report as collective_report
 from ._jvp import batched_jvp as batched_jvp
-from ._problem import lower as lower
+from ._lower import lower as lower
 from ._qgt import QGT as QGT
 from ._qgt import QGTOperator as QGTOperator
 from ._qgt_linearized import LinearizedQGT as LinearizedQGT

@@ -37,6 +37,7 @@ from netket.utils import HashablePartial
 from netket.vqs.mc import get_local_kernel_arguments
 
 from .. import _validation as check
+from . import _nk_private as nkp
 from ._expect_grad import auto_chunk_size, check_state
 from ._forces import check_operator
 from ._local_values import (
@@ -108,7 +109,7 @@ def expect_and_grad_nonhermitian(
         forward_kernel(vstate, operator, chunk_size),
         differentiable_kernel(vstate, operator),
         per_sample,
-        vstate._apply_fun,
+        nkp.apply_fun(vstate),
         float(vstate.sampler.machine_pow),
         chunk_size,
         diff_chunk,

@@ -48,6 +48,7 @@ import vmcgrad
 from .. import _validation as check
 from .._qgt_modes import to_rep
 from .._views import Views
+from . import _nk_private as nkp
 from ._expect_grad import log_psi
 
 NAME = "vmcgrad.netket.QGTOnTheFly"
@@ -105,7 +106,7 @@ def QGTOnTheFly(
         netket.errors.IllegalHolomorphicDeclarationForRealParametersError: ``holomorphic=True``
             with real parameters (as NetKet).
     """
-    if not isinstance(vstate, nk.vqs.MCState):
+    if not isinstance(vstate, nkp.NetKetMCState):
         raise TypeError(
             f"{NAME}: `vstate` must be a netket.vqs.MCState; got {type(vstate).__name__}. "
             "Fix: use NetKet's QGT types for other variational states."
@@ -126,7 +127,7 @@ def QGTOnTheFly(
     if holomorphic is None and nkjax.tree_leaf_iscomplex(params):
         warnings.warn(HolomorphicUndeclaredWarning(), UserWarning, stacklevel=2)
     qgt = vmcgrad.QGT(
-        log_psi(vstate._apply_fun, vstate.model_state),
+        log_psi(nkp.apply_fun(vstate), vstate.model_state),
         params,
         _flat_samples(vstate.samples),
         chunk_size=chunk_size,
