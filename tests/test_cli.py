@@ -136,7 +136,7 @@ def test_short_run_writes_log_and_plot(tmp_path):
     "system, L", [("heisenberg1d", 12), ("ising1d", 12), ("heisenberg2d", 4), ("j1j2", 4)]
 )
 def test_lanczos_reproduces_the_table(system, L):
-    """The exact-diagonalisation path (used off the table) against the table (shared/CONTEXT.md)."""
+    """The exact-diagonalisation path (used off the table) against the table (vmcgrad/cli/_systems.py)."""
     built = _systems.build(system, L)
     energy = _systems.lanczos_energy(built.n_sites, built.bonds, built.field)
     assert energy == pytest.approx(_systems.EXACT_ENERGIES[system, L], rel=1e-10, abs=0)

@@ -16,10 +16,11 @@ How NetKet's solvers are fed: every product ``S @ v`` (what ``jax.scipy.sparse.l
 ``gmres`` call, through ``lax.custom_linear_solve``) is one ``jax.custom_derivatives.linear_call``
 whose callee is vmcgrad's chunked product and whose transpose is declared as
 :math:`S^T v = \overline{S_\text{eff} \bar v}` (:math:`S_\text{eff}` is Hermitian, or real
-symmetric). vmcgrad's product accumulates into ``jax.new_ref`` refs that it creates and reads back
-inside itself; ``linear_call`` declares no effects, so ``custom_linear_solve`` sees a pure linear
-map and never has to transpose or discharge the chunk loop. No private JAX API and no mode flag:
-``@`` is the same operation everywhere (solvers, ``error_norm="qgt"``, user code). Dense solvers
+symmetric), so a transpose is one more product by definition. The solvers do not need it:
+``jax.scipy``'s ``cg`` and ``gmres``, and ``jax.linear_transpose``, work on the plain
+:class:`vmcgrad.QGTOperator` product too (real and complex, jitted; checked with jax 0.10.2), so the
+``linear_call`` is a declaration, not a workaround. No private JAX API and no mode flag: ``@`` is
+the same operation everywhere (solvers, ``error_norm="qgt"``, user code). Dense solvers
 (``cholesky``, ``LU``, ``solve``, ``svd``, ``pinv``, ``pinv_smooth``) call :meth:`to_dense`.
 """
 
