@@ -135,6 +135,22 @@ def test_import_vmcgrad_loads_the_library_only():
     assert out.stdout.strip() == "[]"
 
 
+def test_vmc_help_imports_no_jax():
+    """``vmcgrad vmc --help`` answers without importing JAX (or NetKet): ``import vmcgrad`` is lazy and
+    the command imports its heavy modules inside ``run``. Read from ``python -X importtime``."""
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "vmcgrad", "vmc", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0 and "--chunk-size" in out.stdout, out.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if "|" in line}
+    assert "vmcgrad.cli.vmc" in imported  # the reading works
+    assert not imported & {"jax", "netket", "flax", "matplotlib"}, sorted(imported & {"jax", "netket"})
+
+
 # --- NetKet's private names -------------------------------------------------------------------------
 
 
