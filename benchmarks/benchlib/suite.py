@@ -10,8 +10,8 @@ outside, from the compiled HLO), and writes ``DIR/bench.json`` (after every benc
 ``benchmarks/bench_large.py`` with its defaults instead (``DIR/large.json``).
 
 With the defaults (L=32, N in 1024 4096, chunks 128 512, 2 fake CPU devices, 3 repeats) the suite
-takes about 8 to 10 minutes on a 2-core CPU machine (measured 2026-12-01, shared); ``--only grad
---samples 256 --chunk-sizes 64 --repeats 1`` about half a minute.
+takes 8 minutes or more on a shared 2-core CPU machine (2026-12); ``--only grad --L 8 --samples 256
+--chunk-sizes 64 --repeats 1`` took 43 s there (2026-12-01), compilation included.
 """
 
 from __future__ import annotations
