@@ -20,7 +20,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from test_cli import N_DEVICES, TINY, _check_log, _finish, _is_png, _start, _vmcgrad
+from test_cli import N_DEVICES, TINY, _check_log, _finish, _start, _vmcgrad
 
 from vmcgrad.cli import _lock, _output, main, vmc
 
@@ -104,10 +104,10 @@ def test_second_run_into_a_locked_out_refuses_at_once(tmp_path, capsys):
             f"in use by another vmcgrad run (process {os.getpid()}",
         )
         t0 = time.monotonic()
-        rc, stdout, stderr = _vmcgrad(["bench", "--out", str(out)], tmp_path, timeout=60)  # another process
+        rc, stdout, stderr = _vmcgrad(["vmc", "--out", str(out)], tmp_path, timeout=60)  # another process
         assert rc == 2 and stdout == "" and time.monotonic() - t0 < 30
-        _one_line_error(stderr, "vmcgrad bench: error: argument --out:", "in use by another vmcgrad run")
-        assert not (out / "bench.json").exists()
+        _one_line_error(stderr, "vmcgrad vmc: error: argument --out:", "in use by another vmcgrad run")
+        assert not (out / "log.json").exists()
     finally:
         held.release()
     assert not (out / _lock.LOCK_NAME).exists()
@@ -167,12 +167,10 @@ def test_special_out_paths_are_refused_before_anything_runs(out, message, capsys
     top = Path(*Path(out).parts[:2])
     if not top.exists():
         pytest.skip(f"no {top} on this system")
-    tiny = {"vmc": [*TINY, "--steps", "1"], "bench": ["--L", "6", "--samples", "8", "--repeats", "1"]}
-    for command in ("vmc", "bench"):
-        with pytest.raises(SystemExit) as exc:  # (a tiny run, should it start)
-            main([command, *tiny[command], "--out", out])
-        assert exc.value.code == 2
-        _one_line_error(capsys.readouterr().err, f"vmcgrad {command}: error: argument --out: {message}")
+    with pytest.raises(SystemExit) as exc:  # (a tiny run, should it start)
+        main(["vmc", *TINY, "--steps", "1", "--out", out])
+    assert exc.value.code == 2
+    _one_line_error(capsys.readouterr().err, f"vmcgrad vmc: error: argument --out: {message}")
 
 
 def test_a_directory_where_the_log_goes_is_refused(tmp_path, capsys):
@@ -235,7 +233,8 @@ def _savefig_full_disk(*args, **kwargs):
 
 
 def _in_process_run(args, capsys):
-    # NetKet's global mesh, as after a plain `import netket` (see test_cli.test_bench_writes_json_and_plot)
+    # NetKet's global mesh, as after a plain `import netket`
+    # (see tests/test_benchmarks.py::test_suite_writes_json_and_plot)
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("S",), axis_types=(jax.sharding.AxisType.Auto,))
     with jax.set_mesh(mesh):
         rc = main(["vmc", *TINY, *args])
@@ -310,27 +309,3 @@ def test_second_ctrl_c_during_the_first_compile_ends_at_once_and_cleanly(tmp_pat
     log = _strict((out / "log.json").read_text())
     assert log["status"] == "interrupted" and log["energy_mean"] == []
     assert sorted(p.name for p in out.iterdir()) == ["log.json"]  # no temporary, lock removed
-
-
-# --- vmcgrad bench with sample counts the devices do not divide -----------------------------------
-
-
-@pytest.mark.skipif(N_DEVICES == 1, reason="one device divides every count")
-def test_bench_rounds_the_sample_counts_up_to_a_multiple_of_the_devices(tmp_path, capsys):
-    out = tmp_path / "bench"
-    n = 2 * N_DEVICES + 1
-    used = 3 * N_DEVICES
-    sizes = ["--L", "6", "--samples", str(n), "--chunk-sizes", "4", "--repeats", "1"]
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("S",), axis_types=(jax.sharding.AxisType.Auto,))
-    with jax.set_mesh(mesh):
-        rc = main(["bench", "--only", "grad", *sizes, "--devices", str(N_DEVICES), "--out", str(out)])
-    captured = capsys.readouterr()
-    assert rc == 0, captured.out + captured.err
-    assert (
-        f"vmcgrad bench: note: --samples {n} is not a multiple of the {N_DEVICES} devices; "
-        f"using {used} (each device takes an equal share)"
-    ) in captured.out
-    result = _strict((out / "bench.json").read_text())
-    assert result["errors"] == [] and result["samples_used"] == [used]
-    assert {(r["bench"], r["N"]) for r in result["rows"]} == {("grad_rbmmodphase", used)}
-    assert _is_png(out / "bench.png")

@@ -1,4 +1,7 @@
-"""The ``vmcgrad`` command line: ``vmcgrad vmc`` (ground-state search) and ``vmcgrad bench`` (benchmarks).
+"""The ``vmcgrad`` command line: ``vmcgrad vmc`` (ground-state search).
+
+The benchmark suite is not installed with vmcgrad: it lives in ``benchmarks/`` of the source
+repository (``python benchmarks/run.py``).
 
 Arguments are parsed and checked before JAX computes anything and before any file is written, so that
 ``--devices`` can still set the number of fake CPU devices, ``--coordinator`` can still join JAX's
@@ -15,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import _distributed, _lock, _output, bench, vmc
+from . import _distributed, _lock, _output, vmc
 from ._args import Parser
 
 
@@ -30,7 +33,6 @@ def build_parser() -> Parser:
     parser.add_argument("--version", action="version", version=f"vmcgrad {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     vmc.add_parser(commands)
-    bench.add_parser(commands)
     return parser
 
 
@@ -74,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         The exit status: 0 on success, 1 when a file could not be written (a one-line error; what was
-        written before is kept) or a benchmark failed, 2 on a usage error (including an ``--out``
+        written before is kept), 2 on a usage error (including an ``--out``
         that another run is using), 130 when interrupted.
     """
     parser = build_parser()

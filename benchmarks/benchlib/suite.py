@@ -1,83 +1,102 @@
-"""``vmcgrad bench``: vmcgrad against NetKet and unchunked JAX, all benchmarks in one process.
+"""The benchmark suite in one process (``python benchmarks/run.py``): vmcgrad, NetKet, unchunked JAX.
 
-Runs the benchmark modules of :mod:`vmcgrad.bench` that are present (``core``: ``batched_vjp``;
-``grad``: the VMC gradient; ``qgt``: QGT products and solves; ``vmc_step``: a full VMC + SR step) over
-a small sweep of sample counts N (at the first chunk size) and chunk sizes (at the largest N). Within
-a setting the candidates take turns (:func:`vmcgrad.bench.measure`), so a busy machine slows them
-alike. Prints the ratios vmcgrad/NetKet and vmcgrad/unchunked JAX (median time, compiled temp memory)
-and the collectives per call (inside loops / outside, from the compiled HLO), and writes
-``DIR/bench.json`` (after every benchmark, atomically) and ``DIR/bench.png`` (time and memory against
-N and against the chunk size).
+Runs the benchmark modules ``core`` (``batched_vjp``), ``grad`` (the VMC gradient), ``qgt`` (QGT products
+and solves) and ``vmc_step`` (a full VMC + SR step) over a small sweep of sample counts N (at the first
+chunk size) and chunk sizes (at the largest N). Within a setting the candidates take turns
+(:func:`benchlib.measure`), so a busy machine slows them alike. Prints the ratios vmcgrad/NetKet and
+vmcgrad/unchunked JAX (median time, compiled temp memory) and the collectives per call (inside loops /
+outside, from the compiled HLO), and writes ``DIR/bench.json`` (after every benchmark, atomically) and
+``DIR/bench.png`` (time and memory against N and against the chunk size). ``--suite large`` runs
+``benchmarks/bench_large.py`` with its defaults instead (``DIR/large.json``).
+
+With the defaults (L=32, N in 1024 4096, chunks 128 512, 2 fake CPU devices, 3 repeats) the suite
+takes 8 minutes or more on a shared 2-core CPU machine (2026-12); ``--only grad --L 8 --samples 256
+--chunk-sizes 64 --repeats 1`` took 43 s there (2026-12-01), compilation included.
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
-import importlib
-import importlib.util
-import inspect
+import os
 import platform
-import re
 import sys
 import time
 from pathlib import Path
 
-from . import _interrupt, _output
-from ._args import HelpFormatter, positive_int
+from ._harness import MEASURED
+from ._io import save_figure, write_json
+from ._table import Column, table
 
-#: Benchmark suites: name -> the modules of :mod:`vmcgrad.bench` it runs, in order (``--suite``).
-SUITES: dict[str, tuple[str, ...]] = {
-    "default": ("core", "grad", "qgt", "vmc_step"),
-    "large": (),  # GCNN / ViT at a memory budget: vmcgrad.bench.large's own runner
-}
+#: The benchmark modules of the default suite, in order (``--only`` picks among them).
+BENCHES = ("core", "grad", "qgt", "vmc_step")
 
-#: Every benchmark module of the suites (``--only`` picks among them).
-BENCHES = tuple(dict.fromkeys(b for suite in SUITES.values() for b in suite))
+#: Options of the default suite that ``--suite large`` does not take (bench_large.py has its own).
+NOT_FOR_LARGE = ("L", "samples", "chunk_sizes", "only")
+
+DEFAULTS = {"L": 32, "samples": [1024, 4096], "chunk_sizes": [128, 512]}
 
 
-def add_parser(commands) -> None:
-    """Adds the ``bench`` sub-command and its options to ``commands`` (an argparse sub-parsers object)."""
-    p = commands.add_parser(
-        "bench",
-        help="time and memory of vmcgrad vs NetKet vs unchunked JAX, in one process",
-        description=_plain(__doc__.split("\n\n")[1]),
-        formatter_class=HelpFormatter,
+def positive_int(text: str) -> int:
+    """An integer >= 1, for argparse.
+
+    Examples:
+        >>> positive_int("12")
+        12
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer; got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``benchmarks/run.py``."""
+    p = argparse.ArgumentParser(
+        prog="benchmarks/run.py",
+        description=" ".join(__doc__.split("\n\n")[1:3]).replace("``", "").replace(":func:", ""),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--suite", choices=list(SUITES), default="default", help="the set of benchmarks to run")
+    p.add_argument("--suite", choices=["default", "large"], default="default", help="the benchmarks to run")
+    p.add_argument("--only", nargs="+", choices=BENCHES, default=None, help="run these benchmarks only")
+    p.add_argument("--L", type=positive_int, default=None, help=f"spins (default {DEFAULTS['L']})")
     p.add_argument(
-        "--only", nargs="+", choices=BENCHES, default=None, help="run these benchmarks instead of the suite's"
+        "--samples", type=positive_int, nargs="+", default=None, help="sample counts N (default 1024 4096)"
     )
-    p.add_argument("--L", type=positive_int, default=32, help="spins of the benchmark models")
-    p.add_argument("--samples", type=positive_int, nargs="+", default=[1024, 4096], help="sample counts N")
     p.add_argument(
-        "--chunk-sizes", type=positive_int, nargs="+", default=[128, 512], help="chunk sizes (first: N sweep)"
+        "--chunk-sizes",
+        type=positive_int,
+        nargs="+",
+        default=None,
+        help="chunk sizes, the first for the N sweep (default 128 512)",
     )
     p.add_argument("--repeats", type=positive_int, default=3, help="interleaved timed calls per candidate")
     p.add_argument(
-        "--devices",
-        type=positive_int,
-        default=2,
-        help="fake CPU devices (so that the collectives show; 1 for a single device)",
+        "--devices", type=positive_int, default=2, help="fake CPU devices (so that the collectives show)"
     )
-    p.add_argument("--out", default="vmcgrad-bench", metavar="DIR", help="output directory (bench.json/png)")
-    p.set_defaults(_command=sys.modules[__name__], _parser=p)
+    p.add_argument("--out", default="vmcgrad-bench", metavar="DIR", help="output directory")
+    return p
 
 
-def _plain(rst: str) -> str:
-    """reStructuredText roles and literals as plain text, for ``--help``."""
-    return re.sub(r":\w+:`([^`]*)`", r"\1", rst).replace("``", "").replace("\n", " ")
-
-
-def check(args, parser) -> None:
-    """Checks the options that depend on the file system; creates nothing."""
-    problem = _output.problem_with_out_dir(Path(args.out), ("bench.json", "bench.png"))
-    if problem:
-        parser.error(f"argument --out: {problem}")
-
-
-def out_dir(args) -> Path:
-    """The directory this run writes (and locks)."""
-    return Path(args.out)
+def parse(argv=None) -> argparse.Namespace:
+    """Parses ``argv``; ``--suite large`` with an option only the default suite takes is a usage error
+    (exit 2) rather than an option silently ignored."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.suite == "large":
+        given = [f"--{k.replace('_', '-')}" for k in NOT_FOR_LARGE if getattr(args, k) is not None]
+        if given:
+            parser.error(
+                f"{' '.join(given)} not taken by --suite large, which runs benchmarks/bench_large.py "
+                "with its defaults; run `python benchmarks/bench_large.py --help` for its own options"
+            )
+    for k, v in DEFAULTS.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    return args
 
 
 def divisible_samples(samples: list[int], n_devices: int) -> tuple[list[int], str | None]:
@@ -128,8 +147,6 @@ def _baseline(name: str) -> str | None:
 def ratios(rows: list[dict]) -> list[dict]:
     """For every vmcgrad candidate: time and temp-memory ratios against the NetKet and plain-JAX rows of
     the same benchmark and setting, and the collectives (in loops / outside) of each."""
-    from ..bench import MEASURED
-
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         setting = tuple((k, v) for k, v in r.items() if k not in MEASURED)
@@ -170,7 +187,6 @@ def _coll(row: dict) -> str | None:
 
 def format_ratios(entries: list[dict]) -> str:
     """The summary table: one line per vmcgrad candidate and setting."""
-    from ..bench import Column, table
 
     def other(e):
         return ",".join(str(v) for k, v in e.items() if k in e["setting_keys"] and k not in _SHOWN) or "-"
@@ -196,51 +212,55 @@ def format_ratios(entries: list[dict]) -> str:
     )
 
 
-def run(args) -> int:
-    """Runs the benchmarks; returns 0, 1 when a benchmark failed (its cross-check, say), or 130 when
-    interrupted (the first Ctrl-C stops after the setting in progress, a second one at once; both
-    keep ``bench.json`` with the rows measured so far)."""
-    if args.suite == "large":  # its own runner: compile-only memory tables and an SR step
-        from ..bench.large import run_cli
-
-        return run_cli(Path(args.out), repeats=args.repeats)
-    t_start = time.perf_counter()
-    result: dict = {}
+def main(argv=None) -> int:
+    """Runs the suite; returns 0, 1 when a benchmark failed (its cross-check, say), 2 on a usage error,
+    or 130 when interrupted (``bench.json`` keeps the rows measured so far)."""
+    args = parse(argv)
     out = Path(args.out)
+    if args.suite == "large":  # benchmarks/bench_large.py (benchmarks/ is on sys.path: the scripts' folder)
+        import bench_large
 
-    def keep() -> str | None:
-        if not result.get("rows"):
-            return None
-        _output.write_json_atomic(out / "bench.json", {**result, "status": "interrupted"})
-        return f"kept {out / 'bench.json'} ({len(result['rows'])} rows)"
+        argv = [
+            "--devices",
+            str(args.devices),
+            "--repeats",
+            str(args.repeats),
+            "--json",
+            str(out / "large.json"),
+        ]
+        return bench_large.main(argv)
+    from ._harness import use_cpu_devices
 
-    with _interrupt.Interrupts(
-        "vmcgrad bench", "stopping after this setting (Ctrl-C again to stop at once)", keep
-    ) as interrupts:
-        return _run(args, interrupts, result, t_start)
+    use_cpu_devices(args.devices)
+    result: dict = {}
+    try:
+        return _run(args, out, result)
+    except KeyboardInterrupt:
+        if result.get("rows"):
+            write_json({**result, "status": "interrupted"}, out / "bench.json")
+        print(f"interrupted; kept the {len(result.get('rows', []))} rows measured in {out / 'bench.json'}")
+        return 130
 
 
-def _run(args, interrupts, result: dict, t_start: float) -> int:
+def _run(args, out: Path, result: dict) -> int:
     import jax
 
-    out = Path(args.out)
-    names = args.only or list(SUITES[args.suite])
-    available = [b for b in names if importlib.util.find_spec(f"vmcgrad.bench.{b}") is not None]
-    missing = [b for b in names if b not in available]
-    for b in missing:
-        print(f"vmcgrad bench: skipping {b}: vmcgrad/bench/{b}.py is not there", file=sys.stderr)
+    from . import core, grad, qgt, vmc_step
+
+    modules = {"core": core, "grad": grad, "qgt": qgt, "vmc_step": vmc_step}
+    t_start = time.perf_counter()
+    names = args.only or list(BENCHES)
     samples, note = divisible_samples(args.samples, jax.device_count())
     if note:
-        print(f"vmcgrad bench: {note}", flush=True)
+        print(f"benchmarks/run.py: {note}", flush=True)
     pairs = settings(samples, args.chunk_sizes)
     result.update(
         {
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "machine": _machine(),
-            "config": {k: v for k, v in vars(args).items() if not k.startswith("_")},
-            "benches": available,
+            "config": vars(args),
+            "benches": names,
             "samples_used": samples,
-            "missing": missing,
             "errors": [],
             "rows": [],
             "ratios": [],
@@ -248,39 +268,35 @@ def _run(args, interrupts, result: dict, t_start: float) -> int:
         }
     )
     print(
-        f"vmcgrad bench: {', '.join(available) or 'nothing'} on {jax.device_count()} "
-        f"{jax.devices()[0].platform} device(s), L={args.L}, (N, chunk) in {pairs}, {args.repeats} repeats"
+        f"benchmarks/run.py: {', '.join(names)} on {jax.device_count()} {jax.devices()[0].platform} "
+        f"device(s), L={args.L}, (N, chunk) in {pairs}, {args.repeats} repeats"
     )
-    todo = [(name, n, chunk) for name in available for n, chunk in pairs]
-    for name, n, chunk in todo:
-        if interrupts.requested:
-            break
-        module = importlib.import_module(f"vmcgrad.bench.{name}")
-        accepted = inspect.signature(module.run).parameters
-        tag = f"[{name} N={n} chunk={chunk}]"
-        kwargs = {"L": args.L, "n_samples": n, "chunk_size": chunk, "repeats": args.repeats}
-        kwargs["n_chains"] = jax.device_count() * max(1, min(16, n // jax.device_count()))
-        kwargs["log"] = lambda line, tag=tag: print(f"{tag} {line}", flush=True)
-        kwargs = {k: v for k, v in kwargs.items() if k in accepted}
-        t0 = time.perf_counter()
-        try:
-            rows = module.run(**kwargs)
-        except Exception as error:  # report, keep the other benchmarks
-            message = f"{tag} failed: {type(error).__name__}: {error}"
-            print(message, file=sys.stderr, flush=True)
-            result["errors"].append(message)
-            continue
-        for row in rows:
-            d = row.as_dict()
-            d.update(L=args.L, N=n, chunk=chunk, devices=d.get("devices", jax.device_count()))
-            result["rows"].append(d)
-        print(f"{tag} {len(rows)} rows in {time.perf_counter() - t0:.1f} s", flush=True)
-        result["ratios"] = ratios(result["rows"])
-        _output.write_json_atomic(out / "bench.json", result)
-    result["status"] = "interrupted" if interrupts.requested else "finished"
-    result["ratios"] = ratios(result["rows"])
+    for name in names:
+        for n, chunk in pairs:
+            tag = f"[{name} N={n} chunk={chunk}]"
+            kwargs = {"L": args.L, "n_samples": n, "chunk_size": chunk, "repeats": args.repeats}
+            if name == "vmc_step":
+                kwargs["n_chains"] = jax.device_count() * max(1, min(16, n // jax.device_count()))
+            t0 = time.perf_counter()
+            try:
+                rows = modules[name].run(
+                    **kwargs, log=lambda line, tag=tag: print(f"{tag} {line}", flush=True)
+                )
+            except Exception as error:  # report, keep the other benchmarks
+                message = f"{tag} failed: {type(error).__name__}: {error}"
+                print(message, file=sys.stderr, flush=True)
+                result["errors"].append(message)
+                continue
+            for row in rows:
+                d = row.as_dict()
+                d.update(L=args.L, N=n, chunk=chunk, devices=d.get("devices", jax.device_count()))
+                result["rows"].append(d)
+            print(f"{tag} {len(rows)} rows in {time.perf_counter() - t0:.1f} s", flush=True)
+            result["ratios"] = ratios(result["rows"])
+            write_json(result, out / "bench.json")
+    result["status"] = "finished"
     result["total_s"] = time.perf_counter() - t_start
-    _output.write_json_atomic(out / "bench.json", result)
+    write_json(result, out / "bench.json")
     if result["rows"]:
         plot(result["rows"], out / "bench.png", chunk=args.chunk_sizes[0], n=max(samples))
     print()
@@ -290,17 +306,10 @@ def _run(args, interrupts, result: dict, t_start: float) -> int:
         f"collectives: inside loops/outside per call.\nwrote {out / 'bench.json'} and {out / 'bench.png'} "
         f"in {result['total_s']:.0f} s"
     )
-    if missing:
-        print(f"not run (modules missing): {', '.join(missing)}")
-    if interrupts.requested:
-        print(f"interrupted; kept the {len(result['rows'])} rows measured")
-        return 130
     return 1 if result["errors"] else 0
 
 
 def _machine() -> dict:
-    import os
-
     import jax
 
     info = {
@@ -321,8 +330,6 @@ def _machine() -> dict:
 
 
 def _series_key(row: dict) -> str:
-    from ..bench import MEASURED
-
     other = ",".join(f"{v}" for k, v in row.items() if k not in MEASURED | _SHOWN)
     return f"{row['bench']} ({other})" if other else row["bench"]
 
@@ -330,7 +337,11 @@ def _series_key(row: dict) -> str:
 def plot(rows: list[dict], path: Path, *, chunk: int, n: int) -> None:
     """One row of panels per benchmark: time and temp memory against N (at chunk size ``chunk``) and
     against the chunk size (at ``n``), one line per implementation."""
-    plt = _output.pyplot()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     groups = sorted({_series_key(r) for r in rows})
     names = sorted({r["name"] for r in rows})
     colors = {name: f"C{i}" for i, name in enumerate(names)}
@@ -372,5 +383,5 @@ def plot(rows: list[dict], path: Path, *, chunk: int, n: int) -> None:
     handles = [plt.Line2D([], [], color=colors[name], marker="o", ms=3, label=name) for name in names]
     fig.legend(handles=handles, loc="lower center", ncol=len(names), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.5 / (2.4 * len(groups) + 0.8), 1, 1))
-    _output.save_figure_atomic(fig, path)
+    save_figure(fig, path)
     plt.close(fig)
