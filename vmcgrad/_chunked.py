@@ -49,8 +49,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.extend.core import ClosedJaxpr, Primitive, jaxpr_as_fun
+from jax.extend.core import ClosedJaxpr, Primitive, Var, jaxpr_as_fun
 from jax.interpreters import ad, batching, mlir
+from jax.interpreters import partial_eval as pe
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -110,8 +111,8 @@ def _explicit(space: Space) -> bool:
     return space.where is not None and AxisType.Explicit in space.where.mesh.axis_types
 
 
-def _abstract_eval(*args, body, n_rep, n_sum, rep_layout, sum_layout, space, pullback):
-    del args, n_rep, rep_layout, pullback
+def _abstract_eval(*args, body, n_rep, n_sum, rep_layout, sum_layout, space, pullback, jvp_split):
+    del args, n_rep, rep_layout, pullback, jvp_split
     outs = body.out_avals
     explicit = _explicit(space)
     mesh = space.where.mesh.abstract_mesh if explicit else None
@@ -244,7 +245,8 @@ def _pull_into(accs: list, pullback: tuple, rep: list, chunk: list, w: Any) -> N
     f_vjp.with_refs(*accs)(ct)
 
 
-def _impl(*args, body, n_rep, n_sum, rep_layout, sum_layout, space, pullback):
+def _impl(*args, body, n_rep, n_sum, rep_layout, sum_layout, space, pullback, jvp_split):
+    del jvp_split  # the combined body computes both parts in one pass
     rep, per_sample = list(args[:n_rep]), list(args[n_rep:])
     g = jaxpr_as_fun(body)
     sum_avals, map_avals = body.out_avals[:n_sum], body.out_avals[n_sum:]
@@ -264,7 +266,8 @@ def _impl(*args, body, n_rep, n_sum, rep_layout, sum_layout, space, pullback):
 
 
 _impl_jit = jax.jit(
-    _impl, static_argnames=("body", "n_rep", "n_sum", "rep_layout", "sum_layout", "space", "pullback")
+    _impl,
+    static_argnames=("body", "n_rep", "n_sum", "rep_layout", "sum_layout", "space", "pullback", "jvp_split"),
 )
 chunked_p.def_impl(_impl_jit)
 mlir.register_lowering(chunked_p, mlir.lower_fun(_impl, multiple_results=True))
@@ -302,7 +305,7 @@ def _place(rep: list, rep_layout: Sequence, per_sample: list, space: Space) -> t
     return rep, per_sample
 
 
-def _bind(rep, per_sample, *, body, rep_layout, n_sum, sum_layout, space, pullback=None):
+def _bind(rep, per_sample, *, body, rep_layout, n_sum, sum_layout, space, pullback=None, jvp_split=None):
     rep, per_sample = _place(list(rep), rep_layout, list(per_sample), space)
     return chunked_p.bind(
         *rep,
@@ -314,6 +317,7 @@ def _bind(rep, per_sample, *, body, rep_layout, n_sum, sum_layout, space, pullba
         sum_layout=tuple(sum_layout),
         space=space,
         pullback=pullback,
+        jvp_split=jvp_split,
     )
 
 
@@ -329,19 +333,14 @@ def _split(seq: Sequence, sizes: Sequence[int]) -> list:
 # --- jvp: tangent = CMR of the chunk's jvp, tangents as extra (replicated / per-sample) operands ---
 
 
-def _jvp_rule(primals, tangents, *, body, n_rep, n_sum, rep_layout, sum_layout, space, pullback):
-    out = _bind(
-        primals[:n_rep],
-        primals[n_rep:],
-        body=body,
-        rep_layout=rep_layout,
-        n_sum=n_sum,
-        sum_layout=sum_layout,
-        space=space,
-        pullback=pullback,
+def _jvp_rule(primals, tangents, *, body, n_rep, n_sum, rep_layout, sum_layout, space, pullback, jvp_split):
+    del jvp_split  # a combined equation differentiated again: its body is an ordinary one
+    params = dict(
+        body=body, n_rep=n_rep, n_sum=n_sum, rep_layout=rep_layout, sum_layout=sum_layout, space=space
     )
     nz = [type(t) is not ad.Zero for t in tangents]
     if not any(nz):
+        out = _bind(primals[:n_rep], primals[n_rep:], **params, pullback=pullback)
         return out, [ad.Zero(jax.typeof(o).to_tangent_aval()) for o in out]
     in_avals = body.in_avals  # (*rep, *per_sample_chunk, w)
     n_in = len(in_avals) - 1
@@ -349,7 +348,7 @@ def _jvp_rule(primals, tangents, *, body, n_rep, n_sum, rep_layout, sum_layout, 
     nz_ps = [i for i in range(n_rep, n_in) if nz[i]]
     moving = nz_rep + nz_ps
 
-    def g_tangent(*args):
+    def jvp_of_body(args):
         rep, d_rep, ps, d_ps, (w,) = _split(args, [n_rep, len(nz_rep), n_in - n_rep, len(nz_ps)])
         primal = rep + ps
 
@@ -359,7 +358,14 @@ def _jvp_rule(primals, tangents, *, body, n_rep, n_sum, rep_layout, sum_layout, 
                 full[i] = v
             return jaxpr_as_fun(body)(*full, w)
 
-        return jax.jvp(h, tuple(primal[i] for i in moving), tuple(d_rep + d_ps))[1]
+        return jax.jvp(h, tuple(primal[i] for i in moving), tuple(d_rep + d_ps))
+
+    def g_tangent(*args):
+        return jvp_of_body(args)[1]
+
+    def g_both(*args):  # (*sums, *tangent sums, *maps, *tangent maps)
+        out, t_out = jvp_of_body(args)
+        return [*out[:n_sum], *t_out[:n_sum], *out[n_sum:], *t_out[n_sum:]]
 
     avals = (
         list(in_avals[:n_rep])
@@ -368,26 +374,120 @@ def _jvp_rule(primals, tangents, *, body, n_rep, n_sum, rep_layout, sum_layout, 
         + [in_avals[i] for i in nz_ps]
         + [in_avals[-1]]
     )
-    t_out = _bind(
-        list(primals[:n_rep]) + [tangents[i] for i in nz_rep],
-        list(primals[n_rep:]) + [tangents[i] for i in nz_ps],
+    rep_in = list(primals[:n_rep]) + [tangents[i] for i in nz_rep]
+    ps_in = list(primals[n_rep:]) + [tangents[i] for i in nz_ps]
+    tangent = dict(
         body=_trace(g_tangent, avals),
-        rep_layout=tuple(rep_layout) + tuple(rep_layout[i] for i in nz_rep),
+        n_rep=len(rep_in),
         n_sum=n_sum,
+        rep_layout=tuple(rep_layout) + tuple(rep_layout[i] for i in nz_rep),
         sum_layout=sum_layout,
         space=space,
+        pullback=None,
+        jvp_split=None,
     )
-    return out, t_out
+    n_out = len(body.out_avals)
+    split = _JvpSplit(
+        primal_in=tuple(range(n_rep)) + tuple(range(len(rep_in), len(rep_in) + n_in - n_rep)),
+        primal=tuple(sorted({**params, "pullback": pullback, "jvp_split": None}.items())),
+        tangent=tuple(sorted(tangent.items())),
+        primal_out=tuple(range(n_sum)) + tuple(range(2 * n_sum, n_sum + n_out)),
+        tangent_out=tuple(range(n_sum, 2 * n_sum)) + tuple(range(n_sum + n_out, 2 * n_out)),
+    )
+    both = _bind(
+        rep_in,
+        ps_in,
+        body=_trace(g_both, avals),
+        rep_layout=tangent["rep_layout"],
+        n_sum=2 * n_sum,
+        sum_layout=tuple(sum_layout) * 2,
+        space=space,
+        jvp_split=split,
+    )
+    return [both[i] for i in split.primal_out], [both[i] for i in split.tangent_out]
+
+
+class _JvpSplit(NamedTuple):
+    """How a combined primal-and-tangent equation (the jvp rule's one bind) splits in two when only
+    its tangents are unknown (``jax.linearize``, ``jax.grad``, ``jax.checkpoint``): operand and output
+    positions of the primal part, and the bind parameters of each part (as sorted items: hashable)."""
+
+    primal_in: tuple
+    primal: tuple
+    tangent: tuple
+    primal_out: tuple
+    tangent_out: tuple
+
+    def splits(self, unknown_in: Sequence[bool]) -> bool:
+        """Whether the primal operands are all known and some tangent operand is not."""
+        primal = set(self.primal_in)
+        return not any(unknown_in[i] for i in primal) and any(
+            u for i, u in enumerate(unknown_in) if i not in primal
+        )
 
 
 ad.primitive_jvps[chunked_p] = _jvp_rule
 
 
+# --- partial evaluation: a combined equation with known primals splits into its two parts ---------
+
+
+def _partial_eval_rule(trace, *tracers, **params):
+    """``jax.linearize`` / ``jax.grad``: the primal part runs now, the tangent part is staged."""
+    split = params["jvp_split"]
+    if split is None or not split.splits([not t.pval.is_known() for t in tracers]):
+        return trace.default_process_primitive(chunked_p, tracers, params)
+    known = [tracers[i].pval.get_known() for i in split.primal_in]
+    primal_out = chunked_p.bind(*known, **dict(split.primal))
+    tangent_out = trace.default_process_primitive(chunked_p, tracers, dict(split.tangent))
+    out = [None] * (len(primal_out) + len(tangent_out))
+    for i, o in zip(split.primal_out, primal_out):
+        out[i] = trace.new_const(o)
+    for i, o in zip(split.tangent_out, tangent_out):
+        out[i] = o
+    return out
+
+
+def _partial_eval_custom_rule(saveable, unks_in, inst_in, eqn):
+    """The same split for ``jax.checkpoint``'s partial evaluation: the primal part is a known
+    equation whose outputs are saved, the tangent part a staged one reading the primal operands."""
+    del saveable  # the outputs are parameter-shaped sums: saved, never recomputed
+    split = eqn.params["jvp_split"]
+    residuals = [v for v, inst in zip(eqn.invars, inst_in) if isinstance(v, Var) and not inst]
+    n_out = len(eqn.outvars)
+    if split is None or not split.splits(unks_in):
+        if any(unks_in):
+            return None, eqn, [True] * n_out, [True] * n_out, residuals
+        return eqn, None, [False] * n_out, [False] * n_out, []
+    primal_params, tangent_params = dict(split.primal), dict(split.tangent)
+    known = eqn.replace(
+        invars=[eqn.invars[i] for i in split.primal_in],
+        outvars=[eqn.outvars[i] for i in split.primal_out],
+        params=primal_params,
+        effects=primal_params["body"].effects,
+    )
+    staged = eqn.replace(
+        outvars=[eqn.outvars[i] for i in split.tangent_out],
+        params=tangent_params,
+        effects=tangent_params["body"].effects,
+    )
+    unks_out, inst_out = [True] * n_out, [True] * n_out
+    for i in split.primal_out:
+        unks_out[i], inst_out[i] = False, False
+    primal_res = [eqn.invars[i] for i in split.primal_in]
+    residuals = [v for v in primal_res if isinstance(v, Var)]
+    return known, staged, unks_out, inst_out, residuals
+
+
+pe.custom_partial_eval_rules[chunked_p] = _partial_eval_rule
+pe.partial_eval_jaxpr_custom_rules[chunked_p] = _partial_eval_custom_rule
+
+
 # --- transpose: CMR of the chunk's linear transpose; per-sample cotangents masked by w -------------
 
 
-def _transpose_rule(cts, *args, body, n_rep, n_sum, rep_layout, sum_layout, space, pullback):
-    del pullback  # the transposed body is the generic one
+def _transpose_rule(cts, *args, body, n_rep, n_sum, rep_layout, sum_layout, space, pullback, jvp_split):
+    del pullback, jvp_split  # the transposed body is the generic one
     lin = [ad.is_undefined_primal(a) for a in args]
     in_avals, out_avals = body.in_avals, body.out_avals
     n_in = len(in_avals) - 1
@@ -449,8 +549,18 @@ ad.primitive_transposes[chunked_p] = _transpose_rule
 # --- vmap: CMR of the vmapped chunk function (replicated batch axis 0, per-sample axis 1) ---------
 
 
-def _batch_rule(args, dims, *, body, n_rep, n_sum, rep_layout, sum_layout, space, pullback):
+def _batch_rule(args, dims, *, body, n_rep, n_sum, rep_layout, sum_layout, space, pullback, jvp_split):
     del pullback  # the batched body is the generic one
+    if jvp_split is not None and all(dims[i] is None for i in jvp_split.primal_in):
+        # Batched tangents only (jax.jacfwd, jax.hessian): the primal part stays unbatched.
+        primal_out = chunked_p.bind(*(args[i] for i in jvp_split.primal_in), **dict(jvp_split.primal))
+        t_out, t_dims = _batch_rule(args, dims, **dict(jvp_split.tangent))
+        out, out_dims = [None] * (len(primal_out) + len(t_out)), [None] * (len(primal_out) + len(t_out))
+        for i, o in zip(jvp_split.primal_out, primal_out):
+            out[i] = o
+        for i, o, d in zip(jvp_split.tangent_out, t_out, t_dims):
+            out[i], out_dims[i] = o, d
+        return out, out_dims
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     in_avals = body.in_avals
     moved, in_axes, avals = [], [], []
