@@ -58,7 +58,7 @@ def _abstract(tree: Any, rows: int | None = None) -> Any:
     def one(x):
         shape = tuple(np.shape(x))
         if rows is not None:
-            shape = (rows,) + shape[1:]
+            shape = (rows, *shape[1:])
         return jax.ShapeDtypeStruct(shape, jnp.result_type(x))
 
     return jax.tree.map(one, tree)
@@ -122,11 +122,15 @@ _ELEMENTWISE = frozenset(
     population_count pow random_gamma_grad real reduce_precision regularized_incomplete_beta rem
     round rsqrt select_n shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt
     square stop_gradient sub tan tanh threefry2x32 xor zeta sharding_constraint mesh_cast reshard
-    pvary pcast""".split()
+    pvary pcast bitcast_convert_type add_any""".split()
 )
-_REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor argmax argmin".split())
+_REDUCTIONS = frozenset(
+    "reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor argmax argmin".split()
+)
 _CUMULATIVE = frozenset("cumsum cumprod cummax cummin cumlogsumexp".split())
-_LINALG = frozenset("cholesky lu eigh eig svd qr geqrf geqp3 householder_product schur hessenberg tridiagonal".split())
+_LINALG = frozenset(
+    "cholesky lu eigh eig svd qr geqrf geqp3 householder_product schur hessenberg tridiagonal".split()
+)
 
 
 def _shape(v: Any) -> tuple:
@@ -200,7 +204,9 @@ def _batch_eqn(eqn: Any, ins: list) -> list:
         return [mixed] * n_out
     if all(s is None for s in ins):
         return [None] * n_out
-    if any(s == UNKNOWN for s in ins) or any(isinstance(p, (jcore.Jaxpr, jcore.ClosedJaxpr)) for p in eqn.params.values()):
+    if any(s == UNKNOWN for s in ins) or any(
+        isinstance(p, (jcore.Jaxpr, jcore.ClosedJaxpr)) for p in eqn.params.values()
+    ):
         return [UNKNOWN] * n_out
     if any(s == ROW for s in ins):
         return [ROW if not any(isinstance(s, Rows) for s in ins) else UNKNOWN] * n_out
@@ -214,12 +220,16 @@ def _batch_eqn(eqn: Any, ins: list) -> list:
 
 
 def _elementwise(eqn: Any, ins: list) -> list:
+    """Operands of the output's rank (size-1 axes broadcast) or scalars: a sample axis stays put."""
     batched = {s for s in ins if isinstance(s, Rows)}
     if len(batched) != 1:
         return [UNKNOWN] * len(eqn.outvars)
     (s,) = batched
-    shape = next(_shape(v) for v, st in zip(eqn.invars, ins) if st == s)
-    ok = all(_shape(v) == shape for v in eqn.outvars)
+    out_shapes = {_shape(v) for v in eqn.outvars}
+    shapes = [_shape(v) for v, st in zip(eqn.invars, ins) if st == s]
+    ok = len(out_shapes) == 1 and all(
+        len(shape) == len(out) and shape[s.dim] == out[s.dim] for shape in shapes for out in out_shapes
+    )
     return [s if ok else UNKNOWN] * len(eqn.outvars)
 
 
@@ -230,7 +240,11 @@ def _only(ins: list, i: int = 0) -> Any:
 
 
 def _reduce(eqn, ins):
-    s = _only(ins) if eqn.primitive.name != "reduce" else _same_rows(ins[: len(ins) // 2], ins[len(ins) // 2 :])
+    s = (
+        _only(ins)
+        if eqn.primitive.name != "reduce"
+        else _same_rows(ins[: len(ins) // 2], ins[len(ins) // 2 :])
+    )
     if not isinstance(s, Rows):
         return UNKNOWN
     axes = tuple(eqn.params.get("axes", eqn.params.get("dimensions", ())))
@@ -383,10 +397,15 @@ def _dot_general(eqn, ins):
     nl, nr = len(_shape(eqn.invars[0])), len(_shape(eqn.invars[1]))
     l_free = [d for d in range(nl) if d not in lc and d not in lb]
     r_free = [d for d in range(nr) if d not in rc and d not in rb]
-    if isinstance(lhs, Rows) and lhs.dim in lc or isinstance(rhs, Rows) and rhs.dim in rc:
+    if (isinstance(lhs, Rows) and lhs.dim in lc) or (isinstance(rhs, Rows) and rhs.dim in rc):
         return Mixed("a contraction (`dot_general`) over the sample axis")
     if isinstance(lhs, Rows) and isinstance(rhs, Rows):
-        if lhs.dim in lb and rhs.dim in rb and lb.index(lhs.dim) == rb.index(rhs.dim) and lhs.block == rhs.block:
+        if (
+            lhs.dim in lb
+            and rhs.dim in rb
+            and lb.index(lhs.dim) == rb.index(rhs.dim)
+            and lhs.block == rhs.block
+        ):
             return Rows(list(lb).index(lhs.dim), lhs.block)
         return UNKNOWN
     if isinstance(lhs, Rows):
@@ -420,7 +439,11 @@ def _gather(eqn, ins):
             return UNKNOWN
         if eqn.params["slice_sizes"][d] != op_shape[d]:
             return UNKNOWN
-        window = [k for k in range(len(op_shape)) if k not in dn.collapsed_slice_dims and k not in dn.operand_batching_dims]
+        window = [
+            k
+            for k in range(len(op_shape))
+            if k not in dn.collapsed_slice_dims and k not in dn.operand_batching_dims
+        ]
         return Rows(dn.offset_dims[window.index(d)], op.block)
     if isinstance(idx, Rows):
         if idx.dim == len(idx_shape) - 1 or idx.block != 1:
@@ -499,7 +522,9 @@ def _batch_scan(eqn, ins):
 
     def slice_x(s):
         if isinstance(s, Rows):
-            return ROW if s.dim == 0 and s.block == 1 else (Rows(s.dim - 1, s.block) if s.dim > 0 else UNKNOWN)
+            return (
+                ROW if s.dim == 0 and s.block == 1 else (Rows(s.dim - 1, s.block) if s.dim > 0 else UNKNOWN)
+            )
         return s
 
     body_xs = [slice_x(s) for s in xs]
@@ -545,11 +570,13 @@ def _batch_while(eqn, ins):
 
 
 def _guarded(pred: Any, outs: list) -> list:
-    """Outputs of a loop or branch whose control depends on ``pred``: a batch-wide (coupled or
-    unknown) predicate makes the sample-dependent outputs unknown (not reported)."""
-    if pred is None or pred == ROW and not any(isinstance(s, Rows) for s in outs):
-        return [ROW if pred == ROW and s is None else s for s in outs] if pred == ROW else outs
-    return [s if s is None or isinstance(s, Mixed) else UNKNOWN for s in outs]
+    """Outputs of a loop or branch whose control depends on ``pred``. Inside a loop over the
+    samples (``pred`` is ROW) they depend on the current sample. A batch-wide predicate (an input
+    check such as ``any(x < 0)`` guarding an error branch) is not reported: control dependence is
+    not followed, only data flow."""
+    if pred == ROW:
+        return [ROW if s is None else (UNKNOWN if isinstance(s, Rows) else s) for s in outs]
+    return outs
 
 
 def _batch_cond(eqn, ins):
@@ -660,7 +687,11 @@ def _linear_eqn(eqn: Any, ins: list) -> list:
         return [f"`{name}`"] * n_out
     if name == "complex":
         return ["`complex`"] * n_out
-    if name == "convert_element_type" and _is_complex_var(eqn.invars[0]) and not _is_complex_var(eqn.outvars[0]):
+    if (
+        name == "convert_element_type"
+        and _is_complex_var(eqn.invars[0])
+        and not _is_complex_var(eqn.outvars[0])
+    ):
         return ["a complex-to-real `convert_element_type`"] * n_out
     return [True] * n_out
 
@@ -676,27 +707,47 @@ def _avals(tree: Any) -> tuple:
     return treedef, tuple((tuple(np.shape(x)), str(jnp.result_type(x))) for x in leaves)
 
 
-def once_per_signature(kind: str, fun: Callable, params: Any, samples: Any, compute: Callable) -> Any:
-    """``compute()``, remembered per ``kind``, ``fun`` (its static part, as the compiled programs key
-    it) and the shapes and dtypes of ``fun``'s arrays, ``params`` and ``samples``.
-
-    A ``fun`` that cannot be hashed is analysed at every call (the estimator then refuses it).
-    """
+def signature_key(kind: str, fun: Callable, params: Any, samples: Any) -> Any:
+    """The cache key of ``kind`` for ``fun`` (its static part, as the compiled programs key it) and
+    the shapes and dtypes of ``fun``'s arrays, ``params`` and ``samples``; None if unhashable."""
     from ._function import split_fun
 
     static, data = split_fun(fun)
     key = (kind, static, _avals(data), _avals(params), _avals(samples))
     try:
-        hit = key in _CACHE
-    except TypeError:  # unhashable: no caching
-        return compute()
-    if hit:
-        _CACHE.move_to_end(key)
-        return _CACHE[key]
-    value = compute()
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+_MISSING = object()
+
+
+def recall(key: Any) -> Any:
+    """The value remembered for ``key``, or ``_MISSING``."""
+    if key is None or key not in _CACHE:
+        return _MISSING
+    _CACHE.move_to_end(key)
+    return _CACHE[key]
+
+
+def remember(key: Any, value: Any) -> None:
+    if key is None:
+        return
     _CACHE[key] = value
     if len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
+
+
+def once_per_signature(kind: str, fun: Callable, params: Any, samples: Any, compute: Callable) -> Any:
+    """``compute()``, remembered per :func:`signature_key` (a ``fun`` that cannot be hashed is
+    analysed at every call; the estimator then refuses it)."""
+    key = signature_key(kind, fun, params, samples)
+    value = recall(key)
+    if value is _MISSING:
+        value = compute()
+        remember(key, value)
     return value
 
 
@@ -706,5 +757,5 @@ def analyse(fun: Callable, params: Any, samples: Any, analysis: Callable) -> Any
     rows = abstract_batch_size(params, samples)
     try:
         return analysis(tangent_jaxpr(fun, params, samples, rows))
-    except Exception:  # noqa: BLE001 - a failure of fun on the abstract batch, or a jaxpr the rules
+    except Exception:
         return None  # do not expect: no verdict (an error of fun surfaces where the estimator traces it)

@@ -33,7 +33,7 @@ from jax.flatten_util import ravel_pytree
 from . import _validation as check
 from ._chunked import map_reduce_problem
 from ._problem import Inputs, Problem, auto_chunk, call, problem
-from ._qgt_modes import choose_mode, to_rep
+from ._qgt_modes import choose_mode, holomorphic_violation, to_rep
 from ._qgt_passes import jacobian_chunk, mean_chunk, product_chunk
 from ._solve import CGInfo, cg
 from ._views import Views
@@ -324,6 +324,18 @@ def QGT(
     )
     out = jax.ShapeDtypeStruct((prob.n,), prob.out_dtype)
     mode = choose_mode(_NAME, inputs.params, out, mode, holomorphic)
+    if mode == "holomorphic":
+        why = holomorphic_violation(logpsi, inputs.params, inputs.samples)
+        if why is not None:
+            raise ValueError(
+                f"{_NAME}: holomorphic=True (mode='holomorphic') needs `logpsi` to be holomorphic in "
+                f"`params`, but it is not: {why}. The holomorphic QGT would be a different, wrong "
+                "matrix (its centring assumes O v is complex-linear in v). Fix: pass "
+                "holomorphic=False or mode='complex' (real and imaginary parts as separate real "
+                "parameters: the matrix NetKet's QGTOnTheFly(holomorphic=True) applies to such a "
+                "model), or make `logpsi` holomorphic (no conj, abs, real or imag of a "
+                "parameter-dependent value)."
+            )
     real = Views(inputs.params, mode).real_dtype
     diag_shift = _scalar(_NAME, "diag_shift", 0.0 if diag_shift is None else diag_shift, real)
     diag_scale = _diag_scale(_NAME, diag_scale, real)

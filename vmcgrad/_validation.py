@@ -277,7 +277,7 @@ def check_problem(
 
 
 def check_rows_independent(where: str, fun: Callable, params: Any, samples: Any, *, arg: str = "fun") -> None:
-    """Refuses a ``fun`` whose rows provably depend on other samples' rows.
+    r"""Refuses a ``fun`` whose rows provably depend on other samples' rows.
 
     Every estimator calls ``fun`` on chunks of rows, so it needs
     :math:`\partial f(\theta, X)_i / \partial\theta = \partial f(\theta, \sigma_i)/\partial\theta`:
