@@ -282,6 +282,10 @@ def QGT(
     Args:
         logpsi: ``logpsi(params, batch) -> (batch_size,)`` log-amplitudes, real or complex; a plain
             callable (static) or a ``jax.tree_util.Partial`` whose arrays (model state) are traced.
+            **Row by row:** row i of the output may depend on sample i only; ``logpsi`` is called on chunks of
+            at most ``chunk_size`` rows (per device), so a batch statistic inside it (a mean, max or
+            logsumexp of the batch subtracted without ``jax.lax.stop_gradient``) would become a per-chunk
+            one. Where the analysis of its jaxpr proves such a coupling, a ValueError says so.
         params: the parameter pytree (real and/or complex floating leaves).
         samples: an array (or pytree of arrays) with the N samples along axis 0, sharded over
             devices or not; any N.
@@ -298,12 +302,19 @@ def QGT(
             (for real parameters and a complex output NetKet names that mode 'complex'; its
             explicit mode='real' there drops Im log ψ: pass ``logpsi(...).real`` to get it).
         holomorphic: whether ``logpsi`` is holomorphic in complex parameters (exclusive with ``mode``).
+            The declaration is checked: ``logpsi``'s tangent map is proved complex-linear from its
+            jaxpr (no FLOPs, once per function and input shapes), or else the Cauchy–Riemann
+            equations are tested on the first 8 samples (needs concrete inputs: outside
+            ``jax.jit``, or once before, as a pass is remembered). A non-holomorphic ``logpsi`` is
+            refused (the holomorphic matrix would be wrong); use ``mode='complex'`` for it.
 
     Returns:
         A :class:`QGTOperator` (a pytree).
 
     Raises:
-        TypeError, ValueError: for bad input, before anything is traced.
+        TypeError, ValueError: for bad input, before anything is traced; ValueError for a
+            ``logpsi`` whose rows provably depend on each other, or a non-holomorphic ``logpsi``
+            declared holomorphic.
 
     Examples:
         >>> import jax, jax.numpy as jnp, vmcgrad

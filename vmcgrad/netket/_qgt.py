@@ -94,7 +94,11 @@ def QGTOnTheFly(
             (one non-negative real shift per parameter; complex leaves must have zero imaginary
             part). None means 0, as in NetKet.
         diag_scale: :math:`\epsilon_1 \ge 0`, or None.
-        holomorphic: whether the model is holomorphic in its complex parameters.
+        holomorphic: whether the model is holomorphic in its complex parameters. As for NetKet's
+            ``QGTOnTheFly``, ``holomorphic=True`` on a model that is not (checked as
+            :func:`vmcgrad.QGT` checks it) applies the 'complex' matrix, whose products and solves
+            are the ones NetKet's ``QGTOnTheFly(holomorphic=True)`` gives; a UserWarning says so.
+            The model's rows must depend on their own sample only (see :func:`vmcgrad.QGT`).
 
     Returns:
         A :class:`QGTOnTheFlyT`.
