@@ -105,6 +105,10 @@ def expect_grad(
         logpsi: ``logpsi(params, batch) -> (batch_size,)`` array, real or complex; a plain
             callable (compiled in), or a ``jax.tree_util.Partial(f, *arrays)`` whose arrays are
             traced (e.g. a model state) so new values do not recompile.
+            **Row by row:** row i of the output may depend on sample i only; ``logpsi`` is called on chunks of
+            at most ``chunk_size`` rows (per device), so a batch statistic inside it (a mean, max or
+            logsumexp of the batch subtracted without ``jax.lax.stop_gradient``) would become a per-chunk
+            one. Where the analysis of its jaxpr proves such a coupling, a ValueError says so.
         params: a pytree of real and/or complex floating arrays.
         samples: an array, or pytree of arrays, with the N samples along axis 0.
         local_values: the local estimators :math:`L_i`, shape ``(N,)``, real or complex (complex

@@ -36,6 +36,10 @@ def batched_jvp(
     Args:
         fun: ``fun(params, batch) -> (batch_size,)`` array, real or complex; a plain callable, or
             a ``jax.tree_util.Partial`` whose arrays are traced (see :func:`batched_vjp`).
+            **Row by row:** row i of the output may depend on sample i only; ``fun`` is called on chunks of
+            at most ``chunk_size`` rows (per device), so a batch statistic inside it (a mean, max or
+            logsumexp of the batch subtracted without ``jax.lax.stop_gradient``) would become a per-chunk
+            one. Where the analysis of its jaxpr proves such a coupling, a ValueError says so.
         params: a pytree of real and/or complex floating arrays.
         samples: an array, or pytree of arrays, with the N samples along axis 0.
         tangent: a pytree with the structure, shapes and dtypes of ``params``.

@@ -34,7 +34,7 @@ from . import _validation as check
 from ._chunked import map_reduce_problem
 from ._problem import Inputs, Problem, auto_chunk, call, problem
 from ._qgt_apply import matmul_program, solve
-from ._qgt_modes import choose_mode, to_rep
+from ._qgt_modes import choose_mode, holomorphic_violation, to_rep
 from ._qgt_passes import jacobian_chunk, join_mean, mean_chunk, product_chunk, split_imag
 from ._solve import CGInfo
 from ._views import Views
@@ -283,6 +283,10 @@ def QGT(
     Args:
         logpsi: ``logpsi(params, batch) -> (batch_size,)`` log-amplitudes, real or complex; a plain
             callable (static) or a ``jax.tree_util.Partial`` whose arrays (model state) are traced.
+            **Row by row:** row i of the output may depend on sample i only; ``logpsi`` is called on chunks of
+            at most ``chunk_size`` rows (per device), so a batch statistic inside it (a mean, max or
+            logsumexp of the batch subtracted without ``jax.lax.stop_gradient``) would become a per-chunk
+            one. Where the analysis of its jaxpr proves such a coupling, a ValueError says so.
         params: the parameter pytree (real and/or complex floating leaves).
         samples: an array (or pytree of arrays) with the N samples along axis 0, sharded over
             devices or not; any N.
@@ -299,12 +303,19 @@ def QGT(
             (for real parameters and a complex output NetKet names that mode 'complex'; its
             explicit mode='real' there drops Im log ψ: pass ``logpsi(...).real`` to get it).
         holomorphic: whether ``logpsi`` is holomorphic in complex parameters (exclusive with ``mode``).
+            The declaration is checked: ``logpsi``'s tangent map is proved complex-linear from its
+            jaxpr (no FLOPs, once per function and input shapes), or else the Cauchy–Riemann
+            equations are tested on the first 8 samples (needs concrete inputs: outside
+            ``jax.jit``, or once before, as a pass is remembered). A non-holomorphic ``logpsi`` is
+            refused (the holomorphic matrix would be wrong); use ``mode='complex'`` for it.
 
     Returns:
         A :class:`QGTOperator` (a pytree).
 
     Raises:
-        TypeError, ValueError: for bad input, before anything is traced.
+        TypeError, ValueError: for bad input, before anything is traced; ValueError for a
+            ``logpsi`` whose rows provably depend on each other, or a non-holomorphic ``logpsi``
+            declared holomorphic.
 
     Examples:
         >>> import jax, jax.numpy as jnp, vmcgrad
@@ -325,6 +336,18 @@ def QGT(
     )
     out = jax.ShapeDtypeStruct((prob.n,), prob.out_dtype)
     mode = choose_mode(_NAME, inputs.params, out, mode, holomorphic)
+    if mode == "holomorphic":
+        why = holomorphic_violation(logpsi, inputs.params, inputs.samples)
+        if why is not None:
+            raise ValueError(
+                f"{_NAME}: holomorphic=True (mode='holomorphic') needs `logpsi` to be holomorphic in "
+                f"`params`, but it is not: {why}. The holomorphic QGT would be a different, wrong "
+                "matrix (its centring assumes O v is complex-linear in v). Fix: pass "
+                "holomorphic=False or mode='complex' (real and imaginary parts as separate real "
+                "parameters: the matrix NetKet's QGTOnTheFly(holomorphic=True) applies to such a "
+                "model), or make `logpsi` holomorphic (no conj, abs, real or imag of a "
+                "parameter-dependent value)."
+            )
     real = Views(inputs.params, mode).real_dtype
     diag_shift = _scalar(_NAME, "diag_shift", 0.0 if diag_shift is None else diag_shift, real)
     diag_scale = _diag_scale(_NAME, diag_scale, real)

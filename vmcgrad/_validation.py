@@ -271,7 +271,39 @@ def check_problem(
     samples = as_arrays(where, "samples", samples)
     check_params(where, params)
     n = check_samples(where, samples)
-    return params, samples, n, check_output(where, fun, params, samples, n, arg=arg)
+    out = check_output(where, fun, params, samples, n, arg=arg)
+    check_rows_independent(where, fun, params, samples, arg=arg)
+    return params, samples, n, out
+
+
+def check_rows_independent(where: str, fun: Callable, params: Any, samples: Any, *, arg: str = "fun") -> None:
+    r"""Refuses a ``fun`` whose rows provably depend on other samples' rows.
+
+    Every estimator calls ``fun`` on chunks of rows, so it needs
+    :math:`\partial f(\theta, X)_i / \partial\theta = \partial f(\theta, \sigma_i)/\partial\theta`:
+    row :math:`i`'s derivative may depend on sample :math:`i` only. A batch mean, max or logsumexp of
+    log ψ subtracted without ``jax.lax.stop_gradient`` breaks it (the mean becomes a chunk mean).
+    The tangent map's jaxpr is analysed on an abstract batch
+    (:func:`vmcgrad._jaxpr_checks.row_coupling`), once per function and input shapes.
+    """
+    from ._jaxpr_checks import analyse, once_per_signature, row_coupling
+
+    def compute():
+        n_params = len(jax.tree.leaves(params))
+        return analyse(fun, params, samples, lambda jaxpr: row_coupling(jaxpr, 2 * n_params))
+
+    how = once_per_signature("rows", fun, params, samples, compute)
+    if how is not None:
+        raise ValueError(
+            f"{where}: the rows of `{arg}(params, samples)` depend on each other: its derivative in "
+            f"`params` passes through {how} (axis 0), so row i's derivative depends on other samples "
+            f"than sample i. vmcgrad calls `{arg}` on chunks of rows (chunk_size rows per call, and "
+            "per device), so such a batch statistic would silently become a per-chunk one and the "
+            "result would depend on the chunk size. Fix: make each row depend on its own sample "
+            "only: wrap a normalising constant in jax.lax.stop_gradient (e.g. `y - "
+            "jax.lax.stop_gradient(jnp.max(y))`, which leaves every derivative unchanged), or write "
+            f"`{arg}` for one sample and batch it with jax.vmap."
+        )
 
 
 # --- numbers: shifts, tolerances, iteration caps, memory budgets -----------------------------------

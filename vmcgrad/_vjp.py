@@ -52,6 +52,10 @@ def batched_vjp(
         fun: ``fun(params, batch) -> (batch_size,)`` array, real or complex. A plain callable is
             compiled in (cached by identity, as ``jax.jit`` does); a
             ``jax.tree_util.Partial(f, *arrays)`` has its arrays traced instead (model state).
+            **Row by row:** row i of the output may depend on sample i only; ``fun`` is called on chunks of
+            at most ``chunk_size`` rows (per device), so a batch statistic inside it (a mean, max or
+            logsumexp of the batch subtracted without ``jax.lax.stop_gradient``) would become a per-chunk
+            one. Where the analysis of its jaxpr proves such a coupling, a ValueError says so.
         params: a pytree of real and/or complex floating arrays.
         samples: an array, or pytree of arrays, with the N samples along axis 0.
         cotangent: an array of shape ``(N,)`` with the dtype of ``fun``'s output.
@@ -66,7 +70,8 @@ def batched_vjp(
         (parameter-sharded leaves come back sharded the same way).
 
     Raises:
-        TypeError, ValueError: for bad input, before anything is traced.
+        TypeError, ValueError: for bad input, before anything is traced; ValueError for a ``fun``
+            whose rows provably depend on each other (see ``fun``).
 
     Examples:
         >>> import jax, jax.numpy as jnp, vmcgrad

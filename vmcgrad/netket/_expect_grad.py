@@ -41,7 +41,9 @@ def expect_and_grad(vstate: Any, operator: Any, *, chunk_size: int | None = None
     gradient is :func:`vmcgrad.expect_grad` at ``chunk_size`` — chunked on each device with no
     divisibility requirement and one reduction over NetKet's ``"S"`` mesh axis. The whole step is
     one jitted program, compiled once per (model, operator type, shapes, chunk size): parameters,
-    model state, samples and operator data are traced arguments.
+    model state, samples and operator data are traced arguments. The model is called on chunks of
+    samples, so each of its outputs must depend on its own sample only (no batch mean or max of
+    log ψ subtracted without ``jax.lax.stop_gradient``): see :func:`vmcgrad.expect_grad`.
 
     Args:
         vstate: an ``nk.vqs.MCState`` with a non-mutable model (``model_state`` is read, not updated).

@@ -47,7 +47,7 @@ from netket.utils.api_utils import partial_from_kwargs
 import vmcgrad
 
 from .. import _validation as check
-from .._qgt_modes import to_rep
+from .._qgt_modes import holomorphic_violation, to_rep
 from .._views import Views
 from . import _nk_private as nkp
 from ._expect_grad import log_psi
@@ -96,7 +96,11 @@ def QGTOnTheFly(
             (one non-negative real shift per parameter; complex leaves must have zero imaginary
             part). None means 0, as in NetKet.
         diag_scale: :math:`\epsilon_1 \ge 0`, or None.
-        holomorphic: whether the model is holomorphic in its complex parameters.
+        holomorphic: whether the model is holomorphic in its complex parameters. As for NetKet's
+            ``QGTOnTheFly``, ``holomorphic=True`` on a model that is not (checked as
+            :func:`vmcgrad.QGT` checks it) applies the 'complex' matrix, whose products and solves
+            are the ones NetKet's ``QGTOnTheFly(holomorphic=True)`` gives; a UserWarning says so.
+            The model's rows must depend on their own sample only (see :func:`vmcgrad.QGT`).
 
     Returns:
         A :class:`QGTOnTheFlyT`.
@@ -127,10 +131,26 @@ def QGTOnTheFly(
     diag_scale = check_scale(NAME, diag_scale)
     if holomorphic is None and nkjax.tree_leaf_iscomplex(params):
         warnings.warn(HolomorphicUndeclaredWarning(), UserWarning, stacklevel=2)
+    logpsi, samples = log_psi(nkp.apply_fun(vstate), vstate.model_state), _flat_samples(vstate.samples)
+    if holomorphic:
+        why = holomorphic_violation(logpsi, params, samples)
+        if why is not None:
+            # NetKet's QGTOnTheFly(holomorphic=True) applies the 'complex' matrix here (its products
+            # and iterative solves are exact whatever the declaration); so does this adapter
+            warnings.warn(
+                f"{NAME}: holomorphic=True, but the model is not holomorphic in its parameters: "
+                f"{why}. Using mode='complex' (real and imaginary parts as separate real parameters), "
+                "whose products and solves equal those of NetKet's QGTOnTheFly(holomorphic=True) on "
+                "this model; to_dense() is then the (2P x 2P)-like real matrix of that mode. "
+                "Fix: pass holomorphic=False to silence this warning.",
+                UserWarning,
+                stacklevel=2,
+            )
+            holomorphic = False
     qgt = vmcgrad.QGT(
-        log_psi(nkp.apply_fun(vstate), vstate.model_state),
+        logpsi,
         params,
-        _flat_samples(vstate.samples),
+        samples,
         chunk_size=chunk_size,
         diag_shift=0.0,  # the shift is added by QGTOnTheFlyT (scalar or per parameter)
         diag_scale=diag_scale,
