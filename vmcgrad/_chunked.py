@@ -654,7 +654,29 @@ def _pullback_jaxprs(chunk_fun: Callable, unpack: Callable, avals: list, sum_ava
     traced = any(isinstance(c, jax.core.Tracer) for j in (point_jaxpr, fwd_jaxpr) for c in j.consts)
     if not like or traced:
         return None
-    return point_jaxpr, fwd_jaxpr, n_y[0]
+    pullback = (point_jaxpr, fwd_jaxpr, n_y[0])
+    return pullback if _with_refs_traces(pullback, avals, sum_avals) else None
+
+
+def _with_refs_traces(pullback: tuple, avals: list, sum_avals: Sequence) -> bool:
+    """Whether JAX can write this pullback through ``with_refs`` (traced once, not run).
+
+    Not every transpose rule in jax 0.10.2 accumulates into refs: a model with ``slogdet`` fails
+    inside ``with_refs`` ("'NoneType' object is not iterable"). Such a pullback takes the generic
+    body (``acc[...] += part``), which every transpose supports.
+    """
+
+    def probe(*args):
+        accs = [jax.new_ref(jnp.zeros(a.shape, a.dtype)) for a in sum_avals]
+        _pull_into(accs, pullback, list(args[:-1]), [], args[-1])  # operands in the body's order
+        return [jax.ref.freeze(a) for a in accs]
+
+    try:
+        with jax.sharding.use_abstract_mesh(_NO_MESH):
+            jax.make_jaxpr(probe)(*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals))
+    except Exception:  # any failure inside JAX's ref transposes: use the generic body
+        return False
+    return True
 
 
 def map_reduce(
