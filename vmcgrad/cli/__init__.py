@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import _distributed, _lock, _output, bench, vmc
+from . import _distributed, _lock, _output, _supervise, bench, vmc
 from ._args import Parser
 
 
@@ -78,14 +78,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         that another run is using), 130 when interrupted.
     """
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     command, sub = args._command, args._parser  # set by each command's add_parser
     command.check(args, sub)
-    out = command.out_dir(args)
+    distributed = getattr(args, "coordinator", None) is not None
+    supervised = distributed and _supervise.is_child()  # the supervisor holds the lock
+    out = None if supervised else command.out_dir(args)
     lock = claim_out_dir(out, sub) if out is not None else None
     try:
+        if distributed and not supervised:  # JAX runs in a child, which this process watches
+            return _distributed.supervise(
+                args,
+                argv,
+                sub.prog,
+                on_failure=lambda reason: command.mark_log(args, "failed", reason),
+                on_interrupt=lambda: command.mark_log(args, "interrupted", None),
+            )
         use_devices(getattr(args, "devices", None), sub)
-        distributed = getattr(args, "coordinator", None) is not None
         if distributed:  # --devices then counts this process's devices; jax.devices() spans all processes
             _distributed.initialize(args, sub)
         try:
