@@ -10,6 +10,7 @@ at once.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from collections.abc import Sequence
@@ -51,14 +52,38 @@ def use_devices(n: int | None, parser: Parser) -> None:
             )
 
 
+#: The command line's optional dependencies (the ``[cli]`` extra), and how to install them.
+CLI_EXTRA = "pip install 'vmcgrad[cli]'"
+
+
+def missing_dependencies(names: Sequence[str]) -> list[str]:
+    """Those of the modules ``names`` that cannot be imported here (found without importing them)."""
+    missing = []
+    for name in names:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # a parent package is missing, or a module without a spec
+            found = name in sys.modules and sys.modules[name] is not None
+        if not found:
+            missing.append(name)
+    return missing
+
+
 def claim_out_dir(out: Path, parser: Parser) -> _lock.OutDirLock:
-    """Creates ``out`` and locks it for this run; a usage error (exit 2) when another run holds it."""
+    """Creates ``out`` and locks it for this run; a usage error (exit 2) when another run holds it or it
+    cannot be created or written (a full disk): then nothing that this created is left behind."""
+    created = [p for p in (out, *out.absolute().parents) if not p.exists()][::-1]  # outermost first
     try:
         out.mkdir(parents=True, exist_ok=True)
         lock = _lock.OutDirLock.acquire(out)
-    except _lock.Busy as busy:
-        parser.error(f"argument --out: {busy}")
-    except OSError as error:
+    except (_lock.Busy, OSError) as error:
+        for directory in reversed(created):
+            try:
+                directory.rmdir()
+            except OSError:
+                break
+        if isinstance(error, _lock.Busy):
+            parser.error(f"argument --out: {error}")
         parser.error(f"argument --out: cannot create {str(out)!r}: {_output.reason(error)}")
     if lock.stale_pid is not None:
         print(
@@ -73,14 +98,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``vmcgrad`` console script and of ``python -m vmcgrad``.
 
     Returns:
-        The exit status: 0 on success, 1 when a file could not be written (a one-line error; what was
-        written before is kept) or a benchmark failed, 2 on a usage error (including an ``--out``
-        that another run is using), 130 when interrupted.
+        The exit status: 0 on success, 1 when an optional dependency is missing (before anything is
+        done), a file could not be written (a one-line error; what was written before is kept), a
+        benchmark failed or a process of a multi-process run was lost, 2 on a usage error (including
+        an ``--out`` that another run is using), 130 when interrupted.
     """
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     command, sub = args._command, args._parser  # set by each command's add_parser
+    missing = missing_dependencies(command.REQUIRES)
+    if missing:
+        verb, it = ("is", "it") if len(missing) == 1 else ("are", "them")
+        print(
+            f"{sub.prog}: error: {' and '.join(missing)} {verb} not installed; `{sub.prog}` needs {it}: "
+            f"{CLI_EXTRA} (or pip install {' '.join(missing)})",
+            file=sys.stderr,
+        )
+        return 1
     command.check(args, sub)
     distributed = getattr(args, "coordinator", None) is not None
     supervised = distributed and _supervise.is_child()  # the supervisor holds the lock

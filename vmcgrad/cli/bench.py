@@ -25,6 +25,9 @@ from pathlib import Path
 from . import _interrupt, _output
 from ._args import HelpFormatter, positive_int
 
+#: The modules this command imports beyond vmcgrad's own (the ``[cli]`` extra), checked before it starts.
+REQUIRES = ("netket", "matplotlib")
+
 #: Benchmark suites: name -> the modules of :mod:`vmcgrad.bench` it runs, in order (``--suite``).
 SUITES: dict[str, tuple[str, ...]] = {
     "default": ("core", "grad", "qgt", "vmc_step"),

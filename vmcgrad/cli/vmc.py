@@ -35,6 +35,8 @@ _CHAINS_PER_DEVICE = 16
 _PLOT_EVERY_S = 10.0
 #: The per-step lists of ``log.json``.
 _STEP_KEYS = ("energy_mean", "energy_error", "energy_variance", "acceptance", "step_time")
+#: The modules this command imports beyond vmcgrad's own (the ``[cli]`` extra), checked before it starts.
+REQUIRES = ("netket", "matplotlib", "tqdm")
 #: What a run writes in ``--out``.
 FILES = ("log.json", "energy.png")
 
