@@ -436,3 +436,50 @@ def test_an_exception_during_the_set_up_is_logged_as_failed(tmp_path, monkeypatc
     assert log["status"] == "failed" and log["error"] == "RuntimeError: cannot build the lattice"
     assert log["energy_mean"] == [] and log["config"]["steps"] == 5
     assert sorted(p.name for p in out.iterdir()) == ["log.json"]
+
+
+# --- an interrupted vmcgrad bench -----------------------------------------------------------------
+
+
+def test_bench_stopped_at_once_keeps_the_summary_the_plot_and_no_lock(tmp_path):
+    """SIGTERM twice after the first setting: the second stops at once, during the next setting, and
+    still writes bench.json ("interrupted", the rows that finished), bench.png and the table of ratios,
+    and removes the lock (before: bench.json only, no plot, no summary)."""
+    import queue
+
+    out = tmp_path / "bench"
+    sizes = ["--L", "6", "--samples", "8", "16", "32", "--chunk-sizes", "4", "--repeats", "1"]
+    proc = _start(
+        ["bench", "--only", "grad", *sizes, "--devices", str(N_DEVICES), "--out", str(out)], tmp_path
+    )
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
+    try:
+        deadline = time.monotonic() + 180
+        stdout = ""
+        while "rows in" not in stdout:  # the first setting finished
+            assert proc.poll() is None, proc.communicate()
+            try:
+                stdout += lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                pytest.fail(f"no setting finished within 180 s:\n{stdout}")
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)  # the next setting compiles (seconds)
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=60)
+        stderr = proc.stderr.read()
+        time.sleep(0.2)
+        while not lines.empty():
+            stdout += lines.get()
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    assert rc == 130, stderr
+    assert "vmcgrad bench: stopped at once (second interrupt); kept" in stderr, stderr
+    assert "Traceback" not in stderr
+    result = _strict((out / "bench.json").read_text())
+    assert result["status"] == "interrupted" and {r["N"] for r in result["rows"]} == {8}
+    assert result["ratios"] and all(e["N"] == 8 for e in result["ratios"])
+    assert "vmcgrad impl" in stdout and f"wrote {out / 'bench.json'} and {out / 'bench.png'}" in stdout
+    assert _is_png(out / "bench.png")
+    assert sorted(p.name for p in out.iterdir()) == ["bench.json", "bench.png"]  # no lock, no temporary

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -117,11 +118,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 1
     command.check(args, sub)
+    # Until a command installs its own handling (._interrupt), SIGTERM stops the run as Ctrl-C does:
+    # through the handlers below, which release the lock, instead of ending the process on the spot.
+    previous = _sigterm_as_interrupt()
     distributed = getattr(args, "coordinator", None) is not None
     supervised = distributed and _supervise.is_child()  # the supervisor holds the lock
-    out = None if supervised else command.out_dir(args)
-    lock = claim_out_dir(out, sub) if out is not None else None
+    lock = None
     try:
+        out = None if supervised else command.out_dir(args)
+        lock = claim_out_dir(out, sub) if out is not None else None
         if distributed and not supervised:  # JAX runs in a child, which this process watches
             return _distributed.supervise(
                 args,
@@ -130,10 +135,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 on_failure=lambda reason: command.mark_log(args, "failed", reason),
                 on_interrupt=lambda: command.mark_log(args, "interrupted", None),
             )
-        use_devices(getattr(args, "devices", None), sub)
-        if distributed:  # --devices then counts this process's devices; jax.devices() spans all processes
-            _distributed.initialize(args, sub)
         try:
+            use_devices(getattr(args, "devices", None), sub)
+            if distributed:  # --devices counts this process's devices; jax.devices() spans all processes
+                _distributed.initialize(args, sub)
             status = command.run(args)
         except KeyboardInterrupt:  # before or after the part that handles Ctrl-C itself
             print(f"{sub.prog}: interrupted", file=sys.stderr)
@@ -147,3 +152,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if lock is not None:
             lock.release()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _sigterm_as_interrupt():
+    """Makes SIGTERM raise KeyboardInterrupt; returns the previous handler (None outside the main
+    thread, where Python cannot set handlers)."""
+    try:
+        return signal.signal(signal.SIGTERM, _raise_interrupt)
+    except ValueError:
+        return None

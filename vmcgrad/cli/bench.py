@@ -19,6 +19,7 @@ import inspect
 import platform
 import re
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -211,11 +212,11 @@ def run(args) -> int:
     result: dict = {}
     out = Path(args.out)
 
-    def keep() -> str | None:
+    def keep() -> str | None:  # a second Ctrl-C: the summary of the settings that finished
         if not result.get("rows"):
             return None
-        _output.write_json_atomic(out / "bench.json", {**result, "status": "interrupted"})
-        return f"kept {out / 'bench.json'} ({len(result['rows'])} rows)"
+        summary(result, args, t_start, "interrupted")
+        return f"kept {out / 'bench.json'} and {out / 'bench.png'} ({len(result['rows'])} rows)"
 
     with _interrupt.Interrupts(
         "vmcgrad bench", "stopping after this setting (Ctrl-C again to stop at once)", keep
@@ -280,25 +281,53 @@ def _run(args, interrupts, result: dict, t_start: float) -> int:
         print(f"{tag} {len(rows)} rows in {time.perf_counter() - t0:.1f} s", flush=True)
         result["ratios"] = ratios(result["rows"])
         _output.write_json_atomic(out / "bench.json", result)
-    result["status"] = "interrupted" if interrupts.requested else "finished"
-    result["ratios"] = ratios(result["rows"])
-    result["total_s"] = time.perf_counter() - t_start
-    _output.write_json_atomic(out / "bench.json", result)
-    if result["rows"]:
-        plot(result["rows"], out / "bench.png", chunk=args.chunk_sizes[0], n=max(samples))
-    print()
-    print(format_ratios(result["ratios"]))
-    print(
-        f"\nt/x, m/x: vmcgrad's median time and compiled temp memory over x's (NetKet, unchunked jax.vjp); "
-        f"collectives: inside loops/outside per call.\nwrote {out / 'bench.json'} and {out / 'bench.png'} "
-        f"in {result['total_s']:.0f} s"
-    )
+    summary(result, args, t_start, "interrupted" if interrupts.requested else "finished")
     if missing:
         print(f"not run (modules missing): {', '.join(missing)}")
     if interrupts.requested:
         print(f"interrupted; kept the {len(result['rows'])} rows measured")
         return 130
     return 1 if result["errors"] else 0
+
+
+def summary(result: dict, args, t_start: float, status: str) -> None:
+    """Writes ``bench.json`` with ``status`` and ``bench.png`` from the rows measured so far, and prints
+    the table of ratios: at the end, after a first Ctrl-C, and (from the interrupt watcher, while the
+    main thread may still be measuring) on a second one.
+
+    Raises:
+        _output.OutputError: if a file cannot be written.
+    """
+    with _SUMMARY:  # never two at once (matplotlib is not thread-safe), and at most one after the end
+        if result.get("summarized"):
+            return
+        _summary(result, args, t_start, status)
+        result["summarized"] = True
+
+
+#: Held while a summary is written: the main thread's, or the interrupt watcher's on a second Ctrl-C.
+_SUMMARY = threading.Lock()
+
+
+def _summary(result: dict, args, t_start: float, status: str) -> None:
+    out = Path(args.out)
+    rows = list(result["rows"])  # the main thread may append while this runs
+    done = {k: v for k, v in result.items() if k != "summarized"} | {"rows": rows, "status": status}
+    done["ratios"] = ratios(rows)
+    done["total_s"] = time.perf_counter() - t_start
+    result.update(status=status, ratios=done["ratios"], total_s=done["total_s"])
+    _output.write_json_atomic(out / "bench.json", done)
+    print()
+    print(format_ratios(done["ratios"]))
+    print(
+        "\nt/x, m/x: vmcgrad's median time and compiled temp memory over x's (NetKet, unchunked jax.vjp); "
+        "collectives: inside loops/outside per call.",
+        flush=True,
+    )
+    if rows:
+        plot(rows, out / "bench.png", chunk=args.chunk_sizes[0], n=max(result["samples_used"]))
+    wrote = f"{out / 'bench.json'} and {out / 'bench.png'}" if rows else f"{out / 'bench.json'} (no rows)"
+    print(f"wrote {wrote} in {done['total_s']:.0f} s", flush=True)
 
 
 def _machine() -> dict:
