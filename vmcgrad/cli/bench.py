@@ -208,26 +208,25 @@ def run(args) -> int:
         from ..bench.large import run_cli
 
         return run_cli(Path(args.out), repeats=args.repeats)
-    t_start = time.perf_counter()
     result: dict = {}
     out = Path(args.out)
+    summary = Summary(result, args, time.perf_counter())
 
     def keep() -> str | None:  # a second Ctrl-C: the summary of the settings that finished
         if not result.get("rows"):
             return None
-        summary(result, args, t_start, "interrupted")
+        summary("interrupted")
         return f"kept {out / 'bench.json'} and {out / 'bench.png'} ({len(result['rows'])} rows)"
 
     with _interrupt.Interrupts(
         "vmcgrad bench", "stopping after this setting (Ctrl-C again to stop at once)", keep
     ) as interrupts:
-        return _run(args, interrupts, result, t_start)
+        return _run(args, interrupts, result, summary)
 
 
-def _run(args, interrupts, result: dict, t_start: float) -> int:
+def _run(args, interrupts, result: dict, summary: Summary) -> int:
     import jax
 
-    out = Path(args.out)
     names = args.only or list(SUITES[args.suite])
     available = [b for b in names if importlib.util.find_spec(f"vmcgrad.bench.{b}") is not None]
     missing = [b for b in names if b not in available]
@@ -280,8 +279,8 @@ def _run(args, interrupts, result: dict, t_start: float) -> int:
             result["rows"].append(d)
         print(f"{tag} {len(rows)} rows in {time.perf_counter() - t0:.1f} s", flush=True)
         result["ratios"] = ratios(result["rows"])
-        _output.write_json_atomic(out / "bench.json", result)
-    summary(result, args, t_start, "interrupted" if interrupts.requested else "finished")
+        summary.progress()
+    summary("interrupted" if interrupts.requested else "finished")
     if missing:
         print(f"not run (modules missing): {', '.join(missing)}")
     if interrupts.requested:
@@ -290,32 +289,39 @@ def _run(args, interrupts, result: dict, t_start: float) -> int:
     return 1 if result["errors"] else 0
 
 
-def summary(result: dict, args, t_start: float, status: str) -> None:
-    """Writes ``bench.json`` with ``status`` and ``bench.png`` from the rows measured so far, and prints
-    the table of ratios: at the end, after a first Ctrl-C, and (from the interrupt watcher, while the
-    main thread may still be measuring) on a second one.
+class Summary:
+    """Writes ``bench.json`` (with the status) and ``bench.png`` from the rows measured so far, and prints
+    the table of ratios, once: at the end, after a first Ctrl-C, or from the interrupt watcher on a
+    second one, while the main thread may still be measuring. A lock keeps two threads from drawing
+    at once (matplotlib is not thread-safe); ``result`` is only read here (the main thread writes it).
 
     Raises:
         _output.OutputError: if a file cannot be written.
     """
-    with _SUMMARY:  # never two at once (matplotlib is not thread-safe), and at most one after the end
-        if result.get("summarized"):
-            return
-        _summary(result, args, t_start, status)
-        result["summarized"] = True
 
+    def __init__(self, result: dict, args, t_start: float):
+        self.result, self.args, self.t_start = result, args, t_start
+        self._lock = threading.Lock()
+        self._done = False
 
-#: Held while a summary is written: the main thread's, or the interrupt watcher's on a second Ctrl-C.
-_SUMMARY = threading.Lock()
+    def progress(self) -> None:
+        """Rewrites ``bench.json`` as it stands (status "running"), unless the summary was written."""
+        with self._lock:
+            if not self._done:
+                _output.write_json_atomic(Path(self.args.out) / "bench.json", self.result)
+
+    def __call__(self, status: str) -> None:
+        with self._lock:
+            if not self._done:
+                _summary(dict(self.result), self.args, self.t_start, status)
+                self._done = True
 
 
 def _summary(result: dict, args, t_start: float, status: str) -> None:
     out = Path(args.out)
-    rows = list(result["rows"])  # the main thread may append while this runs
-    done = {k: v for k, v in result.items() if k != "summarized"} | {"rows": rows, "status": status}
-    done["ratios"] = ratios(rows)
+    rows = list(result["rows"])  # a copy: the main thread may append while this runs
+    done = {**result, "rows": rows, "status": status, "ratios": ratios(rows)}
     done["total_s"] = time.perf_counter() - t_start
-    result.update(status=status, ratios=done["ratios"], total_s=done["total_s"])
     _output.write_json_atomic(out / "bench.json", done)
     print()
     print(format_ratios(done["ratios"]))
