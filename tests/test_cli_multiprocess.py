@@ -174,7 +174,7 @@ def test_a_process_killed_mid_run_ends_the_other_with_one_line(tmp_path, killed)
     assert survivor.returncode == 1, err[-4000:]
     last = err.strip().splitlines()[-1]
     expected = {
-        1: "vmcgrad vmc: error: lost process 1 of 2: it sent no heartbeat for 10 s",
+        1: "vmcgrad vmc: error: lost process 1 of 2: its heartbeats stopped (--distributed-timeout 10 s;",
         0: f"vmcgrad vmc: error: lost process 0 of 2, the coordinator at 127.0.0.1:{port}",
     }[killed]
     assert last.startswith(expected), err[-4000:]

@@ -5,7 +5,12 @@ Arguments are parsed and checked before JAX computes anything and before any fil
 distributed runtime, and a typo costs nothing. A usage mistake
 prints one line on stderr naming the option and what it accepts, and exits with status 2. The
 output directory is then created and locked (:mod:`._lock`): a second run into it exits with status 2
-at once.
+at once; one that cannot be created or written (a full disk) leaves nothing behind. Before that, the
+command's optional dependencies (the ``[cli]`` extra) are looked up without importing them: a missing
+one is named, with the pip command, and nothing runs (status 1). An unexpected exception is logged as
+"failed" with its message and raised. With ``--coordinator`` the process the user started supervises
+the one that joins JAX's runtime (:mod:`._supervise`), so that a lost process ends in one line, a log
+marked "failed" and a released lock instead of JAX's abort.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ def diagnose(
     Examples:
         >>> jax_said = "The following tasks are unhealthy (stopped sending heartbeats):\\n1\\nThe tasks..."
         >>> diagnose(jax_said, process_id=0, num_processes=2, coordinator="127.0.0.1:1234", timeout=60)[:40]
-        'lost process 1 of 2: it sent no heartbea'
+        'lost process 1 of 2: its heartbeats stop'
     """
     n, me = num_processes, process_id
     again = f"Fix: start all {n} processes again"
@@ -63,8 +63,8 @@ def diagnose(
         ids = sorted({int(i) for i in re.findall(r"\d+", unhealthy.group(1))} - {me})
         who = _processes(ids) if ids else "a process"
         return (
-            f"lost {who} of {n}: it sent no heartbeat for {timeout} s (it ended, crashed or hangs; see its "
-            f"own output); process {me} stopped too. {again} (a larger --distributed-timeout if {who} "
+            f"lost {who} of {n}: its heartbeats stopped (--distributed-timeout {timeout} s; it ended, crashed "
+            f"or hangs: see its own output); process {me} stopped too. {again} (a larger --distributed-timeout if {who} "
             "was only slow)"
         )
     if _LEADER in stderr:
