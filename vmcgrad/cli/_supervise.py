@@ -63,9 +63,9 @@ def diagnose(
         ids = sorted({int(i) for i in re.findall(r"\d+", unhealthy.group(1))} - {me})
         who = _processes(ids) if ids else "a process"
         return (
-            f"lost {who} of {n}: its heartbeats stopped (--distributed-timeout {timeout} s; it ended, crashed "
-            f"or hangs: see its own output); process {me} stopped too. {again} (a larger --distributed-timeout if {who} "
-            "was only slow)"
+            f"lost {who} of {n}: its heartbeats stopped (--distributed-timeout {timeout} s; it ended, "
+            f"crashed or hangs: see its own output); process {me} stopped too. {again} (a larger "
+            f"--distributed-timeout if {who} was only slow)"
         )
     if _LEADER in stderr:
         return (
