@@ -35,7 +35,7 @@ def parse() -> argparse.Namespace:
 
 def ratios(rows: list[dict]) -> str:
     """vmcgrad / baseline for time (medians; also fastest calls) and temp memory, with the bars."""
-    from vmcgrad.bench import Column, table
+    from benchlib import Column, table
 
     groups: dict[tuple, dict[str, dict]] = {}
     for r in rows:
@@ -75,11 +75,11 @@ def ratios(rows: list[dict]) -> str:
 
 def run_one(args: argparse.Namespace) -> list[dict]:
     (n,) = args.devices
-    from vmcgrad.bench import use_cpu_devices
+    from benchlib import use_cpu_devices
 
     use_cpu_devices(n)
 
-    from vmcgrad.bench.core import run
+    from benchlib.core import run
 
     rows = run(
         L=args.L,
@@ -94,7 +94,7 @@ def run_one(args: argparse.Namespace) -> list[dict]:
 
 def main() -> None:
     args = parse()
-    from vmcgrad.bench import format_table, rows_for_device_counts, write_json
+    from benchlib import format_table, rows_for_device_counts, write_json
 
     argv = ["--L", str(args.L), "--n-samples", str(args.n_samples), "--chunk-size", str(args.chunk_size)]
     argv += ["--repeats", str(args.repeats), "--dtypes", *args.dtypes]

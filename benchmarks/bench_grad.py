@@ -32,13 +32,12 @@ def parse() -> argparse.Namespace:
 def main() -> None:
     args = parse()
     import jax
-
-    from vmcgrad.bench import use_cpu_devices
+    from benchlib import use_cpu_devices
 
     use_cpu_devices(args.devices)
 
-    from vmcgrad.bench import format_table, write_json
-    from vmcgrad.bench.grad import run
+    from benchlib import format_table, write_json
+    from benchlib.grad import run
 
     rows = run(L=args.L, n_samples=args.n_samples, chunk_size=args.chunk_size, repeats=args.repeats)
     extra = {"L": args.L, "N": args.n_samples, "chunk": args.chunk_size}

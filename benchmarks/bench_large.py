@@ -1,6 +1,6 @@
 """Large models at a memory budget: GCNN and ViT on a 6x6 lattice, vmcgrad vs NetKet chunked vs VMC_SR.
 
-Usage (with vmcgrad installed, ``pip install -e .``, or ``PYTHONPATH=.`` in a checkout)::
+Usage (from a checkout, with vmcgrad installed: ``pip install -e .``, or ``PYTHONPATH=.``)::
 
     python benchmarks/bench_large.py                                  # everything (compile-heavy)
     python benchmarks/bench_large.py --models gcnn --dtypes float64 --json large.json
@@ -8,17 +8,16 @@ Usage (with vmcgrad installed, ``pip install -e .``, or ``PYTHONPATH=.`` in a ch
 
 Memory: compiled (not run) per-device temp and total bytes against N for expect_grad, QGT @ v and one
 SR step; the largest N per device under each budget (bisection over compiled programs); the SR step
-time at equal memory, interleaved (see :mod:`vmcgrad.bench.large`). Same as ``vmcgrad bench --suite large``.
+time at equal memory, interleaved (see :mod:`benchlib.large`). ``python benchmarks/run.py --suite large``
+runs this script with its defaults.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
-#: vmcgrad.bench.large.IMPLS (not imported here: the device count must be set before JAX starts)
+#: benchlib.large.IMPLS (not imported here: the device count must be set before JAX starts)
 IMPLS = ("vmcgrad", "vmcgrad auto", "netket chunked", "VMC_SR dense", "VMC_SR ntk")
 
 
@@ -44,12 +43,11 @@ def parse(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse(argv)
-    from vmcgrad.bench import use_cpu_devices
+    from benchlib import use_cpu_devices
 
     use_cpu_devices(args.devices)
     import jax
-
-    from vmcgrad.bench import large
+    from benchlib import large, write_json
 
     st = large.Settings(chunk=args.chunk, cg_iters=args.cg_iters)
     config = {k: v for k, v in vars(args).items()}
@@ -57,10 +55,7 @@ def main(argv=None) -> int:
     config["device"] = str(jax.devices()[0].device_kind)
 
     def save(result):
-        if args.json:
-            tmp = Path(args.json).with_suffix(".tmp")
-            tmp.write_text(json.dumps(large.json_safe({"config": config, **result}), indent=1))
-            tmp.replace(args.json)
+        write_json({"config": config, **result}, args.json)
 
     result = large.run_suite(
         models=tuple(args.models),

@@ -35,11 +35,11 @@ def parse() -> argparse.Namespace:
 
 def run_one(args: argparse.Namespace) -> list[dict]:
     (n,) = args.devices
-    from vmcgrad.bench import use_cpu_devices
+    from benchlib import use_cpu_devices
 
     use_cpu_devices(n)
 
-    from vmcgrad.bench.qgt import run, temp_memory
+    from benchlib.qgt import run, temp_memory
 
     rows = run(L=args.L, n_samples=args.n_samples, chunk_size=args.chunk_size, repeats=args.repeats)
     extra = {"L": args.L, "chunk": args.chunk_size}
@@ -54,7 +54,7 @@ def run_one(args: argparse.Namespace) -> list[dict]:
 
 def ratios(rows: list[dict]) -> str:
     """vmcgrad / netket per bench (wall and CPU time, temp memory) with the bars, then the memory rows."""
-    from vmcgrad.bench import Column, table
+    from benchlib import Column, table
 
     groups: dict[tuple, dict[str, dict]] = {}
     for r in rows:
@@ -107,7 +107,7 @@ def ratios(rows: list[dict]) -> str:
 
 def main() -> None:
     args = parse()
-    from vmcgrad.bench import format_table, rows_for_device_counts, write_json
+    from benchlib import format_table, rows_for_device_counts, write_json
 
     argv = ["--L", str(args.L), "--n-samples", str(args.n_samples), "--chunk-size", str(args.chunk_size)]
     argv += ["--repeats", str(args.repeats), "--memory-n", *map(str, args.memory_n)]

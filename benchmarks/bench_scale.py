@@ -56,18 +56,17 @@ def parse() -> argparse.Namespace:
 def child(args: argparse.Namespace) -> None:
     """One child: set the devices up before JAX/NetKet are used, run one part, write JSON."""
     if args.child == "worker":
-        from vmcgrad.bench.scale import init_distributed
+        from benchlib.scale import init_distributed
 
         init_distributed(args.process_id, args.processes, args.port, devices_per_process=2)
     else:
-        from vmcgrad.bench import use_cpu_devices
+        from benchlib import use_cpu_devices
 
         use_cpu_devices(args.devices[0] if args.child == "scaleout" else 1)
     import warnings
 
     import netket  # noqa: F401  (sets NetKet's global mesh "S" over jax.devices(): all processes')
-
-    from vmcgrad.bench import scale
+    from benchlib import scale
 
     warnings.filterwarnings("ignore", category=UserWarning)
     log = lambda s: print(s, flush=True)
@@ -86,7 +85,7 @@ def child(args: argparse.Namespace) -> None:
         kw = dict(L=args.L, n_samples=args.n_samples, chunk_size=args.chunk_size, repeats=args.repeats)
         rows = scale.scale_out_rows(**kw, log=log)
     if args.process_id == 0:
-        from vmcgrad.bench import write_json
+        from benchlib import write_json
 
         write_json(rows, args.json)
     if args.child == "worker":
@@ -97,7 +96,7 @@ def child(args: argparse.Namespace) -> None:
 
 def spawn(args: argparse.Namespace, kind: str, *, devices: int = 1, processes: int = 1) -> list[dict]:
     """Runs one child (or ``processes`` workers) and returns the rows process 0 wrote."""
-    from vmcgrad.bench.scale import clean_env, launch_processes
+    from benchlib.scale import clean_env, launch_processes
 
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "rows.json")
@@ -125,7 +124,7 @@ def main() -> None:
     if args.child:
         child(args)
         return
-    from vmcgrad.bench.scale import format_largest_n, format_scale_out
+    from benchlib.scale import format_largest_n, format_scale_out
 
     rows: dict[str, list[dict]] = {}
     if "memory" in args.part:
@@ -136,7 +135,7 @@ def main() -> None:
             rows["scaleout"] += spawn(args, "scaleout", devices=n)
         if args.processes > 1:
             rows["scaleout"] += spawn(args, "worker", processes=args.processes)
-    from vmcgrad.bench import write_json
+    from benchlib import write_json
 
     write_json(rows, args.json)
     if "memory" in rows:

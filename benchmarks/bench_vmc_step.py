@@ -41,12 +41,12 @@ def main() -> None:
     args = parse()
     import warnings
 
-    from vmcgrad.bench import use_cpu_devices
+    from benchlib import use_cpu_devices
 
     use_cpu_devices(args.devices)
 
-    from vmcgrad.bench import format_table, write_json
-    from vmcgrad.bench.vmc_step import memory_scan, run
+    from benchlib import format_table, write_json
+    from benchlib.vmc_step import memory_scan, run
 
     warnings.filterwarnings("ignore", category=UserWarning)
     result: dict = {"args": vars(args)}

@@ -4,7 +4,8 @@
 #
 #   bash benchmarks/device.sh                  # full sizes, OUT=device-bench-<date>
 #   OUT=dir bash benchmarks/device.sh
-#   SMOKE=1 bash benchmarks/device.sh          # tiny sizes on CPU (tested: tests/test_device_script.py)
+#   SMOKE=1 bash benchmarks/device.sh          # tiny sizes on CPU: a check of this script (minutes;
+#                                              # not part of the test suite)
 #
 # PYTHON defaults to `python`. Every step has its own timeout (seconds: core, grad and qgt 90 each,
 # large 200, so at most 470 s in all; SMOKE: 300, large 600, on a CPU) so one slow step cannot eat the

@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchlib import write_json
+
 ROOT = Path(__file__).resolve().parents[1]
 E0 = 4 * 36 * -0.678872  # NetKet (Pauli) units, 6×6 periodic square lattice
 GOAL = 2e-3
@@ -77,7 +79,7 @@ def main(argv=None) -> int:
         "goal": GOAL,
         "reached": rel <= GOAL,
     }
-    (out / "result.json").write_text(json.dumps(result, indent=1))
+    write_json(result, out / "result.json")
     print(
         f"6×6 Heisenberg, {args.model} ({result['n_parameters']} parameters): "
         f"{n} steps in {wall / 60:.1f} min, "

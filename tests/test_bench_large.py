@@ -1,10 +1,9 @@
-"""The budget search of vmcgrad.bench.large (pure Python: no program is compiled here)."""
+"""The budget search of benchmarks/benchlib/large.py (pure Python: no program is compiled here)."""
 
 import math
 
 import pytest
-
-from vmcgrad.bench.large import largest_n
+from benchlib.large import largest_n
 
 
 def brute(fits, granule, n_max):
@@ -38,7 +37,7 @@ def test_script_lists_the_same_implementations():
     import importlib.util
     from pathlib import Path
 
-    from vmcgrad.bench import large
+    from benchlib import large
 
     path = Path(__file__).parent.parent / "benchmarks" / "bench_large.py"
     spec = importlib.util.spec_from_file_location("bench_large", path)
@@ -47,8 +46,8 @@ def test_script_lists_the_same_implementations():
     assert script.IMPLS == large.IMPLS
 
 
-def test_cli_registers_the_large_suite():
-    from vmcgrad.cli import build_parser
+def test_run_py_registers_the_large_suite():
+    from benchlib.suite import parse
 
-    assert build_parser().parse_args(["bench", "--suite", "large"]).suite == "large"
-    assert build_parser().parse_args(["bench"]).suite == "default"
+    assert parse(["--suite", "large"]).suite == "large"
+    assert parse([]).suite == "default"

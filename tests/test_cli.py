@@ -13,11 +13,10 @@ import sys
 import time
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 
-from vmcgrad.cli import _systems, bench, main
+from vmcgrad.cli import _systems, main
 
 N_DEVICES = int(os.environ.get("VMCGRAD_TEST_DEVICES", "4"))  # as tests/conftest.py
 
@@ -138,7 +137,7 @@ def test_short_run_writes_log_and_plot(tmp_path):
     "system, L", [("heisenberg1d", 12), ("ising1d", 12), ("heisenberg2d", 4), ("j1j2", 4)]
 )
 def test_lanczos_reproduces_the_table(system, L):
-    """The exact-diagonalisation path (used off the table) against the table (shared/CONTEXT.md)."""
+    """The exact-diagonalisation path (used off the table) against the table (vmcgrad/cli/_systems.py)."""
     built = _systems.build(system, L)
     energy = _systems.lanczos_energy(built.n_sites, built.bonds, built.field)
     assert energy == pytest.approx(_systems.EXACT_ENERGIES[system, L], rel=1e-10, abs=0)
@@ -255,55 +254,6 @@ def test_interrupted_run_keeps_a_valid_log(tmp_path):
 
 def test_python_m_vmcgrad_help(tmp_path):
     rc, stdout, _ = _vmcgrad(["--help"], tmp_path, timeout=60)
-    assert rc == 0 and "vmc" in stdout and "bench" in stdout
+    assert rc == 0 and "vmc" in stdout
     rc, stdout, _ = _vmcgrad(["vmc", "--help"], tmp_path, timeout=60)
     assert rc == 0 and "--chunk-size" in stdout and "heisenberg1d" in stdout
-
-
-def test_bench_ratios_pair_vmcgrad_with_its_own_setting():
-    def row(name, dtype, t, mem, loop, out):
-        setting = {"bench": "core_vjp", "devices": 2, "dtype": dtype, "L": 8, "N": 64, "chunk": 16}
-        measured = {"median_s": t, "times_s": [t], "temp_bytes": mem}
-        return {**setting, "name": name, **measured, "collectives_in_loops": loop, "collectives_outside": out}
-
-    rows = [
-        row("vmcgrad", "float64", 1.0, 100, 0, 1),
-        row("netket", "float64", 2.0, 400, 0, 1),
-        row("jax.vjp", "float64", 4.0, 1000, 0, 1),
-        row("vmcgrad", "complex128", 3.0, 300, 0, 1),
-        row("netket", "complex128", 3.0, 150, 1, 1),
-    ]
-    entries = bench.ratios(rows)
-    assert [(e["dtype"], e["name"]) for e in entries] == [("float64", "vmcgrad"), ("complex128", "vmcgrad")]
-    real, cplx = entries
-    assert (real["time_vs_netket"], real["memory_vs_netket"]) == (0.5, 0.25)
-    assert (real["time_vs_jax"], real["memory_vs_jax"]) == (0.25, 0.1)
-    assert (cplx["time_vs_netket"], cplx["memory_vs_netket"], "time_vs_jax" in cplx) == (1.0, 2.0, False)
-    assert (cplx["collectives"], cplx["collectives_netket"]) == ("0/1", "1/1")
-    table = bench.format_ratios(entries)
-    assert "complex128" in table.splitlines()[3] and "0.25" in table.splitlines()[2]
-
-
-def test_bench_writes_json_and_plot(tmp_path, capsys):
-    out = tmp_path / "bench"
-    sizes = ["--L", "6", "--samples", "32", "48", "--chunk-sizes", "8", "--repeats", "1"]
-    # NetKet's global mesh, as after a plain `import netket` (test modules import NetKet with the
-    # context mesh cleared, so that it does not leak into other tests)
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("S",), axis_types=(jax.sharding.AxisType.Auto,))
-    with jax.set_mesh(mesh):
-        rc = main(["bench", "--only", "grad", *sizes, "--devices", str(N_DEVICES), "--out", str(out)])
-    captured = capsys.readouterr()
-    stdout = captured.out
-    assert rc == 0, stdout + captured.err
-    result = json.loads((out / "bench.json").read_text())
-    assert result["errors"] == [] and result["missing"] == []
-    assert {(r["bench"], r["N"], r["chunk"]) for r in result["rows"]} == {
-        ("grad_rbmmodphase", 32, 8),
-        ("grad_rbmmodphase", 48, 8),
-    }
-    assert {r["name"] for r in result["rows"]} == {"vmcgrad", "netket", "jax.vjp"}
-    assert all(e["time_vs_netket"] > 0 and e["time_vs_jax"] > 0 for e in result["ratios"])
-    if N_DEVICES > 1:  # one reduction after the loop, none inside
-        assert all(e["collectives"].startswith("0/") for e in result["ratios"])
-    assert _is_png(out / "bench.png")
-    assert "t/netket" in stdout

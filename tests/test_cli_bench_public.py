@@ -1,4 +1,4 @@
-"""``vmcgrad bench`` and ``benchmarks/`` use vmcgrad's public functions only, through one harness.
+"""``benchmarks/`` uses vmcgrad's public functions only, through one harness; the package holds no benchmark.
 
 Static checks on the source: no private vmcgrad module imported from the benchmarks, no private
 attribute (NetKet's ``vs._samples``, ``vs._apply_fun``, ...) read or written, no ``sys.path`` edits in the
@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCH = sorted((ROOT / "vmcgrad" / "bench").glob("*.py"))
+BENCH = sorted((ROOT / "benchmarks" / "benchlib").glob("*.py"))
 SCRIPTS = sorted((ROOT / "benchmarks").glob("*.py"))
 SYS_PATH = ("sys", "path")
-SOURCES = [*BENCH, ROOT / "vmcgrad" / "cli" / "bench.py", *SCRIPTS]
+SOURCES = [*BENCH, *SCRIPTS]
 
 
 #: The one allowed exception, by file and module: NetKet 3.23 exposes the jitted kernels that
@@ -34,7 +34,7 @@ def _problems(path: Path) -> list[str]:
         where = f"{path.name}:{getattr(node, 'lineno', '?')}"
         if isinstance(node, ast.ImportFrom):
             parts = (node.module or "").split(".")
-            # a package's own private modules (vmcgrad.bench._harness, vmcgrad.cli._output, ...)
+            # a package's own private modules (benchlib._harness, ...)
             own = node.level == 1 or node.module in ALLOWED.get(path.name, ())
             if not own and (any(_private(p) for p in parts) or any(_private(a.name) for a in node.names)):
                 found.append(f"{where}: from {'.' * node.level}{node.module or ''} import ...")
@@ -64,7 +64,10 @@ def test_the_checker_sees_private_use(tmp_path):
     assert len(_problems(sample)) == 5, _problems(sample)
 
 
-@pytest.mark.parametrize("name", ["check_agree", "measure", "table", "netket_force", "place"])
+@pytest.mark.parametrize(
+    "name",
+    ["check_agree", "measure", "table", "netket_force", "place", "write_json", "json_safe", "largest_n"],
+)
 def test_one_definition_of_each_harness_piece(name):
     defs = [
         f"{p.relative_to(ROOT)}"
@@ -73,3 +76,31 @@ def test_one_definition_of_each_harness_piece(name):
         if isinstance(node, ast.FunctionDef) and node.name == name
     ]
     assert len(defs) == 1, defs
+
+
+#: What vmcgrad.netket may import from flax.
+FLAX_IN_ADAPTER = {"flax.struct", "flax.serialization"}
+
+
+def test_the_package_holds_no_benchmark_code():
+    """The installed package holds the library and its command line only: no benchmark module, no
+    import of NetKet's private ``netket._src``, and flax only where NetKet's own mechanisms are flax's
+    (``vmcgrad.netket``: ``flax.struct`` pytrees as NetKet's operators, ``flax.serialization`` of the
+    state); no flax model anywhere."""
+    assert not (ROOT / "vmcgrad" / "bench").exists()
+    found = []
+    for path in sorted((ROOT / "vmcgrad").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [f"{node.module}.{a.name}" for a in node.names]
+            found += [
+                f"{path.relative_to(ROOT)}:{node.lineno}: {n}"
+                for n in names
+                if n.startswith("netket._src")
+                or "bench" in n.split(".")
+                or (n.split(".")[0] == "flax" and not (path.parent.name == "netket" and n in FLAX_IN_ADAPTER))
+            ]
+    assert found == [], found

@@ -20,7 +20,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from test_cli import N_DEVICES, TINY, _check_log, _finish, _is_png, _start, _vmcgrad
+from test_cli import N_DEVICES, TINY, _check_log, _finish, _start, _vmcgrad
 
 from vmcgrad.cli import _lock, _output, main, vmc
 
@@ -104,10 +104,10 @@ def test_second_run_into_a_locked_out_refuses_at_once(tmp_path, capsys):
             f"in use by another vmcgrad run (process {os.getpid()}",
         )
         t0 = time.monotonic()
-        rc, stdout, stderr = _vmcgrad(["bench", "--out", str(out)], tmp_path, timeout=60)  # another process
+        rc, stdout, stderr = _vmcgrad(["vmc", "--out", str(out)], tmp_path, timeout=60)  # another process
         assert rc == 2 and stdout == "" and time.monotonic() - t0 < 30
-        _one_line_error(stderr, "vmcgrad bench: error: argument --out:", "in use by another vmcgrad run")
-        assert not (out / "bench.json").exists()
+        _one_line_error(stderr, "vmcgrad vmc: error: argument --out:", "in use by another vmcgrad run")
+        assert not (out / "log.json").exists()
     finally:
         held.release()
     assert not (out / _lock.LOCK_NAME).exists()
@@ -167,12 +167,10 @@ def test_special_out_paths_are_refused_before_anything_runs(out, message, capsys
     top = Path(*Path(out).parts[:2])
     if not top.exists():
         pytest.skip(f"no {top} on this system")
-    tiny = {"vmc": [*TINY, "--steps", "1"], "bench": ["--L", "6", "--samples", "8", "--repeats", "1"]}
-    for command in ("vmc", "bench"):
-        with pytest.raises(SystemExit) as exc:  # (a tiny run, should it start)
-            main([command, *tiny[command], "--out", out])
-        assert exc.value.code == 2
-        _one_line_error(capsys.readouterr().err, f"vmcgrad {command}: error: argument --out: {message}")
+    with pytest.raises(SystemExit) as exc:  # (a tiny run, should it start)
+        main(["vmc", *TINY, "--steps", "1", "--out", out])
+    assert exc.value.code == 2
+    _one_line_error(capsys.readouterr().err, f"vmcgrad vmc: error: argument --out: {message}")
 
 
 def test_a_directory_where_the_log_goes_is_refused(tmp_path, capsys):
@@ -235,7 +233,8 @@ def _savefig_full_disk(*args, **kwargs):
 
 
 def _in_process_run(args, capsys):
-    # NetKet's global mesh, as after a plain `import netket` (see test_cli.test_bench_writes_json_and_plot)
+    # NetKet's global mesh, as after a plain `import netket`
+    # (see tests/test_benchmarks.py::test_suite_writes_json_and_plot)
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("S",), axis_types=(jax.sharding.AxisType.Auto,))
     with jax.set_mesh(mesh):
         rc = main(["vmc", *TINY, *args])
@@ -312,54 +311,24 @@ def test_second_ctrl_c_during_the_first_compile_ends_at_once_and_cleanly(tmp_pat
     assert sorted(p.name for p in out.iterdir()) == ["log.json"]  # no temporary, lock removed
 
 
-# --- vmcgrad bench with sample counts the devices do not divide -----------------------------------
-
-
-@pytest.mark.skipif(N_DEVICES == 1, reason="one device divides every count")
-def test_bench_rounds_the_sample_counts_up_to_a_multiple_of_the_devices(tmp_path, capsys):
-    out = tmp_path / "bench"
-    n = 2 * N_DEVICES + 1
-    used = 3 * N_DEVICES
-    sizes = ["--L", "6", "--samples", str(n), "--chunk-sizes", "4", "--repeats", "1"]
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("S",), axis_types=(jax.sharding.AxisType.Auto,))
-    with jax.set_mesh(mesh):
-        rc = main(["bench", "--only", "grad", *sizes, "--devices", str(N_DEVICES), "--out", str(out)])
-    captured = capsys.readouterr()
-    assert rc == 0, captured.out + captured.err
-    assert (
-        f"vmcgrad bench: note: --samples {n} is not a multiple of the {N_DEVICES} devices; "
-        f"using {used} (each device takes an equal share)"
-    ) in captured.out
-    result = _strict((out / "bench.json").read_text())
-    assert result["errors"] == [] and result["samples_used"] == [used]
-    assert {(r["bench"], r["N"]) for r in result["rows"]} == {("grad_rbmmodphase", used)}
-    assert _is_png(out / "bench.png")
-
-
 # --- missing optional dependencies, a full disk at the start, unexpected exceptions ----------------
 
 
-@pytest.mark.parametrize(
-    "command, hidden",
-    [("vmc", ("matplotlib",)), ("vmc", ("tqdm",)), ("vmc", ("netket", "tqdm")), ("bench", ("matplotlib",))],
-)
-def test_a_missing_optional_dependency_is_named_before_anything_runs(
-    tmp_path, monkeypatch, capsys, command, hidden
-):
+@pytest.mark.parametrize("hidden", [("matplotlib",), ("tqdm",), ("netket", "tqdm")])
+def test_a_missing_optional_dependency_is_named_before_anything_runs(tmp_path, monkeypatch, capsys, hidden):
     """Without the ``[cli]`` extra: one line naming the modules and the pip command, status 1, nothing
     created, nothing run (before: set-up and a first step, then ModuleNotFoundError and a log saying
     "interrupted")."""
     for name in hidden:
         monkeypatch.setitem(sys.modules, name, None)  # as if not installed: `import name` fails
     out = tmp_path / "run"
-    tiny = {"vmc": [*TINY, "--steps", "1"], "bench": ["--only", "grad", "--L", "6", "--samples", "8"]}
-    rc = main([command, *tiny[command], "--out", str(out)])
+    rc = main(["vmc", *TINY, "--steps", "1", "--out", str(out)])
     err = capsys.readouterr().err
     assert rc == 1, err
     names = " and ".join(hidden)
     _one_line_error(
         err,
-        f"vmcgrad {command}: error: {names} {'is' if len(hidden) == 1 else 'are'} not installed;",
+        f"vmcgrad vmc: error: {names} {'is' if len(hidden) == 1 else 'are'} not installed;",
         "pip install 'vmcgrad[cli]'",
     )
     assert not out.exists()
@@ -376,25 +345,24 @@ class _FullDiskLockOs:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
-@pytest.mark.parametrize("command", ["vmc", "bench"])
-def test_a_full_disk_at_the_start_creates_nothing(tmp_path, monkeypatch, capsys, command):
+def test_a_full_disk_at_the_start_creates_nothing(tmp_path, monkeypatch, capsys):
     """``--out a/b/run2`` on a full disk: one line, status 2, and neither ``run2`` nor ``a`` nor a lock
     file is left behind (before: ``run2/`` with an empty lock file)."""
     monkeypatch.setattr(_lock, "os", _FullDiskLockOs())
     out = tmp_path / "a" / "b" / "run2"
     with pytest.raises(SystemExit) as exc:
-        main([command, "--out", str(out)])
+        main(["vmc", "--out", str(out)])
     assert exc.value.code == 2
     _one_line_error(
         capsys.readouterr().err,
-        f"vmcgrad {command}: error: argument --out: cannot create {str(out)!r}: ",
+        f"vmcgrad vmc: error: argument --out: cannot create {str(out)!r}: ",
         "No space left on device (ENOSPC)",
     )
     assert list(tmp_path.iterdir()) == []
     existing = tmp_path / "run3"  # an existing directory stays, without a lock file
     existing.mkdir()
     with pytest.raises(SystemExit):
-        main([command, "--out", str(existing)])
+        main(["vmc", "--out", str(existing)])
     capsys.readouterr()
     assert list(existing.iterdir()) == []
 
@@ -436,50 +404,3 @@ def test_an_exception_during_the_set_up_is_logged_as_failed(tmp_path, monkeypatc
     assert log["status"] == "failed" and log["error"] == "RuntimeError: cannot build the lattice"
     assert log["energy_mean"] == [] and log["config"]["steps"] == 5
     assert sorted(p.name for p in out.iterdir()) == ["log.json"]
-
-
-# --- an interrupted vmcgrad bench -----------------------------------------------------------------
-
-
-def test_bench_stopped_at_once_keeps_the_summary_the_plot_and_no_lock(tmp_path):
-    """SIGTERM twice after the first setting: the second stops at once, during the next setting, and
-    still writes bench.json ("interrupted", the rows that finished), bench.png and the table of ratios,
-    and removes the lock (before: bench.json only, no plot, no summary)."""
-    import queue
-
-    out = tmp_path / "bench"
-    sizes = ["--L", "6", "--samples", "8", "16", "32", "--chunk-sizes", "4", "--repeats", "1"]
-    proc = _start(
-        ["bench", "--only", "grad", *sizes, "--devices", str(N_DEVICES), "--out", str(out)], tmp_path
-    )
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
-    try:
-        deadline = time.monotonic() + 180
-        stdout = ""
-        while "rows in" not in stdout:  # the first setting finished
-            assert proc.poll() is None, proc.communicate()
-            try:
-                stdout += lines.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                pytest.fail(f"no setting finished within 180 s:\n{stdout}")
-        proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)  # the next setting compiles (seconds)
-        proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(timeout=60)
-        stderr = proc.stderr.read()
-        time.sleep(0.2)
-        while not lines.empty():
-            stdout += lines.get()
-    except BaseException:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
-    assert rc == 130, stderr
-    assert "vmcgrad bench: stopped at once (second interrupt); kept" in stderr, stderr
-    assert "Traceback" not in stderr
-    result = _strict((out / "bench.json").read_text())
-    assert result["status"] == "interrupted" and {r["N"] for r in result["rows"]} == {8}
-    assert result["ratios"] and all(e["N"] == 8 for e in result["ratios"])
-    assert "vmcgrad impl" in stdout and f"wrote {out / 'bench.json'} and {out / 'bench.png'}" in stdout
-    assert _is_png(out / "bench.png")
-    assert sorted(p.name for p in out.iterdir()) == ["bench.json", "bench.png"]  # no lock, no temporary

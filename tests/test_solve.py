@@ -311,3 +311,25 @@ def test_good_solve_arguments(small):
         S, 0.2, 1e-10, jnp.int32(50)
     )
     assert bool(out[1].converged)
+
+
+@pytest.mark.parametrize("case", ["r2c", "c2c_holo"])
+@pytest.mark.parametrize("solver", ["cg", "gmres"])
+def test_jax_scipy_solvers_run_on_the_qgt_product(case, solver):
+    """``jax.scipy.sparse.linalg.cg``/``gmres`` on ``lambda v: S @ v`` (jitted, the operator a traced
+    argument) solve S_eff x = b: what vmcgrad/_solve.py and vmcgrad/netket/_qgt.py say; and the
+    product's transpose is :math:`\\overline{S_\\text{eff} \\bar v}` (``jax.linear_transpose``)."""
+    fun, params, samples = make_case(case, N)
+    holomorphic = True if case == "c2c_holo" else None
+    with setup("netket") as place:
+        S = vmcgrad.QGT(fun, params, place(samples), chunk_size=4, diag_shift=0.05, holomorphic=holomorphic)
+        a = S.to_dense()
+        b = jax.random.normal(jax.random.key(5), (S.dim,)).astype(a.dtype)
+        run = getattr(jax.scipy.sparse.linalg, solver)
+        x = jax.jit(lambda S, b: run(lambda v: S @ v, b, tol=1e-13, atol=0.0)[0])(S, b)
+        transposed = jax.linear_transpose(lambda v: S @ v, b)(b)[0]
+    # residual <= 1e-13 |b|, so |x - x*| <= cond(S_eff) 1e-13 |x*| (and the dense solve's own cond * eps)
+    x_ref = jnp.linalg.solve(a, b)
+    bound = 10 * float(np.linalg.cond(a)) * (1e-13 + np.finfo(np.float64).eps)
+    assert float(jnp.linalg.norm(x - x_ref)) <= bound * float(jnp.linalg.norm(x_ref))
+    np.testing.assert_allclose(transposed, a.T @ b, rtol=1e-12, atol=1e-13)

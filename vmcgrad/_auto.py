@@ -1,4 +1,4 @@
-"""``auto_chunk_size``: what ``chunk_size="auto"`` picks for an estimator, without running it."""
+"""``auto_chunk_size``: what ``chunk_size="auto"`` picks for an estimator, from compiled programs."""
 
 from __future__ import annotations
 
@@ -28,7 +28,9 @@ def auto_chunk_size(
 
     The largest power of two (at most the per-device sample count) whose compiled program —
     temporaries plus arguments and outputs, per device, from ``memory_analysis()`` — fits
-    ``memory_budget`` bytes. Nothing is run; choices are cached per estimator, function, shapes,
+    ``memory_budget`` bytes. The candidate programs are compiled, not run; for ``"QGT"`` the
+    operator is built first, which runs one pass over the samples (the mean :math:`\bar O`, as
+    :func:`vmcgrad.QGT` does). Choices are cached per estimator, function, shapes,
     dtypes, shardings and budget (the same cache the estimators use, so calling them with
     ``chunk_size="auto"`` afterwards compiles no candidate again).
 

@@ -45,12 +45,13 @@ is not silently dropped. Bodies are traced with no context mesh: they run on one
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.extend.core import ClosedJaxpr, Primitive, jaxpr_as_fun
+from jax.extend.core import ClosedJaxpr, Primitive, Var, jaxpr_as_fun
 from jax.interpreters import ad, batching, mlir
+from jax.interpreters import partial_eval as pe
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -61,6 +62,35 @@ from ._runner import SAMPLES, Laid, Space, acc_dtype, run_on
 chunked_p = Primitive("vmcgrad_chunked_map_reduce")
 chunked_p.multiple_results = True
 
+
+class Pullback(NamedTuple):
+    r"""A chunk's summed output written as a pullback, so the runner can add it straight into refs.
+
+    A chunk function may return ``Pullback(fun, primals)`` as its sums, meaning
+
+    .. math::
+
+        \mathrm{sums} = \mathrm{vjp}_{\mathrm{fun}}(\mathrm{primals})(c),
+        \qquad (y, c) = \mathrm{fun}(\mathrm{primals})
+
+    (``c`` is ``fun``'s auxiliary output: the cotangent, not differentiated). The untransformed
+    primitive lowers it as the seed's recipe, ``jax.vjp(fun, primals, has_aux=True)`` and
+    ``f_vjp.with_refs(*accumulators)(c)``: a function with a ``lax.scan`` over layers then adds each
+    layer's gradient straight into the accumulator instead of first building the stacked per-layer
+    gradient (measured: ``benchmarks/estimator_temp_bytes.py``). Transformation rules see the same
+    sums as an ordinary value (the generic body) and bind the primitive without the pullback form.
+    """
+
+    fun: Callable[[Any], tuple[Any, Any]]
+    primals: Any
+
+    def value(self) -> Any:
+        """The sums, as an ordinary value: ``f_vjp(c)``."""
+        _, f_vjp, ct = jax.vjp(self.fun, self.primals, has_aux=True)
+        (out,) = f_vjp(ct)
+        return out
+
+
 # Operands: (*replicated, *per_sample). Params:
 #   body:       ClosedJaxpr of g(*replicated, *per_sample_chunk, w) -> (*sums, *maps_chunk)
 #   n_rep:      how many operands are replicated
@@ -68,6 +98,9 @@ chunked_p.multiple_results = True
 #   rep_layout: per replicated operand, the dimension split over the sample axis, or None
 #   sum_layout: per summed output, the same (split sums are reduce-scattered)
 #   space:      the rows: sample axis, N, rows per device, chunk size (vmcgrad._runner.Space)
+#   pullback:   None, or (point, fwd, n_y): the sums as a pullback (see Pullback), for the lowering:
+#               point(*replicated, *chunk, w) -> primal leaves; fwd(*replicated, *chunk, w, *primals)
+#               -> (*y, *cotangent); sums = vjp of y at the primals with that cotangent
 
 
 def _chunk_rows(space: Space) -> int:
@@ -78,8 +111,8 @@ def _explicit(space: Space) -> bool:
     return space.where is not None and AxisType.Explicit in space.where.mesh.axis_types
 
 
-def _abstract_eval(*args, body, n_rep, n_sum, rep_layout, sum_layout, space):
-    del args, n_rep, rep_layout
+def _abstract_eval(*args, body, n_rep, n_sum, rep_layout, sum_layout, space, pullback, jvp_split):
+    del args, n_rep, rep_layout, pullback, jvp_split
     outs = body.out_avals
     explicit = _explicit(space)
     mesh = space.where.mesh.abstract_mesh if explicit else None
@@ -105,12 +138,23 @@ def _dim_spec(d: int | None, ndim: int, space: Space) -> P:
 chunked_p.def_effectful_abstract_eval(_abstract_eval)
 
 
-def _loop(g: Callable, rep: list, per_sample: list, chunks: Any, sum_avals: Sequence, map_avals: Sequence):
+def _loop(
+    g: Callable,
+    rep: list,
+    per_sample: list,
+    chunks: Any,
+    sum_avals: Sequence,
+    map_avals: Sequence,
+    pullback: tuple | None = None,
+):
     """One device's pass: a ``while_loop`` over chunks; sums into ref accumulators, rows into a carry.
 
     A ``while_loop`` over an int32 counter, not a ``scan``: a scan's index array costs temp memory,
     and the loop is never differentiated (the primitive's rules act instead). Rows of weight False
     keep the buffer's earlier value (an earlier chunk's, or zeros for padded rows, which are cut).
+    Sums given as a :class:`Pullback` are written by ``f_vjp.with_refs(*accumulators)``, every
+    leaf a whole ref (jax#32468, and a ref view under ``jit`` accumulates nothing: CONTEXT.md);
+    other sums by ``acc[...] += part``.
     """
     accs = [jax.new_ref(jnp.zeros(a.shape, acc_dtype(a.dtype))) for a in sum_avals]
     bufs = [jnp.zeros((chunks.plan.n, *a.shape[1:]), a.dtype) for a in map_avals]
@@ -119,9 +163,17 @@ def _loop(g: Callable, rep: list, per_sample: list, chunks: Any, sum_avals: Sequ
     def step(carry):
         k, bufs = carry
         *chunk, w = chunks.take(k, *per_sample, dtype=jnp.bool_)
-        outs = g(*rep, *chunk, w)
-        for acc, part in zip(accs, outs[: len(accs)]):
-            acc[...] += part.astype(acc.dtype)
+        if pullback is None:
+            outs = g(*rep, *chunk, w)
+            for acc, part in zip(accs, outs[: len(accs)]):
+                acc[...] += part.astype(acc.dtype)
+        else:
+            if not _has_uncounted_rows(chunks):
+                _pull_into(accs, pullback, rep, chunk, w)
+            else:  # rows of weight 0 must add an exact zero (see _finite_stand_ins)
+                chunk = _finite_stand_ins(pullback, rep, per_sample, chunks, k, w)
+                jax.lax.cond(jnp.any(w), lambda: _pull_into(accs, pullback, rep, chunk, w), lambda: None)
+            outs = g(*rep, *chunk, w) if bufs else [None] * len(accs)  # only the rows are used
         start = chunks.start(k)
         new = []
         for buf, rows in zip(bufs, outs[len(accs) :]):
@@ -134,13 +186,73 @@ def _loop(g: Callable, rep: list, per_sample: list, chunks: Any, sum_avals: Sequ
     return [jax.ref.freeze(a) for a in accs], bufs
 
 
-def _impl(*args, body, n_rep, n_sum, rep_layout, sum_layout, space):
+def _has_uncounted_rows(chunks: Any) -> bool:
+    """Whether any chunk on any device holds rows of weight False (known statically: padding to the
+    device count, or a shifted last chunk)."""
+    plan = chunks.plan
+    return plan.count * plan.size != plan.n or plan.n * chunks.devices != chunks.n_total
+
+
+def _finite_stand_ins(pullback: tuple, rep: list, per_sample: list, chunks: Any, k: Any, w: Any) -> list:
+    r"""The chunk with every row of weight False replaced by a copy of a counted row whose derivative
+    is finite (when one exists), so that rows that do not count add an exact zero.
+
+    A row of weight 0 (re-read by the shifted last chunk, or padding) enters the pullback with
+    cotangent 0, and :math:`0 \cdot \infty` is NaN: one re-read row with an infinite derivative
+    would turn the whole sum into NaN where ``jax.vjp`` gives ``inf``. A row's derivative
+    :math:`J_r` is finite exactly when :math:`J_r \cdot \mathbf 1` is (a sum with an infinite or
+    NaN term is never finite), so one forward-mode pass over the chunk finds the rows that may stand
+    in. Run only for chunks that hold rows of weight 0 (at most two per device and pass).
+    """
+    point, fwd, n_y = pullback
+
+    def find(per_sample):
+        *chunk, _ = chunks.take(k, *per_sample)
+        primals = jaxpr_as_fun(point)(*rep, *chunk, w)
+        ones = [jnp.ones_like(p) for p in primals]
+        _, y_dot = jax.jvp(lambda *t: list(jaxpr_as_fun(fwd)(*rep, *chunk, w, *t)[:n_y]), primals, ones)
+        finite = w
+        for t in y_dot:
+            finite = finite & jnp.all(jnp.isfinite(t).reshape(t.shape[0], -1), axis=1)
+        return jnp.any(finite), jnp.argmax(finite).astype(jnp.int32)
+
+    # Only the stand-in's index leaves the cond, and the chunk is sliced from the device's rows once,
+    # fused with the replacement (a second chunk-sized buffer would cost temp memory).
+    none = lambda _: (jnp.bool_(False), jnp.int32(0))
+    found, stand_in = jax.lax.cond(jnp.all(w), none, find, per_sample)
+    keep = w | ~found
+    start = chunks.start(k)
+    size = w.shape[0]
+
+    def put(a):
+        rows = jax.lax.dynamic_slice_in_dim(a, start, size)
+        row = jax.lax.dynamic_slice_in_dim(a, start + stand_in, 1)
+        return jnp.where(keep.reshape((size,) + (1,) * (a.ndim - 1)), rows, row)
+
+    return jax.tree.map(put, list(per_sample))
+
+
+def _pull_into(accs: list, pullback: tuple, rep: list, chunk: list, w: Any) -> None:
+    """The seed's recipe: one chunk's pullback added straight into the accumulators."""
+    point, fwd, n_y = pullback
+    primals = jaxpr_as_fun(point)(*rep, *chunk, w)
+
+    def f(*theta):
+        outs = jaxpr_as_fun(fwd)(*rep, *chunk, w, *theta)
+        return list(outs[:n_y]), list(outs[n_y:])
+
+    _, f_vjp, ct = jax.vjp(f, *primals, has_aux=True)
+    f_vjp.with_refs(*accs)(ct)
+
+
+def _impl(*args, body, n_rep, n_sum, rep_layout, sum_layout, space, pullback, jvp_split):
+    del jvp_split  # the combined body computes both parts in one pass
     rep, per_sample = list(args[:n_rep]), list(args[n_rep:])
     g = jaxpr_as_fun(body)
     sum_avals, map_avals = body.out_avals[:n_sum], body.out_avals[n_sum:]
 
     def local(chunks, rep, per_sample):
-        return _loop(g, rep, per_sample, chunks, sum_avals, map_avals)
+        return _loop(g, rep, per_sample, chunks, sum_avals, map_avals, pullback)
 
     like = [jax.ShapeDtypeStruct(a.shape, acc_dtype(a.dtype)) for a in sum_avals]
     sums, maps = run_on(
@@ -153,7 +265,10 @@ def _impl(*args, body, n_rep, n_sum, rep_layout, sum_layout, space):
     return [s.astype(a.dtype) for s, a in zip(sums, sum_avals)] + list(maps)
 
 
-_impl_jit = jax.jit(_impl, static_argnames=("body", "n_rep", "n_sum", "rep_layout", "sum_layout", "space"))
+_impl_jit = jax.jit(
+    _impl,
+    static_argnames=("body", "n_rep", "n_sum", "rep_layout", "sum_layout", "space", "pullback", "jvp_split"),
+)
 chunked_p.def_impl(_impl_jit)
 mlir.register_lowering(chunked_p, mlir.lower_fun(_impl, multiple_results=True))
 
@@ -190,7 +305,7 @@ def _place(rep: list, rep_layout: Sequence, per_sample: list, space: Space) -> t
     return rep, per_sample
 
 
-def _bind(rep, per_sample, *, body, rep_layout, n_sum, sum_layout, space):
+def _bind(rep, per_sample, *, body, rep_layout, n_sum, sum_layout, space, pullback=None, jvp_split=None):
     rep, per_sample = _place(list(rep), rep_layout, list(per_sample), space)
     return chunked_p.bind(
         *rep,
@@ -201,6 +316,8 @@ def _bind(rep, per_sample, *, body, rep_layout, n_sum, sum_layout, space):
         rep_layout=tuple(rep_layout),
         sum_layout=tuple(sum_layout),
         space=space,
+        pullback=pullback,
+        jvp_split=jvp_split,
     )
 
 
@@ -216,18 +333,14 @@ def _split(seq: Sequence, sizes: Sequence[int]) -> list:
 # --- jvp: tangent = CMR of the chunk's jvp, tangents as extra (replicated / per-sample) operands ---
 
 
-def _jvp_rule(primals, tangents, *, body, n_rep, n_sum, rep_layout, sum_layout, space):
-    out = _bind(
-        primals[:n_rep],
-        primals[n_rep:],
-        body=body,
-        rep_layout=rep_layout,
-        n_sum=n_sum,
-        sum_layout=sum_layout,
-        space=space,
+def _jvp_rule(primals, tangents, *, body, n_rep, n_sum, rep_layout, sum_layout, space, pullback, jvp_split):
+    del jvp_split  # a combined equation differentiated again: its body is an ordinary one
+    params = dict(
+        body=body, n_rep=n_rep, n_sum=n_sum, rep_layout=rep_layout, sum_layout=sum_layout, space=space
     )
     nz = [type(t) is not ad.Zero for t in tangents]
     if not any(nz):
+        out = _bind(primals[:n_rep], primals[n_rep:], **params, pullback=pullback)
         return out, [ad.Zero(jax.typeof(o).to_tangent_aval()) for o in out]
     in_avals = body.in_avals  # (*rep, *per_sample_chunk, w)
     n_in = len(in_avals) - 1
@@ -235,7 +348,7 @@ def _jvp_rule(primals, tangents, *, body, n_rep, n_sum, rep_layout, sum_layout, 
     nz_ps = [i for i in range(n_rep, n_in) if nz[i]]
     moving = nz_rep + nz_ps
 
-    def g_tangent(*args):
+    def jvp_of_body(args):
         rep, d_rep, ps, d_ps, (w,) = _split(args, [n_rep, len(nz_rep), n_in - n_rep, len(nz_ps)])
         primal = rep + ps
 
@@ -245,7 +358,14 @@ def _jvp_rule(primals, tangents, *, body, n_rep, n_sum, rep_layout, sum_layout, 
                 full[i] = v
             return jaxpr_as_fun(body)(*full, w)
 
-        return jax.jvp(h, tuple(primal[i] for i in moving), tuple(d_rep + d_ps))[1]
+        return jax.jvp(h, tuple(primal[i] for i in moving), tuple(d_rep + d_ps))
+
+    def g_tangent(*args):
+        return jvp_of_body(args)[1]
+
+    def g_both(*args):  # (*sums, *tangent sums, *maps, *tangent maps)
+        out, t_out = jvp_of_body(args)
+        return [*out[:n_sum], *t_out[:n_sum], *out[n_sum:], *t_out[n_sum:]]
 
     avals = (
         list(in_avals[:n_rep])
@@ -254,25 +374,120 @@ def _jvp_rule(primals, tangents, *, body, n_rep, n_sum, rep_layout, sum_layout, 
         + [in_avals[i] for i in nz_ps]
         + [in_avals[-1]]
     )
-    t_out = _bind(
-        list(primals[:n_rep]) + [tangents[i] for i in nz_rep],
-        list(primals[n_rep:]) + [tangents[i] for i in nz_ps],
+    rep_in = list(primals[:n_rep]) + [tangents[i] for i in nz_rep]
+    ps_in = list(primals[n_rep:]) + [tangents[i] for i in nz_ps]
+    tangent = dict(
         body=_trace(g_tangent, avals),
-        rep_layout=tuple(rep_layout) + tuple(rep_layout[i] for i in nz_rep),
+        n_rep=len(rep_in),
         n_sum=n_sum,
+        rep_layout=tuple(rep_layout) + tuple(rep_layout[i] for i in nz_rep),
         sum_layout=sum_layout,
         space=space,
+        pullback=None,
+        jvp_split=None,
     )
-    return out, t_out
+    n_out = len(body.out_avals)
+    split = _JvpSplit(
+        primal_in=tuple(range(n_rep)) + tuple(range(len(rep_in), len(rep_in) + n_in - n_rep)),
+        primal=tuple(sorted({**params, "pullback": pullback, "jvp_split": None}.items())),
+        tangent=tuple(sorted(tangent.items())),
+        primal_out=tuple(range(n_sum)) + tuple(range(2 * n_sum, n_sum + n_out)),
+        tangent_out=tuple(range(n_sum, 2 * n_sum)) + tuple(range(n_sum + n_out, 2 * n_out)),
+    )
+    both = _bind(
+        rep_in,
+        ps_in,
+        body=_trace(g_both, avals),
+        rep_layout=tangent["rep_layout"],
+        n_sum=2 * n_sum,
+        sum_layout=tuple(sum_layout) * 2,
+        space=space,
+        jvp_split=split,
+    )
+    return [both[i] for i in split.primal_out], [both[i] for i in split.tangent_out]
+
+
+class _JvpSplit(NamedTuple):
+    """How a combined primal-and-tangent equation (the jvp rule's one bind) splits in two when only
+    its tangents are unknown (``jax.linearize``, ``jax.grad``, ``jax.checkpoint``): operand and output
+    positions of the primal part, and the bind parameters of each part (as sorted items: hashable)."""
+
+    primal_in: tuple
+    primal: tuple
+    tangent: tuple
+    primal_out: tuple
+    tangent_out: tuple
+
+    def splits(self, unknown_in: Sequence[bool]) -> bool:
+        """Whether the primal operands are all known and some tangent operand is not."""
+        primal = set(self.primal_in)
+        return not any(unknown_in[i] for i in primal) and any(
+            u for i, u in enumerate(unknown_in) if i not in primal
+        )
 
 
 ad.primitive_jvps[chunked_p] = _jvp_rule
 
 
+# --- partial evaluation: a combined equation with known primals splits into its two parts ---------
+
+
+def _partial_eval_rule(trace, *tracers, **params):
+    """``jax.linearize`` / ``jax.grad``: the primal part runs now, the tangent part is staged."""
+    split = params["jvp_split"]
+    if split is None or not split.splits([not t.pval.is_known() for t in tracers]):
+        return trace.default_process_primitive(chunked_p, tracers, params)
+    known = [tracers[i].pval.get_known() for i in split.primal_in]
+    primal_out = chunked_p.bind(*known, **dict(split.primal))
+    tangent_out = trace.default_process_primitive(chunked_p, tracers, dict(split.tangent))
+    out = [None] * (len(primal_out) + len(tangent_out))
+    for i, o in zip(split.primal_out, primal_out):
+        out[i] = trace.new_const(o)
+    for i, o in zip(split.tangent_out, tangent_out):
+        out[i] = o
+    return out
+
+
+def _partial_eval_custom_rule(saveable, unks_in, inst_in, eqn):
+    """The same split for ``jax.checkpoint``'s partial evaluation: the primal part is a known
+    equation whose outputs are saved, the tangent part a staged one reading the primal operands."""
+    del saveable  # the outputs are parameter-shaped sums: saved, never recomputed
+    split = eqn.params["jvp_split"]
+    residuals = [v for v, inst in zip(eqn.invars, inst_in) if isinstance(v, Var) and not inst]
+    n_out = len(eqn.outvars)
+    if split is None or not split.splits(unks_in):
+        if any(unks_in):
+            return None, eqn, [True] * n_out, [True] * n_out, residuals
+        return eqn, None, [False] * n_out, [False] * n_out, []
+    primal_params, tangent_params = dict(split.primal), dict(split.tangent)
+    known = eqn.replace(
+        invars=[eqn.invars[i] for i in split.primal_in],
+        outvars=[eqn.outvars[i] for i in split.primal_out],
+        params=primal_params,
+        effects=primal_params["body"].effects,
+    )
+    staged = eqn.replace(
+        outvars=[eqn.outvars[i] for i in split.tangent_out],
+        params=tangent_params,
+        effects=tangent_params["body"].effects,
+    )
+    unks_out, inst_out = [True] * n_out, [True] * n_out
+    for i in split.primal_out:
+        unks_out[i], inst_out[i] = False, False
+    primal_res = [eqn.invars[i] for i in split.primal_in]
+    residuals = [v for v in primal_res if isinstance(v, Var)]
+    return known, staged, unks_out, inst_out, residuals
+
+
+pe.custom_partial_eval_rules[chunked_p] = _partial_eval_rule
+pe.partial_eval_jaxpr_custom_rules[chunked_p] = _partial_eval_custom_rule
+
+
 # --- transpose: CMR of the chunk's linear transpose; per-sample cotangents masked by w -------------
 
 
-def _transpose_rule(cts, *args, body, n_rep, n_sum, rep_layout, sum_layout, space):
+def _transpose_rule(cts, *args, body, n_rep, n_sum, rep_layout, sum_layout, space, pullback, jvp_split):
+    del pullback, jvp_split  # the transposed body is the generic one
     lin = [ad.is_undefined_primal(a) for a in args]
     in_avals, out_avals = body.in_avals, body.out_avals
     n_in = len(in_avals) - 1
@@ -334,7 +549,18 @@ ad.primitive_transposes[chunked_p] = _transpose_rule
 # --- vmap: CMR of the vmapped chunk function (replicated batch axis 0, per-sample axis 1) ---------
 
 
-def _batch_rule(args, dims, *, body, n_rep, n_sum, rep_layout, sum_layout, space):
+def _batch_rule(args, dims, *, body, n_rep, n_sum, rep_layout, sum_layout, space, pullback, jvp_split):
+    del pullback  # the batched body is the generic one
+    if jvp_split is not None and all(dims[i] is None for i in jvp_split.primal_in):
+        # Batched tangents only (jax.jacfwd, jax.hessian): the primal part stays unbatched.
+        primal_out = chunked_p.bind(*(args[i] for i in jvp_split.primal_in), **dict(jvp_split.primal))
+        t_out, t_dims = _batch_rule(args, dims, **dict(jvp_split.tangent))
+        out, out_dims = [None] * (len(primal_out) + len(t_out)), [None] * (len(primal_out) + len(t_out))
+        for i, o in zip(jvp_split.primal_out, primal_out):
+            out[i] = o
+        for i, o, d in zip(jvp_split.tangent_out, t_out, t_dims):
+            out[i], out_dims[i] = o, d
+        return out, out_dims
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     in_avals = body.in_avals
     moved, in_axes, avals = [], [], []
@@ -389,6 +615,48 @@ def _hoist(fn: Callable, avals: Sequence[Any]) -> tuple[ClosedJaxpr, list[Any]]:
     return _trace(explicit, [jax.typeof(h) for h in hoisted] + list(avals)), hoisted
 
 
+def _pullback_jaxprs(chunk_fun: Callable, unpack: Callable, avals: list, sum_avals: Sequence) -> tuple | None:
+    """The ``pullback`` parameter of a chunk function whose sums are a :class:`Pullback`, or None
+    where the lowering cannot write them through ``with_refs`` (then the generic body runs).
+
+    Two jaxprs on the body's operands: ``point`` gives the primal leaves, ``fwd`` the function's
+    outputs and the cotangent at given primals. ``with_refs`` adds into refs of the primals' own
+    shapes and dtypes, so the form is kept only where those are the accumulators' (the sums'
+    dtypes promoted to at least float32); and only where nothing traced is closed over (an outer
+    transformation's value: the primitive's operands must carry it, as :func:`_hoist` makes them).
+    """
+    structure = []
+
+    def point(*args):
+        rep, chunk, w = unpack(args)
+        pull = chunk_fun(*rep, *chunk, w)[0]
+        leaves, tree = jax.tree.flatten(pull.primals)
+        structure.append(tree)
+        return leaves
+
+    point_jaxpr = _trace(point, avals)
+    primal_avals = point_jaxpr.out_avals
+    n_y = []
+
+    def fwd(*args):
+        rep, chunk, w = unpack(args[: len(avals)])
+        pull = chunk_fun(*rep, *chunk, w)[0]
+        y, ct = pull.fun(jax.tree.unflatten(structure[0], args[len(avals) :]))
+        y_leaves, ct_leaves = jax.tree.leaves(y), jax.tree.leaves(ct)
+        n_y.append(len(y_leaves))
+        return [*y_leaves, *ct_leaves]
+
+    fwd_jaxpr = _trace(fwd, [*avals, *primal_avals])
+    like = len(primal_avals) == len(sum_avals) and all(
+        p.shape == a.shape and p.dtype == a.dtype == acc_dtype(a.dtype)
+        for p, a in zip(primal_avals, sum_avals)
+    )
+    traced = any(isinstance(c, jax.core.Tracer) for j in (point_jaxpr, fwd_jaxpr) for c in j.consts)
+    if not like or traced:
+        return None
+    return point_jaxpr, fwd_jaxpr, n_y[0]
+
+
 def map_reduce(
     space: Space,
     chunk_fun: Callable[..., tuple[Any, Any]],
@@ -430,15 +698,21 @@ def map_reduce(
     size = _chunk_rows(space)
     trees = []
 
-    def flat(*args):
+    def unpack(args):
         it = iter(args)
         rep = [jax.tree.unflatten(td, [next(it) for _ in leaves]) for leaves, td in rep_flat]
         chunk = [jax.tree.unflatten(td, [next(it) for _ in leaves]) for leaves, td in ps_flat]
-        (w,) = list(it)
+        return rep, chunk, next(it)
+
+    def flat(*args):
+        rep, chunk, w = unpack(args)
         sums, maps = chunk_fun(*rep, *chunk, w)
+        pull = isinstance(sums, Pullback)
+        if pull:
+            sums = sums.value()
         s_leaves, s_tree = jax.tree.flatten(sums)
         m_leaves, m_tree = jax.tree.flatten(maps)
-        trees.append((s_tree, m_tree, len(s_leaves)))
+        trees.append((s_tree, m_tree, len(s_leaves), pull))
         return [*s_leaves, *m_leaves]
 
     avals = (
@@ -447,7 +721,8 @@ def map_reduce(
         + [jax.ShapeDtypeStruct((size,), jnp.bool_)]
     )
     body, hoisted = _hoist(flat, avals)
-    s_tree, m_tree, n_sum = trees[0]
+    s_tree, m_tree, n_sum, pull = trees[0]
+    pullback = _pullback_jaxprs(chunk_fun, unpack, avals, body.out_avals[:n_sum]) if pull else None
     layout = (None,) * n_sum if sum_layout is None else tuple(sum_layout)
     outs = _bind(
         [*hoisted, *rep_leaves],
@@ -457,6 +732,7 @@ def map_reduce(
         n_sum=n_sum,
         sum_layout=layout,
         space=space,
+        pullback=None if hoisted else pullback,
     )
     return jax.tree.unflatten(s_tree, outs[:n_sum]), jax.tree.unflatten(m_tree, outs[n_sum:])
 

@@ -17,6 +17,13 @@ Rows are padded only to divide N over the devices (see :mod:`vmcgrad._sharding`)
 chunk re-reads up to ``count - 1`` rows. Every estimator multiplies its per-row quantity by ``w``
 (a cotangent, a centred tangent, a Jacobian row), and per-sample outputs keep an earlier chunk's
 value where ``w = 0``. Nothing else decides which rows count.
+
+**Rows of weight 0 add an exact zero.** :math:`0 \\cdot \\infty` is NaN, so a re-read or padded
+row whose derivative is infinite would turn ``inf`` into NaN. Where the plan has such rows at all
+(known statically), a chunk that holds some is walked with each of them replaced by a copy of a
+counted row of the same chunk whose derivative is finite, and a chunk with no counted row is
+skipped (:func:`vmcgrad._chunked._finite_stand_ins`; for the pullbacks of untransformed estimators,
+where the sums are pullbacks: ``batched_vjp``, ``expect_grad``, the QGT passes).
 """
 
 from __future__ import annotations
@@ -57,11 +64,13 @@ class Chunks(NamedTuple):
         plan: the :class:`ChunkPlan` over the ``n_local`` rows of this device.
         first: global index of this device's first row (traced inside ``shard_map``).
         n_total: N, the global number of real samples (rows at or past it are padding).
+        devices: how many devices the rows are split over.
     """
 
     plan: ChunkPlan
     first: Any
     n_total: int
+    devices: int = 1
 
     def start(self, k: jax.Array) -> jax.Array:
         """First local row of chunk ``k``; the last chunk is shifted back to end at ``n_local``."""

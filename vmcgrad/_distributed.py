@@ -24,8 +24,6 @@ from __future__ import annotations
 import ipaddress
 from functools import partial
 
-import jax
-
 
 def is_loopback(host: str) -> bool:
     """True for ``localhost`` and 127.0.0.0/8 or ``::1`` literals."""
@@ -64,6 +62,8 @@ def initialize_distributed(
             f"vmcgrad.initialize_distributed: timeout must be a whole number of seconds >= 1; got "
             f"{timeout!r}. Fix: pass e.g. timeout={DEFAULT_TIMEOUT}."
         )
+    import jax  # here: the command line reads DEFAULT_TIMEOUT for its --help, which imports no JAX
+
     host = coordinator.rsplit(":", 1)[0]
     if is_loopback(host):
         _pin_gloo_to_loopback()

@@ -25,7 +25,6 @@ _CALLS = re.compile(
     r"(?:calls|to_apply|body|condition|true_computation|false_computation|select|scatter)=%?([\w.\-]+)"
 )
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_LOOP = re.compile(r"\swhile\(.*?body=%?([\w.\-]+)")
 
 
 class CollectiveReport(NamedTuple):

@@ -124,7 +124,7 @@ def call(program: Any, prob: Problem, *args: Any) -> Any:
     out of memory is retried once at half the chunk, with a warning, and the smaller chunk is
     remembered.
     """
-    if _LOWERING.get():
+    if LOWERING.get():
         chunk = prob.chunk_size if prob.chunk_size != "auto" else auto_chunk(program, prob, *args)
         return program.lower(prob.at_chunk(chunk), *args)
     if prob.chunk_size != "auto":
@@ -166,38 +166,5 @@ def _abstract(tree: Any) -> Any:
     )
 
 
-_LOWERING = contextvars.ContextVar("vmcgrad_lowering", default=False)
-
-
-def lower(estimator: Callable, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
-    """The lowered program an eager call ``estimator(*args, **kwargs)`` would run, without running it.
-
-    For :func:`vmcgrad.batched_vjp`, :func:`vmcgrad.batched_jvp` and :func:`vmcgrad.expect_grad`:
-    the same validation, placement and parameter layout as the eager call (parameter-sharded leaves
-    are read from the arrays' concrete shardings, which a user's ``jax.jit`` hides on Auto meshes),
-    and for ``chunk_size="auto"`` the chunk it would pick. ``.compile()`` it to read
-    ``memory_analysis()`` or :func:`vmcgrad.collective_report`. For a QGT product, lower
-    ``jax.jit(lambda S, v: S @ v)`` instead: the operator carries its layout.
-
-    Examples:
-        >>> import jax.numpy as jnp, vmcgrad
-        >>> fun = lambda w, x: jnp.tanh(x @ w)
-        >>> w, x, ct = jnp.ones(3), jnp.ones((10, 3)), jnp.ones(10)
-        >>> compiled = vmcgrad.lower(vmcgrad.batched_vjp, fun, w, x, ct, chunk_size=4).compile()
-        >>> vmcgrad.program_bytes(compiled) > 0
-        True
-    """
-    from . import _grad, _jvp, _vjp
-
-    allowed = (_vjp.batched_vjp, _jvp.batched_jvp, _grad.expect_grad)
-    if estimator not in allowed:
-        raise TypeError(
-            f"vmcgrad.lower: `estimator` must be vmcgrad.batched_vjp, vmcgrad.batched_jvp or "
-            f"vmcgrad.expect_grad; got {estimator!r}. Fix: for a QGT product lower "
-            "jax.jit(lambda S, v: S @ v).lower(S, v); for other functions use jax.jit(f).lower(...)."
-        )
-    token = _LOWERING.set(True)
-    try:
-        return estimator(*args, **kwargs)
-    finally:
-        _LOWERING.reset(token)
+#: True while :func:`vmcgrad.lower` runs an estimator: :func:`call` then lowers instead of running.
+LOWERING = contextvars.ContextVar("vmcgrad_lowering", default=False)

@@ -33,9 +33,10 @@ from jax.flatten_util import ravel_pytree
 from . import _validation as check
 from ._chunked import map_reduce_problem
 from ._problem import Inputs, Problem, auto_chunk, call, problem
+from ._qgt_apply import matmul_program, solve
 from ._qgt_modes import choose_mode, to_rep
-from ._qgt_passes import jacobian_chunk, mean_chunk, product_chunk
-from ._solve import CGInfo, cg
+from ._qgt_passes import jacobian_chunk, join_mean, mean_chunk, product_chunk, split_imag
+from ._solve import CGInfo
 from ._views import Views
 
 _NAME = "vmcgrad.QGT"
@@ -96,7 +97,7 @@ class QGTOperator:
         """Samples per chunk of a product on each device (chosen here for ``chunk_size="auto"``)."""
         if self.problem.chunk_size != "auto":
             return self.problem.chunk_size
-        return auto_chunk(_matmul_program, self.problem, self, self.params, "tree")
+        return auto_chunk(matmul_program, self.problem, self, self.params, "tree")
 
     # --- public API ----------------------------------------------------------------------------
 
@@ -111,7 +112,7 @@ class QGTOperator:
             The product, of the same kind as ``v``.
         """
         v, kind = self.views.kind(f"{_NAME} (v)", "v", v)
-        return call(_matmul_program, self.problem, self, v, kind)
+        return call(matmul_program, self.problem, self, v, kind)
 
     def to_dense(self) -> jax.Array:
         """The ``(dim, dim)`` matrix, in the mode's representation (equal to NetKet's
@@ -158,7 +159,7 @@ class QGTOperator:
             TypeError, ValueError: for bad vectors, tolerances or ``maxiter``, before anything is
                 traced.
         """
-        return _solve(self, b, x0=x0, tol=tol, atol=atol, maxiter=maxiter)
+        return solve(self, b, x0=x0, tol=tol, atol=atol, maxiter=maxiter)
 
     def linearize(self) -> Any:
         """This operator with every chunk's linearisation kept (:class:`vmcgrad.LinearizedQGT`).
@@ -349,8 +350,11 @@ def QGT(
 def _mean_program(prob: Problem, op: QGTOperator) -> Any:
     op = op._at(prob)
     chunk = partial(mean_chunk, mode=op.mode, out_dtype=prob.out_dtype)
-    total, _ = map_reduce_problem(prob, op.inputs, chunk, sum_layout=op._rep_layout())
     like = to_rep(op.mode, op.params)
+    layout = op._rep_layout()
+    pair = split_imag(like, prob.out_dtype)
+    total, _ = map_reduce_problem(prob, op.inputs, chunk, sum_layout=layout * 2 if pair else layout)
+    total = join_mean(total, like, prob.out_dtype)
     complex_o = jnp.issubdtype(prob.out_dtype, jnp.complexfloating)
 
     def mean(t, p):
@@ -394,80 +398,3 @@ def _unflatten_like(flat: jax.Array, tree: Any) -> Any:
         parts.append(flat[start : start + x.size].reshape(x.shape))
         start += x.size
     return treedef.unflatten(parts)
-
-
-@partial(jax.jit, static_argnums=(0, 3))
-def _matmul_program(prob: Problem, op: QGTOperator, v: Any, kind: str) -> Any:
-    op = op._at(prob)
-    views = op.operator.views
-    return views.from_rep(op._apply_rep(views.to_rep(v, kind)), kind)
-
-
-def _solve(A: Any, b: Any, *, x0: Any, tol: Any, atol: Any, maxiter: Any) -> tuple[Any, CGInfo]:
-    """``A.solve``: checks the vectors, then runs the compiled solve (shared with LinearizedQGT)."""
-    where = f"{_NAME}.solve"
-    views = A.operator.views
-    b, kind = views.kind(f"{_NAME} (b)", "b", b)
-    if x0 is not None:
-        x0, kind0 = views.kind(f"{_NAME} (x0)", "x0", x0)
-        if kind0 != kind:
-            raise TypeError(
-                f"{where}: `x0` must be the same kind of vector as `b` ({kind}); got {kind0}. "
-                "Fix: pass both as pytrees, or both flat."
-            )
-    tol, atol = check.check_tolerances(where, tol, atol)
-    maxiter = check.check_maxiter(where, maxiter, default=10 * A.dim)
-    return call(_solve_program, A.problem, A, b, x0, tol, atol, maxiter, kind)
-
-
-@partial(jax.jit, static_argnums=(0, 7))
-def _solve_program(prob: Problem, A: Any, b: Any, x0: Any, tol: Any, atol: Any, maxiter: Any, kind: str):
-    A = A._at(prob)
-    op, views = A.operator, A.operator.views
-    b = views.to_rep(b, kind)
-    x0 = None if x0 is None else views.to_rep(x0, kind)
-    # QGTOperator: differentiable implicitly. LinearizedQGT (A.operator is not A): its ref loop
-    # cannot be traced into custom_linear_solve's jaxprs, and is not differentiated anyway.
-    solver = differentiable_cg if A.operator is A else cg
-    x, info = solver(A._apply_rep, b, x0, tol=tol, atol=atol, maxiter=maxiter, M=_jacobi(op))
-    return views.from_rep(x, kind), info
-
-
-def differentiable_cg(matvec: Any, b: Any, x0: Any, **options: Any) -> tuple[Any, CGInfo]:
-    r""":func:`vmcgrad._solve.cg` as ``jax.lax.custom_linear_solve``: :math:`x = A^{-1} b` is
-    differentiated implicitly, not through the iterations.
-
-    The tangent of :math:`x` is :math:`A^{-1}(\dot b - \dot A x)` (one more solve), its transpose a
-    solve with :math:`A^T`; for the Hermitian :math:`A` of a QGT, :math:`A^T y = \overline{A \bar y}`,
-    so the transposed solve is the same CG on conjugated vectors. ``jax.vmap`` batches the CG loop
-    (a batched stopping rule runs every lane until the last one stops; each lane's ``x`` stops
-    changing when its own residual does).
-    """
-
-    def solve(mv, rhs):
-        return cg(mv, rhs, x0, **options)
-
-    def transpose_solve(vecmat, rhs):
-        del vecmat
-        x, info = cg(matvec, _conj(rhs), None if x0 is None else _conj(x0), **options)
-        return _conj(x), info
-
-    return jax.lax.custom_linear_solve(matvec, b, solve, transpose_solve, has_aux=True)
-
-
-def _conj(tree: Any) -> Any:
-    return jax.tree.map(jnp.conj, tree)
-
-
-def _jacobi(op: QGTOperator) -> Any:
-    r"""With ``diag_scale`` set, the preconditioner :math:`r \mapsto D^{-1} r`,
-    :math:`D = \epsilon_1 \operatorname{diag}(S) + \epsilon_2` (None without ``diag_scale``).
-
-    Entries with :math:`D_{kk} = 0` (a parameter that does not change :math:`\log\psi`, no shift)
-    are left unscaled, so that :math:`M` stays positive definite.
-    """
-    if op.diag_scale is None:
-        return None
-    d = jax.tree.map(lambda s: op.diag_scale * s + op.diag_shift, op.diag_s)
-    inv = jax.tree.map(lambda d: jnp.where(d > 0, 1 / jnp.where(d > 0, d, 1), 1), d)
-    return lambda r: jax.tree.map(lambda a, w: (a * w).astype(a.dtype), r, inv)

@@ -13,15 +13,18 @@ from __future__ import annotations
 import dataclasses
 import math
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
 from ._problem import Problem, call
-from ._qgt import QGTOperator, _matmul_program, _solve
+from ._qgt_apply import matmul_program, solve
 from ._qgt_passes import cached_product_body, linearize_body
 from ._runner import PER_DEVICE, Laid, run
 from ._solve import CGInfo
+
+if TYPE_CHECKING:  # annotations only: _qgt imports this module (in QGTOperator.linearize)
+    from ._qgt import QGTOperator
 
 
 @jax.tree_util.register_dataclass
@@ -69,16 +72,16 @@ class LinearizedQGT:
         """:math:`S_\\text{eff} v` from the kept linearisations (as ``QGTOperator.__matmul__``)."""
         v, kind = self.op.views.kind("vmcgrad.LinearizedQGT (v)", "v", v)
         _refuse_differentiation("vmcgrad.LinearizedQGT.__matmul__", self)
-        return _matmul_program(self.problem, self, v, kind)
+        return matmul_program(self.problem, self, v, kind)
 
     def solve(
         self, b: Any, *, x0: Any = None, tol: float = 1e-5, atol: float = 0.0, maxiter: int | None = None
     ) -> tuple[Any, CGInfo]:
         """As :meth:`vmcgrad.QGTOperator.solve`, each iteration's product from the kept linearisations."""
         _refuse_differentiation("vmcgrad.LinearizedQGT.solve", (self, b, x0))
-        return _solve(self, b, x0=x0, tol=tol, atol=atol, maxiter=maxiter)
+        return solve(self, b, x0=x0, tol=tol, atol=atol, maxiter=maxiter)
 
-    # --- traced pieces (the interface _matmul_program and _solve_program use) -------------------
+    # --- traced pieces (the interface of vmcgrad._qgt_apply) -------------------
 
     def _at(self, prob: Problem) -> LinearizedQGT:
         return dataclasses.replace(self, op=self.op._at(prob))

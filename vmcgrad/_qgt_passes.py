@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
+from ._chunked import Pullback
 from ._qgt_modes import from_rep, to_rep
 from ._runner import accumulators, cast_like, freeze, promote
 
@@ -55,29 +56,49 @@ def _dot(a: Any, b: Any) -> jax.Array:
     return sum(jnp.sum(x * y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-def mean_chunk(fun, params, x, w, *, mode: str, out_dtype) -> tuple[Any, tuple]:
-    r"""One chunk's :math:`\sum_i w_i O_i` (complex where :math:`O` is), shaped like the representation."""
+def mean_chunk(fun, params, x, w, *, mode: str, out_dtype) -> tuple[Pullback, tuple]:
+    r"""One chunk's :math:`\sum_i w_i O_i`, shaped like the representation, as a
+    :class:`~vmcgrad._chunked.Pullback` (added into the accumulators through ``with_refs``): the
+    pullback with the weights as cotangent.
+
+    Where :math:`O` is complex over a real representation, the sums are the pair
+    ``(Re, Im)`` of :math:`\sum_i w_i O_i`: the pullbacks with cotangents :math:`w` and :math:`-i w`,
+    taken at two copies of the primals so that each has its own accumulator (join them with
+    :func:`join_mean`).
+    """
     g, theta = _on_rep(fun, params, mode)
-    two = split_imag(theta, out_dtype)
     wide = promote(theta)  # pullbacks arrive in the accumulators' dtype (see vmcgrad._vjp.vjp_chunk)
-    _, f_vjp = jax.vjp(lambda p: g(cast_like(p, theta), x), wide)
     weights = w.astype(out_dtype)
-    (re,) = f_vjp(weights)
-    if not two:
-        return re, ()
-    (im,) = f_vjp((-1j * weights).astype(out_dtype))
-    return jax.tree.map(jax.lax.complex, re, im), ()
+    at = lambda p: g(cast_like(p, theta), x)
+    if not split_imag(theta, out_dtype):
+        return Pullback(lambda p: (at(p), weights), wide), ()
+    minus_i = (-1j * weights).astype(out_dtype)
+    return Pullback(lambda pp: ((at(pp[0]), at(pp[1])), (weights, minus_i)), (wide, wide)), ()
 
 
-def product_chunk(fun, params, x, w, obar, v, *, mode: str) -> tuple[Any, tuple]:
+def join_mean(total: Any, theta_like: Any, out_dtype: Any) -> Any:
+    """:func:`mean_chunk`'s reduced sums as one tree: ``Re + i Im`` leaf by leaf for the pair."""
+    if not split_imag(theta_like, out_dtype):
+        return total
+    re, im = total
+    return jax.tree.map(jax.lax.complex, re, im)
+
+
+def product_chunk(fun, params, x, w, obar, v, *, mode: str) -> tuple[Pullback, tuple]:
     r"""One chunk's :math:`\sum_i \overline{O_i}\,w_i (O_i v - \bar O\cdot v)` (real part for a real
-    :math:`\tilde\theta`): one linearisation, its jvp and its transpose."""
+    :math:`\tilde\theta`): one forward pass with its jvp, and the pullback of the same forward pass
+    with cotangent :math:`\overline{\Delta w}` (a :class:`~vmcgrad._chunked.Pullback`: added into the
+    accumulators through ``with_refs``; for a real :math:`\tilde\theta` JAX's pullback of a
+    real-to-complex map takes the real part, which is :math:`\mathrm{Re}\,O^\dagger w`)."""
     g, theta = _on_rep(fun, params, mode)
     obar_v = _dot(obar, v)
-    _, f_jvp = jax.linearize(lambda p: g(p, x), theta)
-    dw = (f_jvp(v) - obar_v) * w.astype(jnp.finfo(obar_v.dtype).dtype)
-    (ct,) = jax.linear_transpose(f_jvp, theta)(jnp.conj(dw))
-    return ct, ()
+    real = jnp.finfo(obar_v.dtype).dtype
+
+    def forward(p):
+        y, ov = jax.jvp(lambda p: g(p, x), (p,), (v,))
+        return y, jnp.conj((ov - obar_v) * w.astype(real))
+
+    return Pullback(forward, theta), ()
 
 
 def jacobian_rows(g: Callable, theta: Any, x: Any, out_dtype) -> jax.Array:

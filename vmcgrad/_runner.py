@@ -100,7 +100,8 @@ def run_on(space: Space, body: Any, *args: tuple[Any, Any], out: Any) -> Any:
     def local(*values):
         values = [_enter(v, k, where) for v, k in zip(values, kinds)]
         first = 0 if where is None else jax.lax.axis_index(where.axis) * space.n_local
-        chunks = Chunks(plan_chunks(space.n_local, space.chunk_size), first, space.n)
+        devices = 1 if where is None else where.size
+        chunks = Chunks(plan_chunks(space.n_local, space.chunk_size), first, space.n, devices)
         result = body(chunks, *values)
         results = tuple(_leave(r, o, where) for r, o in zip(result if multi else (result,), outs))
         return results if multi else results[0]

@@ -158,8 +158,12 @@ def specs(tree: Any, layout: tuple[int | None, ...], where: SampleAxis) -> Any:
 def gather(tree: Any, layout: tuple[int | None, ...], where: SampleAxis | None) -> Any:
     """Inside ``shard_map``, before the loop: all-gather split leaves once; cast the rest varying.
 
-    The cast (``pcast(..., to='varying')``) keeps JAX from inserting an all-reduce inside the loop
-    when the leaf is differentiated (CONTEXT: netket#2228).
+    The runner runs the body untyped (``shard_map(..., check_vma=False)``), where JAX inserts no
+    implicit "invariant -> varying" cast, so no all-reduce in the pullback: that, not this cast, is
+    what keeps the reduction out of the loop, and here ``pcast(..., to='varying')`` changes nothing
+    (the compiled program is the same with and without it). It is kept for a typed body
+    (``check_vma=True``), where the cast before the loop is what moves the transpose's all-reduce
+    out of it (netket#2228).
     """
     if where is None:
         return tree

@@ -1,11 +1,13 @@
 r"""Preconditioned conjugate gradient for Hermitian positive-definite operators on pytrees.
 
-Written here rather than taken from ``jax.scipy.sparse.linalg.cg`` because the latter fails on
-jax 0.10.2 when a *complex* mat-vec accumulates into refs (``DynamicJaxprTracer has no attribute
-ref``), which is exactly what the QGT product does. The iteration is the textbook preconditioned
-one, the same as ``jax.scipy``'s (given the same ``M``), so that solves compare iterate for
-iterate: with :math:`z = M r` (:math:`M \approx A^{-1}` Hermitian positive definite; the identity
-when no preconditioner is given)
+``jax.scipy.sparse.linalg.cg`` (and ``gmres``) work on vmcgrad's QGT products too, real and complex,
+jitted, transposed and differentiated (checked with jax 0.10.2); this one is written here for what
+they do not report: a :class:`CGInfo` with the iteration count, the residual, and ``converged``
+decided on the true residual (below), where ``jax.scipy``'s ``info`` is None. The iteration is the
+textbook preconditioned one, the same as ``jax.scipy``'s (given the same ``M``), so that solves
+compare iterate for iterate (``tests/test_solve.py::test_cg_iterates_equal_jax_scipy``): with
+:math:`z = M r` (:math:`M \approx A^{-1}` Hermitian positive definite; the identity when no
+preconditioner is given)
 
 .. math::
 

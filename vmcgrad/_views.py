@@ -25,8 +25,6 @@ from jax.flatten_util import ravel_pytree
 from ._qgt_modes import from_rep, to_rep
 from ._validation import as_arrays, describe
 
-KINDS = ("tree", "flat", "rep")
-
 
 def _is_complex(x: Any) -> bool:
     return jnp.issubdtype(x.dtype, jnp.complexfloating)

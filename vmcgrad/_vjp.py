@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _validation as check
-from ._chunked import map_reduce_problem
+from ._chunked import Pullback, map_reduce_problem
 from ._problem import Inputs, Problem, call, problem
 from ._runner import SAMPLES, cast_like, promote
 
@@ -104,14 +104,16 @@ def vjp_sum(prob: Problem, inputs: Inputs, cotangent: jax.Array) -> Any:
     return sums
 
 
-def vjp_chunk(fun: Callable, params: Any, x: Any, w: jax.Array, cotangent: jax.Array) -> tuple[Any, tuple]:
-    """One chunk's Σ_i w_i ct_i ∂f(θ, σ_i)/∂θ (the summed part; no per-sample part).
+def vjp_chunk(
+    fun: Callable, params: Any, x: Any, w: jax.Array, cotangent: jax.Array
+) -> tuple[Pullback, tuple]:
+    """One chunk's Σ_i w_i ct_i ∂f(θ, σ_i)/∂θ (the summed part; no per-sample part), as a
+    :class:`~vmcgrad._chunked.Pullback`: the runner adds it into its accumulators through
+    ``f_vjp.with_refs`` (the seed's recipe).
 
     The pullback is taken with respect to the parameters at the accumulation dtype
     (:func:`vmcgrad._runner.acc_dtype`; ``fun`` sees them cast back), so the chunk's sum arrives in
     the accumulators' dtype (float32 or better for bfloat16 / float16 parameters).
     """
-    theta = promote(params)
-    _, f_vjp = jax.vjp(lambda p: fun(cast_like(p, params), x), theta)
-    (ct,) = f_vjp(jnp.where(w, cotangent, jnp.zeros_like(cotangent)))
-    return ct, ()
+    ct = jnp.where(w, cotangent, jnp.zeros_like(cotangent))
+    return Pullback(lambda p: (fun(cast_like(p, params), x), ct), promote(params)), ()

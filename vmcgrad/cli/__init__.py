@@ -1,4 +1,7 @@
-"""The ``vmcgrad`` command line: ``vmcgrad vmc`` (ground-state search) and ``vmcgrad bench`` (benchmarks).
+"""The ``vmcgrad`` command line: ``vmcgrad vmc`` (ground-state search).
+
+The benchmark suite is not installed with vmcgrad: it lives in ``benchmarks/`` of the source
+repository (``python benchmarks/run.py``).
 
 Arguments are parsed and checked before JAX computes anything and before any file is written, so that
 ``--devices`` can still set the number of fake CPU devices, ``--coordinator`` can still join JAX's
@@ -22,7 +25,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import _distributed, _lock, _output, _supervise, bench, vmc
+from . import _distributed, _lock, _output, _supervise, vmc
 from ._args import Parser
 
 
@@ -37,7 +40,6 @@ def build_parser() -> Parser:
     parser.add_argument("--version", action="version", version=f"vmcgrad {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     vmc.add_parser(commands)
-    bench.add_parser(commands)
     return parser
 
 
@@ -105,9 +107,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         The exit status: 0 on success, 1 when an optional dependency is missing (before anything is
-        done), a file could not be written (a one-line error; what was written before is kept), a
-        benchmark failed or a process of a multi-process run was lost, 2 on a usage error (including
-        an ``--out`` that another run is using), 130 when interrupted.
+        done), a file could not be written (a one-line error; what was written before is kept) or a
+        process of a multi-process run was lost, 2 on a usage error (including an ``--out`` that
+        another run is using), 130 when interrupted.
     """
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)

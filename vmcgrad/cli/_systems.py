@@ -67,7 +67,9 @@ DESCRIPTIONS = {
     "j1j2": "J1-J2 Heisenberg model on a {L}×{L} square lattice, J2 = 0.5, periodic, total Sz = 0",
 }
 
-#: Exact diagonalisation, periodic boundaries, NetKet units (see shared/CONTEXT.md).
+#: Exact diagonalisation, periodic boundaries, NetKet units (Pauli matrices: 4x the S·S units); the
+#: entries up to 16 spins are recomputed by this module's Lanczos in
+#: tests/test_cli.py::test_lanczos_reproduces_the_table.
 EXACT_ENERGIES = {
     ("heisenberg1d", 12): -21.5495636696,
     ("heisenberg1d", 16): -28.5691854424,

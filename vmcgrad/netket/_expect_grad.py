@@ -15,6 +15,7 @@ import vmcgrad
 from vmcgrad._auto_chunk import run_with_oom_retry
 
 from .. import _validation as check
+from . import _nk_private as nkp
 
 NAME = "vmcgrad.netket.expect_and_grad"
 
@@ -71,14 +72,14 @@ def covariance_grad(vstate: Any, operator: Any, chunk_size: int | str | None) ->
         else:
             kernel = HashablePartial(get_local_kernel(vstate, operator, chunk), chunk_size=chunk)
         return _expect_and_grad_step(
-            kernel, vstate._apply_fun, chunk, vstate.parameters, vstate.model_state, sigma, args
+            kernel, nkp.apply_fun(vstate), chunk, vstate.parameters, vstate.model_state, sigma, args
         )
 
     if chunk_size != "auto":
         return step(chunk_size)
     # the core's rule: the chunk whose gradient program fits the budget; halved once after an OOM,
     # and the smaller chunk kept for these shapes
-    key = (vstate._apply_fun, tuple(sigma.shape), str(sigma.dtype))
+    key = (nkp.apply_fun(vstate), tuple(sigma.shape), str(sigma.dtype))
     chunk = _SHRUNK.get(key) or auto_chunk_size(vstate, sigma)
     return run_with_oom_retry(step, chunk, lambda c: _SHRUNK.__setitem__(key, c), NAME)
 
@@ -93,7 +94,7 @@ def auto_chunk_size(vstate: Any, sigma: Any) -> int:
     The same chunk then bounds the local-value kernels (their memory also grows with the chunk).
     """
     flat = sigma.reshape(-1, sigma.shape[-1]) if sigma.ndim >= 3 else sigma
-    logpsi = log_psi(vstate._apply_fun, vstate.model_state)
+    logpsi = log_psi(nkp.apply_fun(vstate), vstate.model_state)
     return vmcgrad.auto_chunk_size(logpsi, vstate.parameters, flat)
 
 
@@ -114,7 +115,7 @@ def check_state_and_operator(vstate: Any, operator: Any) -> None:
 
 def check_state(name: str, vstate: Any) -> None:
     """Eager check: an ``nk.vqs.MCState`` with a non-mutable model."""
-    if not isinstance(vstate, nk.vqs.MCState):
+    if not isinstance(vstate, nkp.NetKetMCState):
         raise TypeError(
             f"{name}: `vstate` must be a netket.vqs.MCState; got {type(vstate).__name__}. "
             "Fix: use the vstate's own methods for other variational states."

@@ -12,6 +12,7 @@ from netket.operator import Squared
 from netket.vqs.mc import get_local_kernel_arguments
 
 from .. import _validation as check
+from . import _nk_private as nkp
 from ._expect_grad import auto_chunk_size, check_state, log_psi
 from ._local_values import forward_kernel
 from ._netket_vjp import netket_vjp
@@ -63,7 +64,7 @@ def expect_and_forces(vstate: Any, operator: Any, *, chunk_size: int | None = No
         chunk_size = auto_chunk_size(vstate, sigma)
     kernel = forward_kernel(vstate, operator, chunk_size)
     return _forces_step(
-        kernel, vstate._apply_fun, chunk_size, vstate.parameters, vstate.model_state, sigma, args
+        kernel, nkp.apply_fun(vstate), chunk_size, vstate.parameters, vstate.model_state, sigma, args
     )
 
 

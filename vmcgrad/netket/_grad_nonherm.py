@@ -13,7 +13,13 @@ the Monte Carlo estimate :math:`\langle O\rangle \approx \frac1N\sum_i L_i(\thet
     g = \overline{\texttt{nk.jax.vjp}\Bigl(\theta \mapsto \tfrac1N \textstyle\sum_i h_i(\theta)\Bigr)(1)}
 
 where :math:`L_i(\theta) = \sum_{\sigma'} O_{\sigma_i\sigma'}\psi_\theta(\sigma')/\psi_\theta(\sigma_i)`
-is itself differentiated (NetKet returns this :math:`g` as is, without ``force_to_grad``). Here
+is itself differentiated (no ``force_to_grad``). This :math:`g` is what NetKet 3.23 returns, except
+for real parameters with a complex :math:`\log\psi` (e.g. ``RBMModPhase``): there NetKet returns
+:math:`2g` (its ``nk.jax.expect`` pullback hands a complex cotangent to real parameters, which the
+outer R→C rule of ``nk.jax.vjp`` counts twice), and vmcgrad returns :math:`g`, the gradient itself
+(with exact sampling it approaches the exact ``FullSumState`` gradient, NetKet's twice it:
+``tests/test_netket_routes.py::test_netket_nonhermitian_gradient_is_twice_the_gradient_for_real_parameters_and_complex_psi``;
+``docs/netket.md``, "One deliberate difference"). Here
 :math:`h` is a per-sample function of the parameters, so :math:`g` is one
 :func:`vmcgrad.batched_vjp` pass (:func:`~vmcgrad.netket._netket_vjp.netket_vjp`: NetKet's dtype
 rules) with the cotangent :math:`1/N` and one reduction. Each chunk evaluates the model on the
@@ -37,6 +43,7 @@ from netket.utils import HashablePartial
 from netket.vqs.mc import get_local_kernel_arguments
 
 from .. import _validation as check
+from . import _nk_private as nkp
 from ._expect_grad import auto_chunk_size, check_state
 from ._forces import check_operator
 from ._local_values import (
@@ -71,7 +78,8 @@ def expect_and_grad_nonhermitian(
     r"""Statistics and gradient of :math:`\langle O\rangle` by NetKet's non-hermitian formula (module doc).
 
     What ``vstate.expect_and_grad(operator, use_covariance=False)`` returns, and what it returns
-    for a non-hermitian operator or a ``Squared`` one. As NetKet, a non-hermitian operator other
+    for a non-hermitian operator or a ``Squared`` one: NetKet's value, halved for real parameters
+    with a complex :math:`\log\psi` (the module doc says why). As NetKet, a non-hermitian operator other
     than ``Squared`` needs ``NETKET_EXPERIMENTAL=1`` (a RuntimeError otherwise).
 
     Args:
@@ -108,7 +116,7 @@ def expect_and_grad_nonhermitian(
         forward_kernel(vstate, operator, chunk_size),
         differentiable_kernel(vstate, operator),
         per_sample,
-        vstate._apply_fun,
+        nkp.apply_fun(vstate),
         float(vstate.sampler.machine_pow),
         chunk_size,
         diff_chunk,

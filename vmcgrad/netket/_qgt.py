@@ -16,10 +16,11 @@ How NetKet's solvers are fed: every product ``S @ v`` (what ``jax.scipy.sparse.l
 ``gmres`` call, through ``lax.custom_linear_solve``) is one ``jax.custom_derivatives.linear_call``
 whose callee is vmcgrad's chunked product and whose transpose is declared as
 :math:`S^T v = \overline{S_\text{eff} \bar v}` (:math:`S_\text{eff}` is Hermitian, or real
-symmetric). vmcgrad's product accumulates into ``jax.new_ref`` refs that it creates and reads back
-inside itself; ``linear_call`` declares no effects, so ``custom_linear_solve`` sees a pure linear
-map and never has to transpose or discharge the chunk loop. No private JAX API and no mode flag:
-``@`` is the same operation everywhere (solvers, ``error_norm="qgt"``, user code). Dense solvers
+symmetric), so a transpose is one more product by definition. The solvers do not need it:
+``jax.scipy``'s ``cg`` and ``gmres``, and ``jax.linear_transpose``, work on the plain
+:class:`vmcgrad.QGTOperator` product too (real and complex, jitted; checked with jax 0.10.2), so the
+``linear_call`` is a declaration, not a workaround. No private JAX API and no mode flag: ``@`` is
+the same operation everywhere (solvers, ``error_norm="qgt"``, user code). Dense solvers
 (``cholesky``, ``LU``, ``solve``, ``svd``, ``pinv``, ``pinv_smooth``) call :meth:`to_dense`.
 """
 
@@ -48,6 +49,7 @@ import vmcgrad
 from .. import _validation as check
 from .._qgt_modes import to_rep
 from .._views import Views
+from . import _nk_private as nkp
 from ._expect_grad import log_psi
 
 NAME = "vmcgrad.netket.QGTOnTheFly"
@@ -105,7 +107,7 @@ def QGTOnTheFly(
         netket.errors.IllegalHolomorphicDeclarationForRealParametersError: ``holomorphic=True``
             with real parameters (as NetKet).
     """
-    if not isinstance(vstate, nk.vqs.MCState):
+    if not isinstance(vstate, nkp.NetKetMCState):
         raise TypeError(
             f"{NAME}: `vstate` must be a netket.vqs.MCState; got {type(vstate).__name__}. "
             "Fix: use NetKet's QGT types for other variational states."
@@ -126,7 +128,7 @@ def QGTOnTheFly(
     if holomorphic is None and nkjax.tree_leaf_iscomplex(params):
         warnings.warn(HolomorphicUndeclaredWarning(), UserWarning, stacklevel=2)
     qgt = vmcgrad.QGT(
-        log_psi(vstate._apply_fun, vstate.model_state),
+        log_psi(nkp.apply_fun(vstate), vstate.model_state),
         params,
         _flat_samples(vstate.samples),
         chunk_size=chunk_size,

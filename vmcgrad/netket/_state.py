@@ -6,15 +6,14 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-import netket as nk
 from flax import serialization
 from netket.operator import AbstractOperator, Squared
 from netket.vqs import expect as nk_expect
 from netket.vqs import expect_and_forces as nk_expect_and_forces
 from netket.vqs import expect_and_grad as nk_expect_and_grad
-from netket.vqs.mc.mc_state.state import deserialize_MCState, serialize_MCState
 
 from .. import _validation as check
+from . import _nk_private as nkp
 from ._expect_grad import auto_chunk_size, covariance_grad
 from ._forces import expect_and_forces
 from ._grad_nonherm import expect_and_grad_nonhermitian, supports
@@ -23,7 +22,7 @@ from ._netket_chunked import call_chunked, divisor_at_most, warn_once
 NAME = "vmcgrad.netket.MCState"
 
 
-class MCState(nk.vqs.MCState):
+class MCState(nkp.NetKetMCState):
     """``nk.vqs.MCState`` whose local values, gradients and forces are chunked at its ``chunk_size``.
 
     The switch for an existing NetKet script is one line::
@@ -87,7 +86,7 @@ class MCState(nk.vqs.MCState):
         largest divisor of the samples per device at most vmcgrad's ``chunk_size`` (NetKet's
         ``QGTOnTheFly`` and ``VMC_SR``'s NTK on the fly need one; announced once when it is
         smaller). vmcgrad's own paths run at :attr:`vmcgrad_chunk_size` itself."""
-        own = self._chunk_size
+        own = nkp.own_chunk_size(self)
         if own is not None or self.vmcgrad_chunk_size is None:
             return own
         n, c = self.n_samples_per_rank, self._chunk()
@@ -105,12 +104,13 @@ class MCState(nk.vqs.MCState):
 
     @chunk_size.setter
     def chunk_size(self, chunk_size: int | None) -> None:
-        nk.vqs.MCState.chunk_size.fset(self, chunk_size)
+        nkp.set_own_chunk_size(self, chunk_size)
 
     def _chunk(self, sigma: Any = None) -> int | None:
         """The chunk size in force for a NetKet path: NetKet's own if set, else vmcgrad's
         (``"auto"`` resolved on the samples)."""
-        c = self._chunk_size if self._chunk_size is not None else self.vmcgrad_chunk_size
+        own = nkp.own_chunk_size(self)
+        c = own if own is not None else self.vmcgrad_chunk_size
         if c == "auto":
             c = auto_chunk_size(self, self.samples if sigma is None else sigma)
         return c
@@ -180,17 +180,15 @@ class MCState(nk.vqs.MCState):
     def local_estimators(self, op: Any, *, chunk_size: int | None = None) -> Any:
         """As ``nk.vqs.MCState.local_estimators`` (``VMC_SR`` calls it), forward-chunked at
         ``chunk_size`` unless one is given."""
-        from netket.vqs.mc.common import local_estimators as nk_local_estimators
-
         if chunk_size is None:
             chunk_size = self._chunk()
-        return call_chunked(f"{NAME}.local_estimators", nk_local_estimators, self, op, chunk_size)
+        return call_chunked(f"{NAME}.local_estimators", nkp.local_estimators, self, op, chunk_size)
 
     def _replace_model(self, model=None, *, apply_fun=None, variables=None):
         with _netket_own_chunk_size(self) as chunk:  # NetKet's copies vstate.chunk_size
-            new = super()._replace_model(model, apply_fun=apply_fun, variables=variables)
+            new = nkp.replace_model(self, model, apply_fun, variables)
         # NetKet passes its chunk size as ``chunk_size=``, which is vmcgrad's here: put both back
-        new.vmcgrad_chunk_size, new.chunk_size = chunk, self._chunk_size
+        new.vmcgrad_chunk_size, new.chunk_size = chunk, nkp.own_chunk_size(self)
         return new
 
     def __repr__(self) -> str:
@@ -211,13 +209,13 @@ def _netket_own_chunk_size(vstate: MCState) -> Iterator[Any]:
 
 def _serialize(vstate: MCState) -> dict:
     with _netket_own_chunk_size(vstate) as chunk:
-        return {**serialize_MCState(vstate), "vmcgrad_chunk_size": chunk}
+        return {**nkp.serialize_MCState(vstate), "vmcgrad_chunk_size": chunk}
 
 
 def _deserialize(vstate: MCState, state_dict: dict) -> MCState:
     state_dict = dict(state_dict)
     with _netket_own_chunk_size(vstate) as default:
-        new = deserialize_MCState(vstate, state_dict)  # a copy of vstate
+        new = nkp.deserialize_MCState(vstate, state_dict)  # a copy of vstate
     new.vmcgrad_chunk_size = state_dict.pop("vmcgrad_chunk_size", default)
     return new
 

@@ -116,7 +116,7 @@ def run(
 ) -> list[Row]:
     """Times one VMC+SR step (sampling excluded / included) and its two halves, vmcgrad vs NetKet.
 
-    Candidates are interleaved (:func:`vmcgrad.bench.measure`); setting ``part`` is one of
+    Candidates are interleaved (:func:`benchlib.measure`); setting ``part`` is one of
     :data:`PARTS`. The local values are NetKet's kernel at the same chunk size in both.
     """
     rows = []

@@ -236,12 +236,23 @@ def use_cpu_devices(n: int | None) -> None:
 
     The benchmark scripts call this first: the device count is fixed once JAX's backend starts,
     NetKet reads ``NETKET_EXPERIMENTAL_SHARDING_CPU`` when imported and sets its global mesh
-    (axis ``"S"`` over ``jax.devices()``) then.
+    (axis ``"S"`` over ``jax.devices()``) then. Called in a process whose JAX already runs (a test),
+    ``n`` must be its device count.
+
+    Raises:
+        RuntimeError: JAX already runs with another device count in this process.
     """
     import os
 
     if n is not None:
         os.environ["NETKET_EXPERIMENTAL_SHARDING_CPU"] = str(n)
-        jax.config.update("jax_num_cpu_devices", n)
+        try:
+            jax.config.update("jax_num_cpu_devices", n)
+        except RuntimeError:  # the backend already runs
+            if jax.device_count() != n:
+                raise RuntimeError(
+                    f"--devices {n}: JAX already runs with {jax.device_count()} devices in this process; "
+                    "run the benchmark in a fresh process"
+                ) from None
     jax.config.update("jax_enable_x64", True)
     import netket  # noqa: F401

@@ -1,7 +1,7 @@
 r"""Scale benchmarks: the largest N per step under a memory budget, and a simulated scale-out table.
 
 **Largest N per step** (:func:`largest_n_table`). The step is the VMC gradient of NetKet's
-``RBMModPhase`` (real parameters, complex output; the step :mod:`vmcgrad.bench.grad` times),
+``RBMModPhase`` (real parameters, complex output; the step :mod:`benchlib.grad` times),
 
 .. math::
 
@@ -35,7 +35,7 @@ not fit with the least it would need there:
   pullbacks).
 
 **Scale-out** (:func:`scale_out_rows`). For a fixed global N, the candidates of
-:mod:`vmcgrad.bench.core` (``batched_vjp`` on ``RBM``, float64) and :mod:`vmcgrad.bench.grad`
+:mod:`benchlib.core` (``batched_vjp`` on ``RBM``, float64) and :mod:`benchlib.grad`
 (``expect_grad`` on ``RBMModPhase``), each cross-checked against NetKet and ``jax.vjp`` before timing,
 measured on the devices of this process, or of all processes after :func:`init_distributed`: the
 per-device compiled temp/argument bytes, the collectives per call (in loop bodies / outside, from
@@ -168,8 +168,9 @@ def step_programs(
     return progs
 
 
-def largest_n(program: StepProgram, budget: int, *, n_min: int, n_max: int) -> dict:
-    """Doubles N from ``n_min`` while the step fits ``budget``; the last fitting N and the next one.
+def largest_doubling_n(program: StepProgram, budget: int, *, n_min: int, n_max: int) -> dict:
+    """Doubles N from ``n_min`` while the step fits ``budget``; the last fitting N and the next one (the
+    table's N are powers of two times ``n_min``; :func:`benchlib.large.largest_n` bisects instead).
 
     Returns:
         ``{"largest_n", "chunk", "mib", "next_n", "next_chunk", "next_mib"}``: ``largest_n`` is None
@@ -179,7 +180,7 @@ def largest_n(program: StepProgram, budget: int, *, n_min: int, n_max: int) -> d
     Examples:
         >>> need = lambda n: (None, 100 * n)  # an unchunked toy: 100 bytes per sample
         >>> toy = StepProgram(lambda n, b: need(n) if need(n)[1] <= b else None, need)
-        >>> r = largest_n(toy, 2**20, n_min=1024, n_max=2**20)  # budget 1 MiB
+        >>> r = largest_doubling_n(toy, 2**20, n_min=1024, n_max=2**20)  # budget 1 MiB
         >>> r["largest_n"], r["next_n"], r["next_mib"]
         (8192, 16384, 1.5625)
     """
@@ -213,13 +214,13 @@ def largest_n_table(
 
     Returns:
         One dict per (budget, implementation): ``budget_mib``, ``impl``, ``L``, ``alpha``,
-        ``devices`` and the fields of :func:`largest_n`.
+        ``devices`` and the fields of :func:`largest_doubling_n`.
     """
     progs = step_programs(L=L, alpha=alpha, netket_chunks=netket_chunks, vmcgrad_chunks=vmcgrad_chunks)
     rows = []
     for budget_mib in budgets_mib:
         for name, program in progs.items():
-            r = largest_n(program, int(budget_mib * MIB), n_min=n_min, n_max=n_max)
+            r = largest_doubling_n(program, int(budget_mib * MIB), n_min=n_min, n_max=n_max)
             setting = {"budget_mib": budget_mib, "impl": name, "L": L, "alpha": alpha}
             rows.append({**setting, "devices": jax.device_count(), **r})
             log(f"[budget {budget_mib} MiB] {name}: largest N {r['largest_n']} (chunk {r['chunk']})")
@@ -315,8 +316,8 @@ def scale_out_rows(
 ) -> list[dict]:
     """``batched_vjp`` and ``expect_grad`` (and their NetKet / ``jax.vjp`` counterparts) on all devices.
 
-    Uses the candidate builders of :mod:`vmcgrad.bench.core` (RBM, float64 parameters) and
-    :mod:`vmcgrad.bench.grad` (RBMModPhase), which cross-check the results before anything is timed.
+    Uses the candidate builders of :mod:`benchlib.core` (RBM, float64 parameters) and
+    :mod:`benchlib.grad` (RBMModPhase), which cross-check the results before anything is timed.
 
     Returns:
         One dict per (bench, implementation): ``processes``, ``devices``, ``N``, ``L``, ``chunk``,

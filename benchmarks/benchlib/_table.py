@@ -1,7 +1,7 @@
 """The one plain-text table formatter of the benchmarks: rows of dicts, a list of columns.
 
 Every table the benchmarks print (the ratio tables, the largest-N table, the scale-out table, the
-summary of ``vmcgrad bench``) is :func:`table` with its own :class:`Column` list.
+summary of ``benchmarks/run.py``) is :func:`table` with its own :class:`Column` list.
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ def run(
     oversubscribed machine a steadier measure of the work done than wall-clock medians.
 
     Returns:
-        Rows of :func:`vmcgrad.bench.measure`, in the order vmcgrad, netket, jax.vjp per dtype; each
+        Rows of :func:`benchlib.measure`, in the order vmcgrad, netket, jax.vjp per dtype; each
         setting records ``devices`` and ``dtype`` (``L``, ``N`` and ``chunk`` are the arguments).
     """
     rows = []

@@ -1,4 +1,4 @@
-"""What the scripts in ``benchmarks/`` share: one child process per device count, and JSON output.
+"""What the scripts in ``benchmarks/`` share: one child process per device count.
 
 The device count is fixed once JAX starts, so a script given several counts runs itself once per
 count (``--devices n --json FILE --quiet`` added to its arguments) and merges the rows.
@@ -39,10 +39,3 @@ def rows_per_device_count(script: str, argv: Sequence[str], counts: Sequence[int
             with open(f.name) as fh:
                 rows += json.load(fh)
     return rows
-
-
-def write_json(data, path: str | None) -> None:
-    """Writes ``data`` as indented JSON to ``path`` (nothing when ``path`` is None)."""
-    if path:
-        with open(path, "w") as f:
-            json.dump(data, f, indent=1, default=str)

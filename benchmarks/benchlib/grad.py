@@ -90,7 +90,7 @@ def run(
     """Measures the three candidates on this process's devices.
 
     Returns:
-        Rows of :func:`vmcgrad.bench.measure` (vmcgrad, netket, jax.vjp); each setting records
+        Rows of :func:`benchlib.measure` (vmcgrad, netket, jax.vjp); each setting records
         ``devices`` (``L``, ``N`` and ``chunk`` are the arguments).
     """
     cands, info = candidates(L=L, n_samples=n_samples, chunk_size=chunk_size)

@@ -5,7 +5,7 @@ Models (:func:`make_problem`), real parameters, complex :math:`\log\psi`, float6
 
 - ``gcnn``: ``nk.models.GCNN`` on ``nk.graph.Square(L)`` with all its automorphisms (288 for
   ``L=6``), ``features=(8, 8, 8, 8)`` (P = 55 616 at ``L=6``);
-- ``vit``: :class:`vmcgrad.bench._vit.ViT`, 2×2 patches (9 tokens at ``L=6``), embedding 64, 2
+- ``vit``: :class:`benchlib._vit.ViT`, 2×2 patches (9 tokens at ``L=6``), embedding 64, 2
   blocks (P = 100 354).
 
 Estimators, each one ``jax.jit`` over ``(params, samples, local_values, v)`` (the local values
@@ -51,9 +51,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ._harness import Candidate, Row, measure
+from ._table import Column, table
 
 IMPLS = ("vmcgrad", "vmcgrad auto", "netket chunked", "VMC_SR dense", "VMC_SR ntk")
 ESTIMATORS = ("expect_grad", "qgt_matvec", "sr_step")
@@ -595,55 +595,45 @@ def _runner(f: Any, compiled: Any, args: tuple) -> Callable:
 
 
 def format_limits(rows: list[dict]) -> str:
-    """Markdown table: largest N per device at each budget, per model, dtype and implementation."""
+    """Table: largest N per device at each budget, per model, dtype, estimator and implementation."""
     budgets = sorted({r["budget"] for r in rows})
-    keys = sorted({(r["model"], r["dtype"], r["P"], r["estimator"]) for r in rows}, key=str)
-    head = "| model | dtype | P | estimator | implementation | " + " | ".join(
-        f"N/device ≤ {b / MiB:.0f} MiB" for b in budgets
-    )
-    lines = [head + " |", "|" + "---|" * (5 + len(budgets))]
-    for model, dtype, p, est in keys:
-        for impl in IMPLS:
-            sel = {
-                r["budget"]: r
-                for r in rows
-                if (r["model"], r["dtype"], r["estimator"], r["impl"]) == (model, dtype, est, impl)
-            }
-            if not sel:
-                continue
-            cells = [_n_cell(sel.get(b)) for b in budgets]
-            lines.append(f"| {model} | {dtype} | {p} | {est} | {impl} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    groups: dict[tuple, dict] = {}
+    for r in sorted(rows, key=lambda r: (r["model"], r["dtype"], r["estimator"], IMPLS.index(r["impl"]))):
+        key = (r["model"], r["dtype"], r["P"], r["estimator"], r["impl"])
+        groups.setdefault(key, dict(zip(("model", "dtype", "P", "estimator", "impl"), key)))[r["budget"]] = r
+    columns = [Column(h, h, align="<") for h in ("model", "dtype", "P", "estimator", "impl")]
+    columns += [Column(f"N/device <= {b / MiB:.0f} MiB", lambda g, b=b: _n_cell(g.get(b))) for b in budgets]
+    return table(groups.values(), columns)
 
 
-def _n_cell(r: dict | None) -> str:
+def _n_cell(r: dict | None) -> str | None:
     if r is None:
-        return "-"
+        return None
     if r["n_max_per_device"] == 0:
         return "none"
     if r["n_fails_per_device"] is None:
-        return f"≥ {r['n_max_per_device']}"
+        return f">= {r['n_max_per_device']}"
     return str(r["n_max_per_device"])
 
 
 def format_memory(rows: list[dict]) -> str:
-    """Plain table: temp / total MiB per implementation and estimator, one column per N."""
+    """Table: temp / total MiB per implementation and estimator, one column per N."""
     sizes = sorted({r["N"] for r in rows})
-    lines = [f"{'model':<6}{'dtype':<9}{'estimator':<13}{'impl':<16}" + "".join(f"{n:>15}" for n in sizes)]
-    keys = sorted({(r["model"], r["dtype"], r["estimator"], r["impl"]) for r in rows}, key=str)
-    for k in keys:
-        cells = []
-        for n in sizes:
-            r = next(
-                (r for r in rows if (r["model"], r["dtype"], r["estimator"], r["impl"], r["N"]) == (*k, n)),
-                None,
-            )
-            if r is None or not math.isfinite(r["total_bytes"]):
-                cells.append(f"{'-':>15}")
-            else:
-                cells.append(f"{r['temp_bytes'] / MiB:>8.1f}/{r['total_bytes'] / MiB:<6.1f}")
-        lines.append(f"{k[0]:<6}{k[1]:<9}{k[2]:<13}{k[3]:<16}" + "".join(cells))
-    return "\n".join(lines) + "\n(temp/total MiB per device; total = temp + arguments + outputs)"
+    groups: dict[tuple, dict] = {}
+    for r in sorted(rows, key=lambda r: str((r["model"], r["dtype"], r["estimator"], r["impl"]))):
+        key = (r["model"], r["dtype"], r["estimator"], r["impl"])
+        groups.setdefault(key, dict(zip(("model", "dtype", "estimator", "impl"), key)))[r["N"]] = r
+
+    def cell(r: dict | None) -> str | None:
+        if r is None or not math.isfinite(r["total_bytes"]):
+            return None
+        return f"{r['temp_bytes'] / MiB:.1f}/{r['total_bytes'] / MiB:.1f}"
+
+    columns = [Column(h, h, align="<") for h in ("model", "dtype", "estimator", "impl")]
+    columns += [Column(f"N={n}", lambda g, n=n: cell(g.get(n))) for n in sizes]
+    return (
+        table(groups.values(), columns) + "\n(temp/total MiB per device; total = temp + arguments + outputs)"
+    )
 
 
 def run_suite(
@@ -702,32 +692,21 @@ def run_suite(
 
 
 def format_ratios(ratios: list[dict]) -> str:
-    """Plain table of vmcgrad's SR-step time and memory at NetKet's memory, per NetKet candidate."""
-    lines = [
-        f"{'model':<6}{'dtype':<9}{'N':>6}  {'vs':<15}{'vg chunk':>9}{'nk ms':>10}{'vg ms':>10}"
-        f"{'t ratio':>9}{'m ratio':>9}"
-    ]
-    for r in ratios:
-        lines.append(
-            f"{r['model']:<6}{r['dtype']:<9}{r['N']:>6}  {r['vs']:<15}{r['vmcgrad_chunk']!s:>9}"
-            f"{r['netket_ms']:>10.1f}{r['vmcgrad_ms']:>10.1f}{r['time_ratio']:>9.2f}{r['memory_ratio']:>9.2f}"
-        )
-    return "\n".join(lines)
-
-
-def _json_safe(x: Any) -> Any:
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _json_safe(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_json_safe(v) for v in x]
-    if isinstance(x, np.generic):
-        return x.item()
-    return x
-
-
-json_safe = _json_safe
+    """Table of vmcgrad's SR-step time and memory at NetKet's memory, per NetKet candidate."""
+    return table(
+        ratios,
+        [
+            Column("model", "model", align="<"),
+            Column("dtype", "dtype", align="<"),
+            Column("N", "N"),
+            Column("vs", "vs", align="<"),
+            Column("vg chunk", "vmcgrad_chunk"),
+            Column("nk ms", "netket_ms", ".1f"),
+            Column("vg ms", "vmcgrad_ms", ".1f"),
+            Column("t ratio", "time_ratio", ".2f"),
+            Column("m ratio", "memory_ratio", ".2f"),
+        ],
+    )
 
 
 def report(result: dict) -> str:
@@ -746,28 +725,3 @@ def report(result: dict) -> str:
             format_ratios(result["ratios"]),
         ]
     return "\n".join(parts)
-
-
-def run_cli(out: Any, *, repeats: int = 3, **kwargs: Any) -> int:
-    """``vmcgrad bench --suite large``: :func:`run_suite` with its defaults, ``out/large.json`` after
-    every stage, the tables on stdout. Returns the exit status."""
-    import json
-    import os
-    from pathlib import Path
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    dev = jax.devices()[0]
-    config = {"platform": dev.platform, "device": str(dev.device_kind), "devices": jax.device_count()}
-
-    def save(result: dict) -> None:
-        tmp = out / ".large.json.tmp"
-        tmp.write_text(json.dumps(json_safe({"config": config, **result}), indent=1))
-        os.replace(tmp, out / "large.json")
-
-    result = run_suite(repeats=repeats, on_result=save, **kwargs)
-    save(result)
-    print(f"\n{config['devices']} {config['platform']} device(s) ({config['device']})")
-    print(report(result))
-    print(f"wrote {out / 'large.json'}")
-    return 0

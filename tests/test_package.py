@@ -1,0 +1,284 @@
+"""The package as a maintainer inherits it: an import graph with no cycle, ``import vmcgrad`` loading only
+the library, NetKet's private names behind one module with a tested version bound, and every file or
+test a document or comment cites present in the repository.
+
+Static checks on the source (``ast``, regular expressions), plus two fresh interpreters.
+"""
+
+import ast
+import configparser
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+with jax.set_mesh(None):  # NetKet's import sets a global mesh that must not leak into other test files
+    import netket as nk
+
+    import vmcgrad.netket as vnk
+    from vmcgrad.netket import _nk_private as nkp
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "vmcgrad"
+
+
+# --- the import graph ---------------------------------------------------------------------------
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    """The nodes under ``if TYPE_CHECKING:`` (annotations only: never imported at run time)."""
+    return {
+        id(n)
+        for t in ast.walk(tree)
+        if isinstance(t, ast.If) and ast.unparse(t.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+        for b in t.body
+        for n in ast.walk(b)
+    }
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports, at module level or inside functions.
+
+    ``from . import x`` counts as an import of module ``x`` when ``x`` is a module, else of the package.
+    """
+    files = {_module_name(p, root): p for p in root.rglob("*.py")}
+    graph = {}
+    for name, path in files.items():
+        tree = ast.parse(path.read_text())
+        skip = _type_checking_nodes(tree)
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        edges = set()
+        for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
+            if isinstance(node, ast.ImportFrom):
+                base = package[: len(package) - node.level + 1] if node.level else []
+                target = ".".join(base + ([node.module] if node.module else []))
+                for alias in node.names:
+                    full = f"{target}.{alias.name}"
+                    edges.add(full if full in files else target)
+            elif isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names}
+        graph[name] = {e for e in edges if e in files and e != name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as a path ``[a, b, ..., a]``, or None (depth-first search)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(v):
+        state[v] = 1
+        path.append(v)
+        for w in sorted(graph[v]):
+            if state.get(w) == 1:
+                return [*path[path.index(w) :], w]
+            if w not in state:
+                found = visit(w)
+                if found:
+                    return found
+        path.pop()
+        state[v] = 2
+        return None
+
+    for v in sorted(graph):
+        if v not in state:
+            found = visit(v)
+            if found:
+                return found
+    return None
+
+
+def test_the_package_import_graph_has_no_cycle():
+    graph = import_graph(PACKAGE)
+    assert "vmcgrad._qgt_linearized" in graph["vmcgrad._qgt"]  # function-level imports are seen
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_the_cycle_finder_sees_a_function_level_cycle(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from ._a import f\n")
+    (pkg / "_a.py").write_text("def f():\n    from ._b import g\n    return g\n")
+    (pkg / "_b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import _c\nfrom . import _a\n"
+    )
+    (pkg / "_c.py").write_text("from ._b import x\n")
+    graph = import_graph(pkg)
+    assert graph["pkg._b"] == {"pkg._a"}  # the TYPE_CHECKING import is not an edge
+    assert find_cycle(graph) == ["pkg._a", "pkg._b", "pkg._a"]
+
+
+# --- what `import vmcgrad` loads ------------------------------------------------------------------
+
+
+def test_import_vmcgrad_loads_the_library_only():
+    """``import vmcgrad`` loads neither the command line (``vmcgrad.cli``, its ``vmc`` command) nor the
+    NetKet adapter, NetKet or flax."""
+    code = (
+        "import sys, vmcgrad; print(sorted(m for m in sys.modules if m.startswith(('vmcgrad.cli', "
+        "'vmcgrad.netket', 'netket', 'flax', 'matplotlib'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_vmc_help_imports_no_jax():
+    """``vmcgrad vmc --help`` answers without importing JAX (or NetKet): ``import vmcgrad`` is lazy and
+    the command imports its heavy modules inside ``run``. Read from ``python -X importtime``."""
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "vmcgrad", "vmc", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0 and "--chunk-size" in out.stdout, out.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if "|" in line}
+    assert "vmcgrad.cli.vmc" in imported  # the reading works
+    assert not imported & {"jax", "netket", "flax", "matplotlib"}, sorted(imported & {"jax", "netket"})
+
+
+# --- NetKet's private names -------------------------------------------------------------------------
+
+
+def test_netket_private_names_are_all_present():
+    assert nkp.missing(nk.vqs.MCState) == []
+    assert nkp.NetKetMCState is nk.vqs.MCState or issubclass(nk.vqs.MCState, nkp.NetKetMCState)
+
+
+def test_a_moved_netket_name_fails_with_vmcgrads_name_and_the_fix():
+    class Moved:  # no _apply_fun, _chunk_size, _replace_model; chunk_size not a settable property
+        chunk_size = property(lambda self: None)
+
+    with pytest.raises(nkp.NetKetVersionError) as info:
+        nkp.check(Moved, "9.9", functions=(("netket.vqs.mc.common", "gone"), ("netket.nowhere", "f")))
+    message = str(info.value)
+    assert message.startswith("vmcgrad.netket: NetKet 9.9 lacks netket.vqs.MCState._apply_fun")
+    for what in ("_chunk_size", "_replace_model", "settable property", "common.gone", "netket.nowhere.f"):
+        assert what in message
+    assert f"pip install 'netket{nkp.TESTED_NETKET}'" in message
+
+
+def test_setup_cfg_bounds_netket_to_the_tested_releases():
+    """Every ``netket`` requirement in setup.cfg is the tested range, and the installed NetKet is in it."""
+    from packaging.requirements import Requirement
+
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    reqs = [
+        Requirement(line)
+        for extra in cfg["options.extras_require"].values()
+        for line in extra.split("\n")
+        if line.strip().startswith("netket")
+    ]
+    assert len(reqs) >= 3
+    assert {str(r.specifier) for r in reqs} == {str(Requirement(f"netket{nkp.TESTED_NETKET}").specifier)}
+    assert reqs[0].specifier.contains(nk.__version__)
+    assert not reqs[0].specifier.contains("3.24.0") and not reqs[0].specifier.contains("4.0")
+
+
+def test_rebinding_netkets_mcstate_to_vmcgrads_switches_a_script():
+    """``nk.vqs.MCState = vmcgrad.netket.MCState`` (switch every state of a script at once): states
+    are built and their chunk size set without NetKet's class being looked up as vmcgrad's."""
+    hi = nk.hilbert.Spin(0.5, 4)
+    own = nk.vqs.MCState
+    nk.vqs.MCState = vnk.MCState
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("S",), axis_types=(jax.sharding.AxisType.Auto,))
+    try:
+        with jax.set_mesh(mesh):
+            sampler = nk.sampler.MetropolisLocal(hi, n_chains=4 * jax.device_count())
+            vs = nk.vqs.MCState(
+                sampler, nk.models.RBM(alpha=1), n_samples=16 * jax.device_count(), chunk_size=4
+            )
+            vs.chunk_size = 8  # NetKet's own setter (a RecursionError when it was looked up at run time)
+            assert isinstance(vs, vnk.MCState) and vs.chunk_size == 8 and vs.vmcgrad_chunk_size == 4
+    finally:
+        nk.vqs.MCState = own
+
+
+# --- every cited file and test exists ---------------------------------------------------------------
+
+#: A repository path: one of the repository's folders, then a file name with its extension; optionally a
+#: test (``::test_name``, ``::Class::test_name``, a parametrize id in brackets).
+CITED = re.compile(
+    r"(?<![\w/.-])((?:vmcgrad|tests|benchmarks|docs|notebooks|\.ci)/[\w/.-]*\w\.(?:py|md|ipynb|sh|cfg|toml|json))"
+    r"((?:::\w+)*)"
+)
+
+
+def _texts() -> list[tuple[str, str]]:
+    """(where, text) of every document, notebook cell, benchmark and package source file."""
+    files = [
+        ROOT / "README.md",
+        *sorted((ROOT / "docs").glob("*.md")),
+        *sorted((ROOT / "benchmarks").rglob("*")),
+    ]
+    files += sorted(PACKAGE.rglob("*.py"))
+    out = []
+    for path in files:
+        if path.suffix not in (".md", ".py", ".sh") or not path.is_file():
+            continue
+        out.append((str(path.relative_to(ROOT)), path.read_text()))
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        for i, cell in enumerate(json.loads(path.read_text())["cells"]):
+            out.append((f"{path.relative_to(ROOT)} cell {i}", "".join(cell["source"])))
+    return out
+
+
+def _defines(path: Path, names: list[str]) -> bool:
+    """``path`` defines the test ``names`` (a function, or classes then a method)."""
+    body = ast.parse(path.read_text()).body
+    for name in names:
+        found = next(
+            (n for n in body if isinstance(n, ast.FunctionDef | ast.ClassDef) and n.name == name), None
+        )
+        if found is None:
+            return False
+        body = getattr(found, "body", [])
+    return True
+
+
+def dangling_citations(texts: list[tuple[str, str]], root: Path) -> list[str]:
+    """Each cited path that is not a file of ``root``, or test that its file does not define."""
+    bad = []
+    for where, text in texts:
+        for match in CITED.finditer(text):
+            path, tests = root / match.group(1), [t for t in match.group(2).split("::") if t]
+            if not path.is_file():
+                bad.append(f"{where}: {match.group(1)} (no such file)")
+            elif tests and not _defines(path, tests):
+                bad.append(f"{where}: {match.group(0)} (no such test)")
+    return sorted(set(bad))
+
+
+def test_every_cited_file_and_test_exists():
+    texts = _texts()
+    assert len(texts) > 50
+    assert dangling_citations(texts, ROOT) == []
+
+
+def test_the_citation_check_sees_a_missing_file_and_a_missing_test():
+    texts = [
+        ("a.md", "see `tests/test_package.py::test_every_cited_file_and_test_exists` and tests/nope.py"),
+        (
+            "b.py",
+            "# tests/test_package.py::test_gone, vmcgrad/_chunked.py, netket/vqs/mc/common.py, a/tests/x.py",
+        ),
+    ]
+    assert dangling_citations(texts, ROOT) == [
+        "a.md: tests/nope.py (no such file)",
+        "b.py: tests/test_package.py::test_gone (no such test)",
+    ]

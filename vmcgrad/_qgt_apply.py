@@ -1,0 +1,100 @@
+r"""What applies a QGT operator, any of them (:class:`vmcgrad.QGTOperator`, :class:`vmcgrad.LinearizedQGT`):
+the compiled product :math:`S_\text{eff} v` and the compiled conjugate-gradient solve of
+:math:`S_\text{eff} x = b`.
+
+An operator passed here provides ``problem``, ``operator`` (the :class:`vmcgrad.QGTOperator` it
+computes), ``_at(prob)`` (itself at the chunk of ``prob``) and ``_apply_rep(v)`` (the product on
+vectors in its internal representation). Kept apart from both operators so that neither module
+imports the other's programs (no import cycle).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from . import _validation as check
+from ._problem import Problem, call
+from ._solve import CGInfo, cg
+
+NAME = "vmcgrad.QGT"
+
+
+@partial(jax.jit, static_argnums=(0, 3))
+def matmul_program(prob: Problem, op: Any, v: Any, kind: str) -> Any:
+    op = op._at(prob)
+    views = op.operator.views
+    return views.from_rep(op._apply_rep(views.to_rep(v, kind)), kind)
+
+
+def solve(A: Any, b: Any, *, x0: Any, tol: Any, atol: Any, maxiter: Any) -> tuple[Any, CGInfo]:
+    """``A.solve`` of a QGT operator: checks the vectors, then runs the compiled solve."""
+    where = f"{NAME}.solve"
+    views = A.operator.views
+    b, kind = views.kind(f"{NAME} (b)", "b", b)
+    if x0 is not None:
+        x0, kind0 = views.kind(f"{NAME} (x0)", "x0", x0)
+        if kind0 != kind:
+            raise TypeError(
+                f"{where}: `x0` must be the same kind of vector as `b` ({kind}); got {kind0}. "
+                "Fix: pass both as pytrees, or both flat."
+            )
+    tol, atol = check.check_tolerances(where, tol, atol)
+    maxiter = check.check_maxiter(where, maxiter, default=10 * A.dim)
+    return call(_solve_program, A.problem, A, b, x0, tol, atol, maxiter, kind)
+
+
+@partial(jax.jit, static_argnums=(0, 7))
+def _solve_program(prob: Problem, A: Any, b: Any, x0: Any, tol: Any, atol: Any, maxiter: Any, kind: str):
+    A = A._at(prob)
+    op, views = A.operator, A.operator.views
+    b = views.to_rep(b, kind)
+    x0 = None if x0 is None else views.to_rep(x0, kind)
+    # QGTOperator: differentiable implicitly. LinearizedQGT (A.operator is not A): its ref loop
+    # cannot be traced into custom_linear_solve's jaxprs, and is not differentiated anyway.
+    solver = differentiable_cg if A.operator is A else cg
+    x, info = solver(A._apply_rep, b, x0, tol=tol, atol=atol, maxiter=maxiter, M=_jacobi(op))
+    return views.from_rep(x, kind), info
+
+
+def differentiable_cg(matvec: Any, b: Any, x0: Any, **options: Any) -> tuple[Any, CGInfo]:
+    r""":func:`vmcgrad._solve.cg` as ``jax.lax.custom_linear_solve``: :math:`x = A^{-1} b` is
+    differentiated implicitly, not through the iterations.
+
+    The tangent of :math:`x` is :math:`A^{-1}(\dot b - \dot A x)` (one more solve), its transpose a
+    solve with :math:`A^T`; for the Hermitian :math:`A` of a QGT, :math:`A^T y = \overline{A \bar y}`,
+    so the transposed solve is the same CG on conjugated vectors. ``jax.vmap`` batches the CG loop
+    (a batched stopping rule runs every lane until the last one stops; each lane's ``x`` stops
+    changing when its own residual does).
+    """
+
+    def solve(mv, rhs):
+        return cg(mv, rhs, x0, **options)
+
+    def transpose_solve(vecmat, rhs):
+        del vecmat
+        x, info = cg(matvec, _conj(rhs), None if x0 is None else _conj(x0), **options)
+        return _conj(x), info
+
+    return jax.lax.custom_linear_solve(matvec, b, solve, transpose_solve, has_aux=True)
+
+
+def _conj(tree: Any) -> Any:
+    return jax.tree.map(jnp.conj, tree)
+
+
+def _jacobi(op: Any) -> Any:
+    r"""With ``diag_scale`` set, the preconditioner :math:`r \mapsto D^{-1} r`,
+    :math:`D = \epsilon_1 \operatorname{diag}(S) + \epsilon_2` (None without ``diag_scale``).
+
+    Entries with :math:`D_{kk} = 0` (a parameter that does not change :math:`\log\psi`, no shift)
+    are left unscaled, so that :math:`M` stays positive definite.
+    """
+    if op.diag_scale is None:
+        return None
+    d = jax.tree.map(lambda s: op.diag_scale * s + op.diag_shift, op.diag_s)
+    inv = jax.tree.map(lambda d: jnp.where(d > 0, 1 / jnp.where(d > 0, d, 1), 1), d)
+    return lambda r: jax.tree.map(lambda a, w: (a * w).astype(a.dtype), r, inv)
