@@ -5,15 +5,20 @@ scripts run from there; the suite is not part of the installed package.
 """
 
 import json
+import os
+import queue
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 from benchlib import suite
-from test_cli import N_DEVICES, _is_png
+from test_cli import N_DEVICES, _env, _is_png
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -128,3 +133,125 @@ def test_run_py_help_in_a_fresh_process():
     )
     assert proc.returncode == 0, proc.stderr
     assert "--suite" in proc.stdout and "minutes" in proc.stdout
+
+
+# --- a suite stopped by Ctrl-C or SIGTERM ---------------------------------------------------------
+
+
+def _signal_self(signum, then_wait=True):
+    """Sends ``signum`` to this process, as a user's Ctrl-C or `kill` would; waits for the handler."""
+    os.kill(os.getpid(), signum)
+    if then_wait:
+        time.sleep(30)  # the handler runs in the main thread and raises here
+
+
+def test_a_stopped_suite_writes_the_summary_once_and_a_second_signal_cannot_cut_it(
+    tmp_path, capsys, monkeypatch
+):
+    """SIGTERM during the second setting: the suite stops there and writes what the first finished, as at
+    the end (bench.json "interrupted" with its ratios, bench.png, the table), status 130; a second SIGTERM
+    that arrives while that summary is drawn changes nothing (before: SIGTERM ended the process with
+    nothing written, and Ctrl-C kept bench.json only, without plot or table)."""
+    from benchlib import grad
+
+    real_run, real_plot, calls = grad.run, suite.plot, []
+
+    def stopped_in_the_second_setting(**kwargs):
+        calls.append(kwargs["n_samples"])
+        if len(calls) == 2:
+            _signal_self(signal.SIGTERM)
+            pytest.fail("SIGTERM did not stop the suite")
+        return real_run(**kwargs)
+
+    def signalled_while_drawing(*args, **kwargs):
+        _signal_self(signal.SIGTERM, then_wait=False)
+        time.sleep(0.2)  # the handler runs (in vain) while the summary is being written
+        return real_plot(*args, **kwargs)
+
+    monkeypatch.setattr(grad, "run", stopped_in_the_second_setting)
+    monkeypatch.setattr(suite, "plot", signalled_while_drawing)
+    out = tmp_path / "bench"
+    sizes = ["--L", "6", "--samples", "8", "16", "--chunk-sizes", "4"]  # (N, chunk) in (8, 4), (16, 4)
+    previous = signal.getsignal(signal.SIGTERM)
+    rc = _run_in_process(["--only", "grad", *sizes, "--repeats", "1", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert signal.getsignal(signal.SIGTERM) is previous  # the suite's handlers are gone
+    assert rc == 130, captured.out + captured.err
+    assert calls == [8, 16]
+    result = _strict((out / "bench.json").read_text())
+    assert result["status"] == "interrupted" and {r["N"] for r in result["rows"]} == {8}
+    assert result["ratios"] and all(e["N"] == 8 for e in result["ratios"])
+    assert captured.out.count("vmcgrad impl") == 1  # the table, once
+    assert f"wrote {out / 'bench.json'} and {out / 'bench.png'}" in captured.out
+    assert f"benchmarks/run.py: interrupted; kept the {len(result['rows'])} rows" in captured.err
+    assert _is_png(out / "bench.png")
+    assert sorted(p.name for p in out.iterdir()) == ["bench.json", "bench.png"]  # no temporary
+
+
+def test_a_signal_while_the_final_summary_is_written_changes_nothing(tmp_path, capsys, monkeypatch):
+    """Ctrl-C as the suite draws its plot, after every setting finished: the summary is completed, the
+    status is "finished" and 0 (a KeyboardInterrupt there would leave bench.json without bench.png)."""
+    real_plot = suite.plot
+
+    def signalled_while_drawing(*args, **kwargs):
+        _signal_self(signal.SIGINT, then_wait=False)
+        time.sleep(0.2)  # the handler runs while the summary is being written
+        return real_plot(*args, **kwargs)
+
+    monkeypatch.setattr(suite, "plot", signalled_while_drawing)
+    out = tmp_path / "bench"
+    sizes = ["--L", "6", "--samples", "8", "--chunk-sizes", "4", "--repeats", "1"]
+    rc = _run_in_process(["--only", "grad", *sizes, "--out", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.out + captured.err
+    assert _strict((out / "bench.json").read_text())["status"] == "finished"
+    assert _is_png(out / "bench.png") and "vmcgrad impl" in captured.out
+
+
+def test_run_py_stopped_by_sigterm_keeps_the_summary_and_the_plot(tmp_path):
+    """``python benchmarks/run.py`` as a user starts it, SIGTERM twice after the first setting: status
+    130, no traceback, bench.json ("interrupted", the rows that finished), bench.png and the table of
+    ratios (before: SIGTERM ended the process with nothing written)."""
+    out = tmp_path / "bench"
+    sizes = ["--L", "6", "--samples", "8", "16", "32", "--chunk-sizes", "4", "--repeats", "1"]
+    sizes += ["--devices", str(N_DEVICES)]
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--only", "grad", *sizes, "--out", str(out)],
+        cwd=tmp_path,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group: killed as a whole on a failure
+    )
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
+    try:
+        deadline = time.monotonic() + 180
+        stdout = ""
+        while "rows in" not in stdout:  # the first setting finished
+            assert proc.poll() is None, proc.communicate()
+            try:
+                stdout += lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                pytest.fail(f"no setting finished within 180 s:\n{stdout}")
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=120)
+        stderr = proc.stderr.read()
+        time.sleep(0.2)
+        while not lines.empty():
+            stdout += lines.get()
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    assert rc == 130, stderr
+    assert "Traceback" not in stderr and "benchmarks/run.py: interrupted; kept the" in stderr, stderr
+    result = _strict((out / "bench.json").read_text())
+    finished = {r["N"] for r in result["rows"]}  # the first setting, and the second if JAX swallowed
+    assert result["status"] == "interrupted" and {8} <= finished <= {8, 16}  # the KeyboardInterrupt
+    assert result["ratios"] and all(e["N"] in finished for e in result["ratios"])
+    assert "vmcgrad impl" in stdout and f"wrote {out / 'bench.json'} and {out / 'bench.png'}" in stdout
+    assert _is_png(out / "bench.png")
+    assert sorted(p.name for p in out.iterdir()) == ["bench.json", "bench.png"]  # no temporary

@@ -122,6 +122,7 @@ def test_short_run_writes_log_and_plot(tmp_path):
         "coordinator": None,
         "num_processes": None,
         "process_id": None,
+        "distributed_timeout": 60,
     }
     # The energy went down from the random start: the update is applied with the right sign.
     assert min(log["energy_mean"][1:]) < log["energy_mean"][0]

@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -116,3 +117,116 @@ def test_two_processes_match_one(tmp_path):
     assert log["energy_mean"][1] == pytest.approx(ref["energy_mean"][1], rel=1e-8)
     assert log["energy_mean"] == pytest.approx(ref["energy_mean"], rel=1e-6)
     assert log["energy_error"] == pytest.approx(ref["energy_error"], rel=1e-6)
+
+
+# --- a lost or missing process ------------------------------------------------------------------------
+
+#: ``--distributed-timeout`` of these tests: short, so that they take seconds; JAX's defaults are 100-300 s.
+LOST_TIMEOUT = 10
+#: How long after the loss the others may take: the timeout, JAX's heartbeat period and a busy machine.
+LOST_BOUND = 4 * LOST_TIMEOUT + 30
+
+
+def _distributed_args(port, out, process_id, steps="3"):
+    args = [*TINY, "--devices", str(PER_PROCESS), "--out", str(out), "--coordinator", f"127.0.0.1:{port}"]
+    args[args.index("--steps") + 1] = steps
+    return [*args, "--num-processes", "2", "--process-id", str(process_id), "--distributed-timeout"]
+
+
+def _kill_all(procs):
+    for p in procs:  # every child, whatever happened (their JAX children die with them)
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+
+
+def _steps_in(log_path):
+    try:
+        return len(json.loads(log_path.read_text())["energy_mean"])
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+@pytest.mark.parametrize("killed", [1, 0], ids=["process-1-killed", "coordinator-killed"])
+def test_a_process_killed_mid_run_ends_the_other_with_one_line(tmp_path, killed):
+    """SIGKILL one process after the first steps: the other ends within the timeout with status 1 and one
+    line naming the lost process and the fix; process 0's log says "failed" and its lock is gone."""
+    port, out = _free_port(), tmp_path / "run"
+    args = [[*_distributed_args(port, out, i, steps="100000"), str(LOST_TIMEOUT)] for i in range(2)]
+    procs = []
+    try:
+        procs = [_start(a, tmp_path) for a in args]
+        deadline = time.monotonic() + TIMEOUT
+        while _steps_in(out / "log.json") < 2:  # running, past the first compile
+            assert time.monotonic() < deadline, "no 2 steps within the time limit"
+            assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+            time.sleep(0.2)
+        os.killpg(procs[killed].pid, signal.SIGKILL)  # the supervisor; its JAX process dies with it
+        t_kill = time.monotonic()
+        survivor = procs[1 - killed]
+        try:
+            _, err = survivor.communicate(timeout=LOST_BOUND)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"process {1 - killed} still runs {LOST_BOUND} s after process {killed} was killed")
+        waited = time.monotonic() - t_kill
+    finally:
+        _kill_all(procs)
+    assert survivor.returncode == 1, err[-4000:]
+    last = err.strip().splitlines()[-1]
+    expected = {
+        1: "vmcgrad vmc: error: lost process 1 of 2: its heartbeats stopped (--distributed-timeout 10 s;",
+        0: f"vmcgrad vmc: error: lost process 0 of 2, the coordinator at 127.0.0.1:{port}",
+    }[killed]
+    assert last.startswith(expected), err[-4000:]
+    assert "Fix: start all 2 processes again" in last
+    assert "    @ 0x" not in err  # JAX's C++ stack trace is not relayed
+    assert waited < LOST_BOUND
+    if killed == 1:  # process 0 survived: its log and lock
+        log = json.loads((out / "log.json").read_text())
+        assert log["status"] == "failed" and log["error"].startswith("lost process 1 of 2"), log
+        assert len(log["energy_mean"]) >= 2
+        assert f"{out / 'log.json'} keeps the {len(log['energy_mean'])} steps run" in last
+        assert sorted(p.name for p in out.iterdir()) == ["energy.png", "log.json"]  # no lock file left
+
+
+@pytest.mark.parametrize("second", [None, 0], ids=["process-0-alone", "process-0-twice"])
+def test_a_process_that_never_joins_ends_the_others_with_one_line(tmp_path, second):
+    """Only process 0 of 2 started (or process 0 twice, into two directories): each ends after the
+    timeout with status 1 and one line naming the missing process and the fix; a log marked "failed"."""
+    port = _free_port()
+    outs = [tmp_path / "run"] + ([tmp_path / "run-again"] if second is not None else [])
+    procs = []
+    try:
+        t0 = time.monotonic()
+        procs = [_start([*_distributed_args(port, out, 0), str(LOST_TIMEOUT)], tmp_path) for out in outs]
+        results = []
+        for p in procs:
+            try:
+                results.append(p.communicate(timeout=LOST_BOUND))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"vmcgrad still waits {LOST_BOUND} s after starting without process 1")
+        waited = time.monotonic() - t0
+    finally:
+        _kill_all(procs)
+    assert waited < LOST_BOUND
+    for p, (_, err), out in zip(procs, results, outs):
+        assert p.returncode == 1, err[-4000:]
+        last = err.strip().splitlines()[-1]
+        assert last.startswith(
+            f"vmcgrad vmc: error: process 1 of 2 did not join the coordinator at 127.0.0.1:{port} "
+            "within --distributed-timeout 10 s. Fix: start the same command once per process, with "
+            "--process-id 0 to 1 (each once)"
+        ), err[-4000:]
+        assert "Traceback" not in err and "    @ 0x" not in err
+        log = json.loads((out / "log.json").read_text())
+        assert log["status"] == "failed" and log["error"].startswith("process 1 of 2 did not join")
+        assert log["energy_mean"] == [] and log["config"]["process_id"] == 0
+        assert sorted(p.name for p in out.iterdir()) == ["log.json"]  # no lock file left
+
+
+def test_initialize_distributed_refuses_a_bad_timeout():
+    from vmcgrad import initialize_distributed
+
+    for bad in (0, -5, 1.5, True, "60"):
+        with pytest.raises(ValueError, match=r"timeout must be a whole number of seconds >= 1; got"):
+            initialize_distributed("127.0.0.1:1", 2, 0, timeout=bad)

@@ -309,3 +309,98 @@ def test_second_ctrl_c_during_the_first_compile_ends_at_once_and_cleanly(tmp_pat
     log = _strict((out / "log.json").read_text())
     assert log["status"] == "interrupted" and log["energy_mean"] == []
     assert sorted(p.name for p in out.iterdir()) == ["log.json"]  # no temporary, lock removed
+
+
+# --- missing optional dependencies, a full disk at the start, unexpected exceptions ----------------
+
+
+@pytest.mark.parametrize("hidden", [("matplotlib",), ("tqdm",), ("netket", "tqdm")])
+def test_a_missing_optional_dependency_is_named_before_anything_runs(tmp_path, monkeypatch, capsys, hidden):
+    """Without the ``[cli]`` extra: one line naming the modules and the pip command, status 1, nothing
+    created, nothing run (before: set-up and a first step, then ModuleNotFoundError and a log saying
+    "interrupted")."""
+    for name in hidden:
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed: `import name` fails
+    out = tmp_path / "run"
+    rc = main(["vmc", *TINY, "--steps", "1", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 1, err
+    names = " and ".join(hidden)
+    _one_line_error(
+        err,
+        f"vmcgrad vmc: error: {names} {'is' if len(hidden) == 1 else 'are'} not installed;",
+        "pip install 'vmcgrad[cli]'",
+    )
+    assert not out.exists()
+
+
+class _FullDiskLockOs:
+    """``os`` for :mod:`vmcgrad.cli._lock` on a disk that is full: files and directories can be created
+    (their inodes are free) but not a byte written (``OSError(ENOSPC)``), as a full ext4 behaves."""
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+    def pwrite(self, fd, data, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_full_disk_at_the_start_creates_nothing(tmp_path, monkeypatch, capsys):
+    """``--out a/b/run2`` on a full disk: one line, status 2, and neither ``run2`` nor ``a`` nor a lock
+    file is left behind (before: ``run2/`` with an empty lock file)."""
+    monkeypatch.setattr(_lock, "os", _FullDiskLockOs())
+    out = tmp_path / "a" / "b" / "run2"
+    with pytest.raises(SystemExit) as exc:
+        main(["vmc", "--out", str(out)])
+    assert exc.value.code == 2
+    _one_line_error(
+        capsys.readouterr().err,
+        f"vmcgrad vmc: error: argument --out: cannot create {str(out)!r}: ",
+        "No space left on device (ENOSPC)",
+    )
+    assert list(tmp_path.iterdir()) == []
+    existing = tmp_path / "run3"  # an existing directory stays, without a lock file
+    existing.mkdir()
+    with pytest.raises(SystemExit):
+        main(["vmc", "--out", str(existing)])
+    capsys.readouterr()
+    assert list(existing.iterdir()) == []
+
+
+def test_an_unexpected_exception_is_logged_as_failed_with_the_error(tmp_path, monkeypatch, capsys):
+    """An exception that is not an interrupt (here: the energy's statistics break at step 2) is logged
+    "failed" with its type and message, and raised (before: the log said "interrupted")."""
+    out = tmp_path / "run"
+    calls = {"n": 0}
+    real = vmc._Recorder.__call__
+
+    def breaks_at_step_2(self, step, log_data, driver):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise ZeroDivisionError("a bug in a callback")
+        return real(self, step, log_data, driver)
+
+    monkeypatch.setattr(vmc._Recorder, "__call__", breaks_at_step_2)
+    monkeypatch.setattr(vmc, "_PLOT_EVERY_S", 1e9)
+    with pytest.raises(ZeroDivisionError):
+        _in_process_run(["--steps", "5", "--out", str(out)], capsys)
+    log = _strict((out / "log.json").read_text())
+    assert log["status"] == "failed" and log["error"] == "ZeroDivisionError: a bug in a callback"
+    assert _check_log(log, n_steps=1) == 1
+    assert sorted(p.name for p in out.iterdir()) == ["energy.png", "log.json"]  # lock released
+
+
+def test_an_exception_during_the_set_up_is_logged_as_failed(tmp_path, monkeypatch, capsys):
+    """Before the first log (here: the system cannot be built): a log without steps, "failed"."""
+    out = tmp_path / "run"
+
+    def broken(*args):
+        raise RuntimeError("cannot build the lattice\nsecond line")
+
+    monkeypatch.setattr(vmc._systems, "build", broken)
+    with pytest.raises(RuntimeError):
+        _in_process_run(["--steps", "5", "--out", str(out)], capsys)
+    log = _strict((out / "log.json").read_text())
+    assert log["status"] == "failed" and log["error"] == "RuntimeError: cannot build the lattice"
+    assert log["energy_mean"] == [] and log["config"]["steps"] == 5
+    assert sorted(p.name for p in out.iterdir()) == ["log.json"]

@@ -6,8 +6,9 @@ chunk size) and chunk sizes (at the largest N). Within a setting the candidates 
 (:func:`benchlib.measure`), so a busy machine slows them alike. Prints the ratios vmcgrad/NetKet and
 vmcgrad/unchunked JAX (median time, compiled temp memory) and the collectives per call (inside loops /
 outside, from the compiled HLO), and writes ``DIR/bench.json`` (after every benchmark, atomically) and
-``DIR/bench.png`` (time and memory against N and against the chunk size). ``--suite large`` runs
-``benchmarks/bench_large.py`` with its defaults instead (``DIR/large.json``).
+``DIR/bench.png`` (time and memory against N and against the chunk size). Ctrl-C or SIGTERM stops it
+with the same summary of the settings that finished (status "interrupted", exit status 130).
+``--suite large`` runs ``benchmarks/bench_large.py`` with its defaults instead (``DIR/large.json``).
 
 With the defaults (L=32, N in 1024 4096, chunks 128 512, 2 fake CPU devices, 3 repeats) the suite
 takes 8 minutes or more on a shared 2-core CPU machine (2026-12); ``--only grad --L 8 --samples 256
@@ -17,9 +18,11 @@ takes 8 minutes or more on a shared 2-core CPU machine (2026-12); ``--only grad 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import platform
+import signal
 import sys
 import time
 from pathlib import Path
@@ -214,7 +217,8 @@ def format_ratios(entries: list[dict]) -> str:
 
 def main(argv=None) -> int:
     """Runs the suite; returns 0, 1 when a benchmark failed (its cross-check, say), 2 on a usage error,
-    or 130 when interrupted (``bench.json`` keeps the rows measured so far)."""
+    or 130 when interrupted by Ctrl-C or SIGTERM (the summary of the settings that finished is written
+    then as at the end: ``bench.json``, ``bench.png`` and the table of ratios)."""
     args = parse(argv)
     out = Path(args.out)
     if args.suite == "large":  # benchmarks/bench_large.py (benchmarks/ is on sys.path: the scripts' folder)
@@ -231,24 +235,108 @@ def main(argv=None) -> int:
         return bench_large.main(argv)
     from ._harness import use_cpu_devices
 
-    use_cpu_devices(args.devices)
     result: dict = {}
-    try:
-        return _run(args, out, result)
-    except KeyboardInterrupt:
-        if result.get("rows"):
-            write_json({**result, "status": "interrupted"}, out / "bench.json")
-        print(f"interrupted; kept the {len(result.get('rows', []))} rows measured in {out / 'bench.json'}")
-        return 130
+    stop = Stop()
+    summary = Summary(result, args, out, stop)
+    with stop:
+        try:
+            use_cpu_devices(args.devices)
+            status = _run(args, out, result, summary, stop)
+        except KeyboardInterrupt:
+            summary("interrupted")
+            status = 130
+    if status == 130:
+        n = len(result.get("rows", []))
+        kept = f"kept the {n} rows measured in {out / 'bench.json'}" if n else "no setting finished"
+        print(f"benchmarks/run.py: interrupted; {kept}", file=sys.stderr, flush=True)
+    return status
 
 
-def _run(args, out: Path, result: dict) -> int:
+class Stop:
+    """Ctrl-C and SIGTERM while the suite runs (a context manager, entered in the main thread).
+
+    The first signal raises :class:`KeyboardInterrupt` in the main thread, as Python does for Ctrl-C
+    (SIGTERM would otherwise end the process with nothing written), and every signal sets
+    :attr:`requested`, which the loop over settings reads too: an exception that JAX swallows (one
+    raised inside a garbage-collection callback is printed and lost) still stops the suite after the
+    setting in progress. Later signals, and any inside :meth:`held`, only set :attr:`requested`, so
+    that nothing interrupts the summary or a write of ``bench.json``.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.requested = False
+        self.raised = False
+        self.holding = False
+        self.previous: dict = {}
+
+    def __enter__(self) -> Stop:
+        self.previous = {sig: signal.signal(sig, self.handle) for sig in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def handle(self, signum, frame) -> None:
+        self.requested = True
+        if not (self.raised or self.holding):
+            self.raised = True
+            raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def held(self):
+        """Within the block, a signal only sets :attr:`requested`."""
+        holding, self.holding = self.holding, True
+        try:
+            yield
+        finally:
+            self.holding = holding
+
+
+class Summary:
+    """Writes ``bench.json`` (with the status), ``bench.png`` and the table of ratios of the rows measured
+    so far, once: at the end, or when a stop is asked for (the first call wins; later ones, a second
+    Ctrl-C in the middle of a summary included, change nothing). Signals are held off while it writes
+    (:meth:`Stop.held`), so that a second Ctrl-C cannot leave half of it.
+    """
+
+    def __init__(self, result: dict, args, out: Path, stop: Stop):
+        self.result, self.args, self.out, self.stop = result, args, out, stop
+        self.t_start = time.perf_counter()
+        self.done = False
+
+    def __call__(self, status: str) -> None:
+        with self.stop.held():
+            if self.done or "rows" not in self.result:  # written, or stopped before the suite started
+                return
+            self.done = True
+            self.write(status)
+
+    def write(self, status: str) -> None:
+        out, result = self.out, self.result
+        rows = result["rows"]
+        result.update(status=status, ratios=ratios(rows), total_s=time.perf_counter() - self.t_start)
+        write_json(result, out / "bench.json")
+        if rows:
+            plot(rows, out / "bench.png", chunk=self.args.chunk_sizes[0], n=max(result["samples_used"]))
+        print()
+        print(format_ratios(result["ratios"]))
+        wrote = f"{out / 'bench.json'} and {out / 'bench.png'}" if rows else f"{out / 'bench.json'} (no rows)"
+        print(
+            "\nt/x, m/x: vmcgrad's median time and compiled temp memory over x's (NetKet, unchunked "
+            "jax.vjp); collectives: inside loops/outside per call.",
+        )
+        print(f"wrote {wrote} in {result['total_s']:.0f} s", flush=True)
+
+
+def _run(args, out: Path, result: dict, summary: Summary, stop: Stop) -> int:
     import jax
 
     from . import core, grad, qgt, vmc_step
 
     modules = {"core": core, "grad": grad, "qgt": qgt, "vmc_step": vmc_step}
-    t_start = time.perf_counter()
     names = args.only or list(BENCHES)
     samples, note = divisible_samples(args.samples, jax.device_count())
     if note:
@@ -271,42 +359,34 @@ def _run(args, out: Path, result: dict) -> int:
         f"benchmarks/run.py: {', '.join(names)} on {jax.device_count()} {jax.devices()[0].platform} "
         f"device(s), L={args.L}, (N, chunk) in {pairs}, {args.repeats} repeats"
     )
-    for name in names:
-        for n, chunk in pairs:
-            tag = f"[{name} N={n} chunk={chunk}]"
-            kwargs = {"L": args.L, "n_samples": n, "chunk_size": chunk, "repeats": args.repeats}
-            if name == "vmc_step":
-                kwargs["n_chains"] = jax.device_count() * max(1, min(16, n // jax.device_count()))
-            t0 = time.perf_counter()
-            try:
-                rows = modules[name].run(
-                    **kwargs, log=lambda line, tag=tag: print(f"{tag} {line}", flush=True)
-                )
-            except Exception as error:  # report, keep the other benchmarks
-                message = f"{tag} failed: {type(error).__name__}: {error}"
-                print(message, file=sys.stderr, flush=True)
-                result["errors"].append(message)
-                continue
-            for row in rows:
-                d = row.as_dict()
-                d.update(L=args.L, N=n, chunk=chunk, devices=d.get("devices", jax.device_count()))
-                result["rows"].append(d)
-            print(f"{tag} {len(rows)} rows in {time.perf_counter() - t0:.1f} s", flush=True)
+    for name, n, chunk in [(name, n, chunk) for name in names for n, chunk in pairs]:
+        if stop.requested:  # a KeyboardInterrupt that JAX swallowed
+            break
+        tag = f"[{name} N={n} chunk={chunk}]"
+        kwargs = {"L": args.L, "n_samples": n, "chunk_size": chunk, "repeats": args.repeats}
+        if name == "vmc_step":
+            kwargs["n_chains"] = jax.device_count() * max(1, min(16, n // jax.device_count()))
+        t0 = time.perf_counter()
+        try:
+            rows = modules[name].run(**kwargs, log=lambda line, tag=tag: print(f"{tag} {line}", flush=True))
+        except Exception as error:  # report, keep the other benchmarks
+            message = f"{tag} failed: {type(error).__name__}: {error}"
+            print(message, file=sys.stderr, flush=True)
+            result["errors"].append(message)
+            continue
+        measured = []
+        for row in rows:
+            d = row.as_dict()
+            d.update(L=args.L, N=n, chunk=chunk, devices=d.get("devices", jax.device_count()))
+            measured.append(d)
+        with stop.held():  # a setting's rows, their ratios and bench.json together
+            result["rows"] += measured
             result["ratios"] = ratios(result["rows"])
             write_json(result, out / "bench.json")
-    result["status"] = "finished"
-    result["total_s"] = time.perf_counter() - t_start
-    write_json(result, out / "bench.json")
-    if result["rows"]:
-        plot(result["rows"], out / "bench.png", chunk=args.chunk_sizes[0], n=max(samples))
-    print()
-    print(format_ratios(result["ratios"]))
-    print(
-        f"\nt/x, m/x: vmcgrad's median time and compiled temp memory over x's (NetKet, unchunked jax.vjp); "
-        f"collectives: inside loops/outside per call.\nwrote {out / 'bench.json'} and {out / 'bench.png'} "
-        f"in {result['total_s']:.0f} s"
-    )
-    return 1 if result["errors"] else 0
+        print(f"{tag} {len(rows)} rows in {time.perf_counter() - t0:.1f} s", flush=True)
+    status = "interrupted" if stop.requested else "finished"
+    summary(status)  # (a signal from here on changes nothing: the suite has finished)
+    return 130 if status == "interrupted" else 1 if result["errors"] else 0
 
 
 def _machine() -> dict:

@@ -8,17 +8,24 @@ Arguments are parsed and checked before JAX computes anything and before any fil
 distributed runtime, and a typo costs nothing. A usage mistake
 prints one line on stderr naming the option and what it accepts, and exits with status 2. The
 output directory is then created and locked (:mod:`._lock`): a second run into it exits with status 2
-at once.
+at once; one that cannot be created or written (a full disk) leaves nothing behind. Before that, the
+command's optional dependencies (the ``[cli]`` extra) are looked up without importing them: a missing
+one is named, with the pip command, and nothing runs (status 1). An unexpected exception is logged as
+"failed" with its message and raised. With ``--coordinator`` the process the user started supervises
+the one that joins JAX's runtime (:mod:`._supervise`), so that a lost process ends in one line, a log
+marked "failed" and a released lock instead of JAX's abort.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import _distributed, _lock, _output, vmc
+from . import _distributed, _lock, _output, _supervise, vmc
 from ._args import Parser
 
 
@@ -53,14 +60,38 @@ def use_devices(n: int | None, parser: Parser) -> None:
             )
 
 
+#: The command line's optional dependencies (the ``[cli]`` extra), and how to install them.
+CLI_EXTRA = "pip install 'vmcgrad[cli]'"
+
+
+def missing_dependencies(names: Sequence[str]) -> list[str]:
+    """Those of the modules ``names`` that cannot be imported here (found without importing them)."""
+    missing = []
+    for name in names:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # a parent package is missing, or a module without a spec
+            found = name in sys.modules and sys.modules[name] is not None
+        if not found:
+            missing.append(name)
+    return missing
+
+
 def claim_out_dir(out: Path, parser: Parser) -> _lock.OutDirLock:
-    """Creates ``out`` and locks it for this run; a usage error (exit 2) when another run holds it."""
+    """Creates ``out`` and locks it for this run; a usage error (exit 2) when another run holds it or it
+    cannot be created or written (a full disk): then nothing that this created is left behind."""
+    created = [p for p in (out, *out.absolute().parents) if not p.exists()][::-1]  # outermost first
     try:
         out.mkdir(parents=True, exist_ok=True)
         lock = _lock.OutDirLock.acquire(out)
-    except _lock.Busy as busy:
-        parser.error(f"argument --out: {busy}")
-    except OSError as error:
+    except (_lock.Busy, OSError) as error:
+        for directory in reversed(created):
+            try:
+                directory.rmdir()
+            except OSError:
+                break
+        if isinstance(error, _lock.Busy):
+            parser.error(f"argument --out: {error}")
         parser.error(f"argument --out: cannot create {str(out)!r}: {_output.reason(error)}")
     if lock.stale_pid is not None:
         print(
@@ -75,22 +106,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``vmcgrad`` console script and of ``python -m vmcgrad``.
 
     Returns:
-        The exit status: 0 on success, 1 when a file could not be written (a one-line error; what was
-        written before is kept), 2 on a usage error (including an ``--out``
-        that another run is using), 130 when interrupted.
+        The exit status: 0 on success, 1 when an optional dependency is missing (before anything is
+        done), a file could not be written (a one-line error; what was written before is kept) or a
+        process of a multi-process run was lost, 2 on a usage error (including an ``--out`` that
+        another run is using), 130 when interrupted.
     """
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     command, sub = args._command, args._parser  # set by each command's add_parser
+    missing = missing_dependencies(command.REQUIRES)
+    if missing:
+        verb, it = ("is", "it") if len(missing) == 1 else ("are", "them")
+        print(
+            f"{sub.prog}: error: {' and '.join(missing)} {verb} not installed; `{sub.prog}` needs {it}: "
+            f"{CLI_EXTRA} (or pip install {' '.join(missing)})",
+            file=sys.stderr,
+        )
+        return 1
     command.check(args, sub)
-    out = command.out_dir(args)
-    lock = claim_out_dir(out, sub) if out is not None else None
+    # Until a command installs its own handling (._interrupt), SIGTERM stops the run as Ctrl-C does:
+    # through the handlers below, which release the lock, instead of ending the process on the spot.
+    previous = _sigterm_as_interrupt()
+    distributed = getattr(args, "coordinator", None) is not None
+    supervised = distributed and _supervise.is_child()  # the supervisor holds the lock
+    lock = None
     try:
-        use_devices(getattr(args, "devices", None), sub)
-        distributed = getattr(args, "coordinator", None) is not None
-        if distributed:  # --devices then counts this process's devices; jax.devices() spans all processes
-            _distributed.initialize(args, sub)
+        out = None if supervised else command.out_dir(args)
+        lock = claim_out_dir(out, sub) if out is not None else None
+        if distributed and not supervised:  # JAX runs in a child, which this process watches
+            return _distributed.supervise(
+                args,
+                argv,
+                sub.prog,
+                on_failure=lambda reason: command.mark_log(args, "failed", reason),
+                on_interrupt=lambda: command.mark_log(args, "interrupted", None),
+            )
         try:
+            use_devices(getattr(args, "devices", None), sub)
+            if distributed:  # --devices counts this process's devices; jax.devices() spans all processes
+                _distributed.initialize(args, sub)
             status = command.run(args)
         except KeyboardInterrupt:  # before or after the part that handles Ctrl-C itself
             print(f"{sub.prog}: interrupted", file=sys.stderr)
@@ -104,3 +159,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if lock is not None:
             lock.release()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _sigterm_as_interrupt():
+    """Makes SIGTERM raise KeyboardInterrupt; returns the previous handler (None outside the main
+    thread, where Python cannot set handlers)."""
+    try:
+        return signal.signal(signal.SIGTERM, _raise_interrupt)
+    except ValueError:
+        return None

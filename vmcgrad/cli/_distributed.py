@@ -4,11 +4,15 @@ Every process runs the same command with its own ``--process-id``; together they
 whose devices are all processes' devices (``jax.devices()`` is global), so NetKet's sample mesh, the
 chains and vmcgrad's one reduction per gradient span them all. The runtime must be joined before JAX
 computes anything and before NetKet is imported (its mesh is built from ``jax.devices()`` at import).
+A process that never joins, or is lost during the run, ends every other process within
+``--distributed-timeout`` seconds, with one line naming it (:mod:`._supervise`).
 """
 
 from __future__ import annotations
 
 import argparse
+
+from .._distributed import DEFAULT_TIMEOUT
 
 
 def coordinator_address(text: str) -> str:
@@ -73,6 +77,13 @@ def add_arguments(p) -> None:
     g.add_argument(
         "--process-id", type=non_negative_int, default=None, metavar="I", help="this process: 0..N-1"
     )
+    g.add_argument(
+        "--distributed-timeout",
+        type=positive_int,
+        default=DEFAULT_TIMEOUT,
+        metavar="S",
+        help="seconds to wait for a process that does not join, or stops answering, before all stop",
+    )
 
 
 def check(args, parser) -> None:
@@ -109,7 +120,9 @@ def initialize(args, parser) -> None:
     try:
         from .. import initialize_distributed
 
-        initialize_distributed(args.coordinator, args.num_processes, args.process_id)
+        initialize_distributed(
+            args.coordinator, args.num_processes, args.process_id, timeout=args.distributed_timeout
+        )
     except RuntimeError as error:  # JAX already computed in this process, or initialize ran twice
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         parser.error(f"argument --coordinator: cannot join the distributed runtime: {first}")
@@ -122,3 +135,22 @@ def shutdown(args) -> None:
     import jax
 
     jax.distributed.shutdown()
+
+
+def supervise(args, argv, prog: str, on_failure, on_interrupt) -> int:
+    """Runs this command as the supervised child that joins the runtime (:mod:`._supervise`); returns
+    the exit status. ``on_failure(reason)`` marks the log failed (process 0) and returns a note."""
+    from . import _supervise
+
+    def diagnose(stderr: str) -> str | None:
+        return _supervise.diagnose(
+            stderr,
+            process_id=args.process_id,
+            num_processes=args.num_processes,
+            coordinator=args.coordinator,
+            timeout=args.distributed_timeout,
+        )
+
+    return _supervise.run_child(
+        argv, prog, diagnose_child=diagnose, on_failure=on_failure, on_interrupt=on_interrupt
+    )

@@ -8,6 +8,7 @@ whose lock is held refuses at once, naming the process that holds it.
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -38,7 +39,7 @@ class OutDirLock:
 
         Raises:
             Busy: if another running process holds the lock.
-            OSError: if the lock file cannot be created.
+            OSError: if the lock file cannot be created or written (it is then removed).
         """
         import fcntl
 
@@ -65,8 +66,14 @@ class OutDirLock:
                 break
             os.close(fd)
         stale = _read_pid(fd)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            if os.pwrite(fd, f"{os.getpid()}\n".encode(), 0) == 0:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError:  # a full disk: leave no lock file behind (ours now, or a stale one)
+            _remove(path)
+            os.close(fd)
+            raise
         lock = cls(path, fd, stale if stale and stale != os.getpid() else None)
         _HELD.append(lock)
         return lock
@@ -75,10 +82,7 @@ class OutDirLock:
         """Removes the lock file and drops the lock (idempotent)."""
         if self._fd is None:
             return
-        try:
-            os.unlink(self.path)
-        except OSError:
-            pass
+        _remove(self.path)
         os.close(self._fd)
         self._fd = None
         if self in _HELD:
@@ -89,6 +93,13 @@ def release_all() -> None:
     """Releases every lock this process holds."""
     for lock in list(_HELD):
         lock.release()
+
+
+def _remove(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _read_pid(fd: int) -> int | None:

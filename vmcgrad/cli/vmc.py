@@ -21,6 +21,7 @@ With ``--chunk-size auto`` the chunks are picked once, before the first step, an
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import time
@@ -32,6 +33,10 @@ from ._args import HelpFormatter, chunk_size, non_negative_float, positive_float
 #: Samples per Metropolis chain are at least this many: chains per device = min(16, samples / devices / this).
 _CHAINS_PER_DEVICE = 16
 _PLOT_EVERY_S = 10.0
+#: The per-step lists of ``log.json``.
+_STEP_KEYS = ("energy_mean", "energy_error", "energy_variance", "acceptance", "step_time")
+#: The modules this command imports beyond vmcgrad's own (the ``[cli]`` extra), checked before it starts.
+REQUIRES = ("netket", "matplotlib", "tqdm")
 #: What a run writes in ``--out``.
 FILES = ("log.json", "energy.png")
 
@@ -123,7 +128,49 @@ def run(args) -> int:
         "vmcgrad vmc", "stopping after this step (Ctrl-C again to stop at once)", lambda: _keep(kept)
     )
     with interrupts:
-        return _run(args, interrupts, kept, t_start)
+        try:
+            return _run(args, interrupts, kept, t_start)
+        except Exception as error:  # a failure before the recorder existed: a log that says so
+            if "recorder" not in kept:
+                mark_log(args, "failed", _describe(error))
+            raise
+
+
+def _describe(error: BaseException) -> str:
+    """``"TypeName: first line of the message"``."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
+def mark_log(args, status: str, error: str | None) -> str | None:
+    """Sets ``status`` (and ``error``) in ``--out/log.json``, keeping the steps it holds, or writes a log
+    without steps when there is none; for a process that cannot (JAX aborted it) or a run that failed
+    before its first log. Process 0 only (the others write nothing).
+
+    Returns:
+        A note for the user: what the log keeps, or why it could not be written; None on other processes.
+    """
+    if args.process_id:
+        return None
+    path = Path(args.out) / "log.json"
+    log = None
+    try:
+        log = json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass
+    if not isinstance(log, dict) or not isinstance(log.get("energy_mean"), list):
+        log = {
+            **{key: [] for key in _STEP_KEYS},
+            **{key: None for key in ("exact_energy", "final_energy", "relative_error")},
+            "config": config_of(args),
+            "info": None,
+        }
+    log.update(status=status, error=error)
+    try:
+        _output.write_json_atomic(path, log)
+    except _output.OutputError as failure:
+        return str(failure)
+    return f"{path} keeps the {len(log['energy_mean'])} steps run"
 
 
 def _keep(kept: dict) -> str | None:
@@ -201,6 +248,9 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
             status = "finished"
     except _StopRequested:
         pass
+    except Exception as error:  # not an interrupt: the log says what failed
+        status, recorder.error = "failed", _describe(error)
+        raise
     finally:
         recorder.close("failed" if recorder.failed else status)
     n = len(recorder.records)
@@ -317,6 +367,7 @@ class _Recorder:
         # so that an interrupt never leaves the lists of different lengths.
         self.records: list[tuple] = []
         self.status = "running"
+        self.error: str | None = None  # an unexpected exception, as "TypeName: message"
         self.final_energy = self.relative_error = None
         self.n_final = 0
         self.n_logged = 0  # steps in the last log.json that was written
@@ -392,6 +443,7 @@ class _Recorder:
             "final_energy": self.final_energy,
             "relative_error": self.relative_error,
             "status": self.status,
+            "error": self.error,
             "config": self.config,
             "info": self.info,
         }
