@@ -18,7 +18,8 @@ How it is computed, always through the one chunked primitive (:mod:`vmcgrad._chu
   Jacobian and the block :math:`(J_{[k]} - \mathbf 1 s^T)(J_{[l]} - \mathbf 1 s^T)^\dagger`. Peak memory is
   about :math:`2cKP` plus the device's :math:`N_\text{local} K \times NK` rows; no collective
   runs per block. :math:`s` is NetKet's mean-Jacobian estimate (32 evenly strided samples): it does
-  not change the centred kernel in exact arithmetic, and keeps its small eigenvalues in float32.
+  not change the centred kernel in exact arithmetic, and keeps its small eigenvalues in float32
+  (taken over at most ``c`` samples, so that no model call exceeds the chunk).
   The centring follows, as row and column means of the blocks.
 * ``T @ v``: one vjp pass (:math:`g = \Delta J^\dagger v`, the pullback path of
   :func:`vmcgrad.batched_vjp`) and one jvp pass (:math:`\Delta J g`, that of
@@ -138,10 +139,11 @@ def _contract(a: Any, b: Any, k: int) -> jax.Array:
     return total.reshape(na, k, nb, k)
 
 
-def _mean_jacobian(f: Callable, theta: Any, samples: Any, n: int, mode: str) -> Any:
-    """NetKet's estimate of the mean Jacobian: over ``min(n, 32)`` samples evenly strided, by pullbacks
-    (leaves ``(K, *leaf)``); it only needs to remove the bulk of the common part."""
-    k = min(n, SHIFT_SAMPLES)
+def _mean_jacobian(f: Callable, theta: Any, samples: Any, n: int, mode: str, most: int) -> Any:
+    """NetKet's estimate of the mean Jacobian: over ``min(n, 32, most)`` samples evenly strided (``most``
+    the chunk, so that no batch exceeds it), by pullbacks (leaves ``(K, *leaf)``); it only needs to
+    remove the bulk of the common part (it cancels exactly in the centred kernel)."""
+    k = min(n, SHIFT_SAMPLES, most)
     idx = jnp.arange(k) * (n // k)
     subset = jax.tree.map(lambda a: a[idx], samples)
     out, pull = jax.vjp(lambda t: f(t, subset), theta)
@@ -439,8 +441,8 @@ def _dense_program(prob: Problem, op: NTKOperator) -> jax.Array:
     n, k, mode = prob.n, _k(op.mode), op.mode
     f = _rows(op._fun(), mode, op.params)
     theta = _theta(mode, op.params)
-    shift = _mean_jacobian(f, theta, op.samples, n, mode)
     cols = _column_chunk(prob)
+    shift = _mean_jacobian(f, theta, op.samples, n, mode, cols)
     n_pad = -(-n // cols) * cols
     all_x = jax.tree.map(lambda a: jnp.concatenate([a, jnp.repeat(a[-1:], n_pad - n, axis=0)]), op.samples)
     chunk = partial(dense_chunk, mode=mode, cols=cols, n=n)
