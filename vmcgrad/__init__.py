@@ -18,6 +18,8 @@ _EXPORTS = {
     "CGInfo": "._solve",
     "CollectiveReport": "._hlo",
     "LinearizedQGT": "._qgt_linearized",
+    "NTK": "._ntk",
+    "NTKOperator": "._ntk",
     "QGTOperator": "._qgt",
     "auto_chunk_size": "._auto",
     "batched_jvp": "._jvp",
@@ -26,6 +28,7 @@ _EXPORTS = {
     "expect_grad": "._grad",
     "initialize_distributed": "._distributed",
     "lower": "._lower",
+    "minsr_update": "._ntk",
     "program_bytes": "._auto_chunk",
 }
 
@@ -54,6 +57,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from ._hlo import collective_report as collective_report
     from ._jvp import batched_jvp as batched_jvp
     from ._lower import lower as lower
+    from ._ntk import NTK as NTK
+    from ._ntk import NTKOperator as NTKOperator
+    from ._ntk import minsr_update as minsr_update
     from ._qgt import QGT as QGT
     from ._qgt import QGTOperator as QGTOperator
     from ._qgt_linearized import LinearizedQGT as LinearizedQGT

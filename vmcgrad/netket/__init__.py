@@ -14,5 +14,6 @@ from ._forces import expect_and_forces as expect_and_forces
 from ._qgt import QGTOnTheFly as QGTOnTheFly
 from ._qgt import QGTOnTheFlyT as QGTOnTheFlyT
 from ._state import MCState as MCState
+from ._vmc_sr import VMC_SR as VMC_SR
 
-__all__ = ["MCState", "QGTOnTheFly", "QGTOnTheFlyT", "expect_and_forces", "expect_and_grad"]
+__all__ = ["VMC_SR", "MCState", "QGTOnTheFly", "QGTOnTheFlyT", "expect_and_forces", "expect_and_grad"]

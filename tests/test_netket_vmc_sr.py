@@ -1,0 +1,111 @@
+"""``vmcgrad.netket.VMC_SR``: NetKet's ``VMC_SR`` driver with vmcgrad's sample-space update.
+
+Equal to ``nk.driver.VMC_SR`` over three steps (same seeds, same samples, parameters to 1e-10 in float64)
+with the NTK dense and on the fly, SPRING momentum, real and complex modes, at a chunk size that
+divides nothing (N = 30 per device; the other modes are compared with NetKet's update functions in
+test_ntk.py); route-tested: vmcgrad's chunked primitive is bound and NetKet's ``srt`` /
+``srt_onthefly`` are never called.
+"""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from helpers import assert_tree_allclose
+from jax.sharding import AxisType, Mesh
+from netket_spy import vmcgrad_passes
+
+with jax.set_mesh(None):
+    import netket as nk
+    from netket._src.driver import vmc_sr as nk_vmc_sr
+
+    import vmcgrad.netket as vnk
+
+N_DEV = jax.device_count()
+N_SAMPLES = 30 * N_DEV
+CHUNK = 7  # divides neither the 30 samples per device nor N
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # NetKet's divisor notice, holomorphic checks
+
+
+@pytest.fixture(autouse=True)
+def netket_mesh():
+    mesh = Mesh(np.array(jax.devices()), ("S",), axis_types=(AxisType.Auto,))
+    with jax.set_mesh(mesh):
+        yield
+
+
+def _states(dtype):
+    hi = nk.hilbert.Spin(0.5, 6)
+    model = nk.models.RBM(alpha=1, param_dtype=dtype)
+    sampler = nk.sampler.MetropolisLocal(hi, n_chains=2 * N_DEV)
+    kw = dict(n_samples=N_SAMPLES, seed=3, sampler_seed=4)
+    ref = nk.vqs.MCState(sampler, model, **kw)
+    ours = vnk.MCState(sampler, model, chunk_size=CHUNK, **kw)
+    H = nk.operator.Ising(hi, nk.graph.Chain(6), h=1.0)
+    return H, ref, ours
+
+
+def _drivers(dtype, **kw):
+    H, ref, ours = _states(dtype)
+    args = dict(diag_shift=1e-3, use_ntk=True, linear_solver=nk.optimizer.solver.solve, **kw)
+    a = nk.driver.VMC_SR(H, optax.sgd(0.02), variational_state=ref, **args)
+    b = vnk.VMC_SR(H, optax.sgd(0.02), variational_state=ours, **args)
+    return a, b
+
+
+@pytest.mark.parametrize(
+    "dtype,kw",
+    [
+        (np.float64, dict(on_the_fly=False, momentum=0.8, proj_reg=1.0)),
+        (np.complex128, dict(on_the_fly=True)),
+    ],
+    ids=["real-dense-spring", "complex-onthefly"],
+)
+def test_equals_netket_vmc_sr_over_steps(dtype, kw):
+    ref, ours = _drivers(dtype, **kw)
+    ref.run(3, out=None, show_progress=False)
+    ours.run(3, out=None, show_progress=False)
+    assert_tree_allclose(ours.state.parameters, ref.state.parameters, rtol=0, atol=1e-10)
+    np.testing.assert_allclose(ours._loss_stats.mean, ref._loss_stats.mean, rtol=1e-12)
+
+
+@pytest.mark.parametrize("chunk", [CHUNK, "auto"])
+def test_routed_through_vmcgrad_not_netket(monkeypatch, chunk):
+    def refuse(*a, **k):
+        raise AssertionError("NetKet's sample-space SR kernel was called")
+
+    for name in ("srt", "srt_onthefly", "sr"):
+        monkeypatch.setattr(nk_vmc_sr, name, refuse)
+    H, _, ours = _states(np.float64)
+    drv = vnk.VMC_SR(
+        H, optax.sgd(0.02), diag_shift=1e-3, variational_state=ours, use_ntk=True, chunk_size_bwd=chunk
+    )
+    with vmcgrad_passes() as passes:
+        drv.run(1, out=None, show_progress=False)
+    assert passes, "vmcgrad's chunked primitive was not bound"
+    assert all(p.n == N_SAMPLES for p in passes)
+    if chunk == "auto":
+        assert all(isinstance(p.chunk_size, int) for p in passes)
+
+
+def test_matrix_free_cg_equals_dense():
+    H, ref_state, ours = _states(np.float64)
+    del ref_state
+    H2, _, ours2 = _states(np.float64)
+    a = vnk.VMC_SR(H, optax.sgd(0.02), diag_shift=1e-2, variational_state=ours, use_ntk=True)
+    b = vnk.VMC_SR(
+        H2, optax.sgd(0.02), diag_shift=1e-2, variational_state=ours2, use_ntk=True, linear_solver="cg"
+    )
+    a.run(2, out=None, show_progress=False)
+    b.run(2, out=None, show_progress=False)
+    # CG to a relative residual 1e-10 on a kernel of condition <= (||T|| + 1e-2)/1e-2
+    assert_tree_allclose(b.state.parameters, a.state.parameters, rtol=0, atol=1e-7)
+
+
+def test_bad_arguments():
+    H, _, ours = _states(np.float64)
+    with pytest.raises(ValueError, match="linear_solver"):
+        vnk.VMC_SR(H, optax.sgd(0.02), diag_shift=1e-3, variational_state=ours, linear_solver="lu")
+    with pytest.raises(TypeError, match="chunk_size"):
+        vnk.VMC_SR(H, optax.sgd(0.02), diag_shift=1e-3, variational_state=ours, chunk_size_bwd=2.5)

@@ -1,0 +1,267 @@
+"""``vmcgrad.NTK`` and ``vmcgrad.minsr_update`` against NetKet's ``srt`` / ``srt_onthefly`` and jacrev.
+
+References: the kernel against ΔJ ΔJ†/N from ``jax.jacrev``; the update against NetKet's own sample-space
+SR functions (``netket._src.ngd``), the ones ``nk.driver.VMC_SR`` calls, at float64 and 1e-10.
+N = 18 divides neither the 4 devices nor the chunk 5 (NetKet's dense ``srt`` takes it); NetKet's
+``srt_onthefly`` needs a per-device divisor, so it is compared at N = 20 (5 per device, vmcgrad at chunk 3).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_tree_allclose
+from jax.sharding import AxisType, Mesh
+
+import vmcgrad
+
+with jax.set_mesh(None):
+    import netket as nk  # noqa: F401  (sets NetKet's sharding up before its ngd modules)
+    from netket._src.ngd.sr_srt_common import srt
+    from netket._src.ngd.srt_onthefly import srt_onthefly
+
+L, H = 5, 4
+DIAG = 1e-3
+
+
+def _apply_real(v, x):
+    p = v["params"]
+    return jnp.sum(jnp.tanh(x @ p["w"] + p["b"]), -1) + x @ p["a"]
+
+
+def _apply_r2c(v, x):
+    p = v["params"]
+    return jnp.sum(jnp.log(jnp.cosh(x @ p["w"] + p["b"])), -1) + 1j * jnp.tanh(x @ p["a"])
+
+
+def _apply_holo(v, x):
+    p = v["params"]
+    return jnp.sum(jnp.log(jnp.cosh(x @ p["w"] + p["b"])), -1) + x @ p["a"]
+
+
+def _apply_nonholo(v, x):
+    p = v["params"]
+    return _apply_holo(v, x) + 0.3 * jnp.conj(x @ p["a"]) ** 2
+
+
+MODELS = {
+    "real": (_apply_real, False),
+    "r2c": (_apply_r2c, False),
+    "holo": (_apply_holo, True),
+    "nonholo": (_apply_nonholo, True),
+}
+
+
+def _params(complex_params, dtype=jnp.float64):
+    k = jax.random.split(jax.random.key(1), 6)
+    p = {
+        "w": 0.3 * jax.random.normal(k[0], (L, H)),
+        "b": 0.1 * jax.random.normal(k[1], (H,)),
+        "a": 0.2 * jax.random.normal(k[2], (L,)),
+    }
+    if complex_params:
+        p = {n: v + 0.2j * jax.random.normal(kk, v.shape) for (n, v), kk in zip(p.items(), k[3:])}
+    return jax.tree.map(lambda v: v.astype(jnp.result_type(dtype, v.dtype)), p)
+
+
+def _data(n, seed=2):
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    x = jnp.where(jax.random.bernoulli(k1, 0.5, (n, L)), 1.0, -1.0)
+    e = jax.random.normal(k2, (n,)) + 1j * jax.random.normal(k3, (n,))
+    return x, e
+
+
+def _logpsi(apply):
+    return lambda p, x: apply({"params": p}, x)
+
+
+def solve(a, b):
+    return jnp.linalg.solve(a, b)
+
+
+@pytest.fixture(autouse=True)
+def netket_mesh():
+    mesh = Mesh(np.array(jax.devices()), ("S",), axis_types=(AxisType.Auto,))
+    with jax.set_mesh(mesh):
+        yield
+
+
+def _dense_reference(apply, params, x, mode):
+    """ΔJ ΔJ†/N from jax.jacrev, in the mode's representation."""
+    n = x.shape[0]
+    if mode == "holomorphic":
+        flat, unravel = jax.flatten_util.ravel_pytree(params)
+        j = jax.jacrev(lambda f: apply({"params": unravel(f)}, x), holomorphic=True)(flat)
+    else:
+        re, unravel = jax.flatten_util.ravel_pytree(jax.tree.map(jnp.real, params))
+        im, unravel_im = jax.flatten_util.ravel_pytree(jax.tree.map(jnp.imag, params))
+        cplx = jnp.iscomplexobj(jax.tree.leaves(params)[0])
+
+        def f(t):
+            p = unravel(t[: re.size])
+            if cplx:
+                p = jax.tree.map(lambda a, b: a + 1j * b, p, unravel_im(t[re.size :]))
+            out = apply({"params": p}, x)
+            if mode == "complex":
+                return jnp.stack([out.real, out.imag], -1).reshape(-1)
+            return out.real
+
+        j = jax.jacrev(f)(jnp.concatenate([re, im]) if cplx else re)
+        if mode == "complex":
+            j = j.reshape(n, 2, -1)
+    dj = j - j.mean(0)
+    dj = dj.reshape(-1, dj.shape[-1])
+    return dj @ dj.conj().T / n
+
+
+KERNELS = [
+    ("real", "real", None),
+    ("r2c", "complex", 5),
+    ("r2c", "real", 5),
+    ("nonholo", "complex", 5),
+    ("holo", "holomorphic", 5),
+    ("nonholo", "real", 40),
+]
+
+
+@pytest.mark.parametrize("model,mode,chunk", KERNELS)
+def test_kernel_dense_and_matvec(model, mode, chunk):
+    apply, cplx = MODELS[model]
+    params = _params(cplx)
+    x, _ = _data(18)
+    T = vmcgrad.NTK(_logpsi(apply), params, x, chunk_size=chunk, mode=mode, diag_shift=DIAG)
+    ref = _dense_reference(apply, params, x, mode) + DIAG * jnp.eye(T.dim)
+    dense = T.to_dense()
+    assert dense.shape == (T.dim, T.dim) and dense.dtype == ref.dtype
+    np.testing.assert_allclose(dense, ref, rtol=0, atol=1e-12)
+    v = jax.random.normal(jax.random.key(3), (T.dim,)).astype(T.dtype)
+    np.testing.assert_allclose(T @ v, ref @ v, rtol=0, atol=1e-12)
+    # vmap over right-hand sides, jit with the operator as an argument
+    V = jax.random.normal(jax.random.key(4), (3, T.dim)).astype(T.dtype)
+    np.testing.assert_allclose(jax.vmap(lambda v: T @ v)(V), V @ ref.T, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(jax.jit(lambda T, v: T @ v)(T, v), ref @ v, rtol=0, atol=1e-12)
+
+
+def _netket(fn, apply, params, x, e, mode, **kw):
+    return fn(apply, e, params, {}, x, diag_shift=DIAG, solver_fn=solve, mode=mode, **kw)
+
+
+CASES = [("real", "real"), ("r2c", "complex"), ("r2c", "real"), ("nonholo", "complex"), ("holo", "complex")]
+
+
+SRT_CASES = [(m, mode, "dense") for m, mode in CASES] + [("r2c", "complex", "cg"), ("holo", "complex", "cg")]
+
+
+@pytest.mark.parametrize("model,mode,solver", SRT_CASES)
+def test_update_equals_netket_srt(model, mode, solver):
+    """N = 18 (no divisor of the devices or the chunk 5), momentum and proj_reg over two steps."""
+    apply, cplx = MODELS[model]
+    params = _params(cplx)
+    x, e = _data(18)
+    x2, e2 = _data(18, seed=7)
+    kw = dict(proj_reg=0.5, momentum=0.8)
+    ref1, old_nk, _ = _netket(srt, apply, params, x, e, mode, **kw)
+    ref2, _, _ = _netket(srt, apply, params, x2, e2, mode, old_updates=old_nk, **kw)
+    mine_solver = solve if solver == "dense" else "cg"
+    ours = dict(diag_shift=DIAG, mode=mode, solver=mine_solver, chunk_size=5, tol=1e-14, **kw)
+    u1, old, _ = vmcgrad.minsr_update(_logpsi(apply), params, x, e, **ours)
+    u2, _, _ = vmcgrad.minsr_update(_logpsi(apply), params, x2, e2, old_updates=old, **ours)
+    # CG stops at a relative residual 1e-14; the error is at most cond(T + λ) ≤ (‖T‖ + λ)/λ ≈ 1e4 times it
+    atol = 1e-10 if solver == "dense" else 1e-8
+    assert_tree_allclose(u1, ref1, rtol=0, atol=atol)
+    assert_tree_allclose(u2, ref2, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("model,mode", [("real", "real"), ("nonholo", "complex"), ("nonholo", "real")])
+def test_update_equals_netket_srt_onthefly(model, mode):
+    """N = 20: 5 per device on 4 (NetKet's shard_map needs it); vmcgrad at chunk 3, a divisor of nothing."""
+    apply, cplx = MODELS[model]
+    params = _params(cplx)
+    x, e = _data(20)
+    x2, e2 = _data(20, seed=7)
+    kw = dict(proj_reg=0.5, momentum=0.8)
+    ref1, old_nk, _ = _netket(srt_onthefly, apply, params, x, e, mode, **kw)
+    ref2, _, _ = _netket(srt_onthefly, apply, params, x2, e2, mode, old_updates=old_nk, **kw)
+    ours = dict(diag_shift=DIAG, mode=mode, solver=solve, chunk_size=3, **kw)
+    u1, old, _ = vmcgrad.minsr_update(_logpsi(apply), params, x, e, **ours)
+    u2, _, _ = vmcgrad.minsr_update(_logpsi(apply), params, x2, e2, old_updates=old, **ours)
+    assert_tree_allclose(u1, ref1, rtol=0, atol=1e-10)
+    assert_tree_allclose(u2, ref2, rtol=0, atol=1e-10)
+
+
+def test_holomorphic_mode_equals_complex_mode():
+    """'holomorphic' (complex N×N kernel) gives NetKet's 'complex' update on a holomorphic model."""
+    apply, _ = MODELS["holo"]
+    params = _params(True)
+    x, e = _data(18)
+    ref, _, _ = _netket(srt, apply, params, x, e, "complex")
+    u, _, _ = vmcgrad.minsr_update(
+        _logpsi(apply), params, x, e, diag_shift=DIAG, mode="holomorphic", chunk_size=5
+    )
+    assert_tree_allclose(u, ref, rtol=0, atol=1e-10)
+
+
+def test_dense_blocks_run_no_collective_in_a_loop():
+    """The block loop (rows × columns of all samples, gathered once) holds no collective; the centring's
+    means and the gather are outside every loop."""
+    apply, _ = MODELS["r2c"]
+    x, _ = _data(18)
+    T = vmcgrad.NTK(_logpsi(apply), _params(False), x, chunk_size=5)
+    report = vmcgrad.collective_report(jax.jit(lambda T: T.to_dense()).lower(T).compile())
+    assert report.total_in_loops == 0, report
+    if jax.device_count() > 1:
+        assert report.total_outside > 0, report  # the kernel really is split over the devices
+
+
+def test_jit_of_update_and_grad_refused():
+    apply, _ = MODELS["real"]
+    params = _params(False)
+    x, e = _data(18)
+    e = e.real
+    f = lambda p, e: vmcgrad.minsr_update(_logpsi(apply), p, x, e, diag_shift=DIAG, chunk_size=5)[0]
+    assert_tree_allclose(jax.jit(f)(params, e), f(params, e), rtol=0, atol=1e-12)
+    loss = lambda p: jnp.sum(f(p, e)["a"])
+    with pytest.raises(TypeError, match=r"vmcgrad\.QGT"):
+        jax.grad(loss)(params)
+
+
+def test_solve_dense_cg_and_vmap():
+    apply, _ = MODELS["r2c"]
+    params = _params(False)
+    x, _ = _data(18)
+    T = vmcgrad.NTK(_logpsi(apply), params, x, chunk_size=5, diag_shift=1e-2)
+    A = T.to_dense()
+    B = jax.random.normal(jax.random.key(5), (2, T.dim))
+    xd, _ = T.solve(B[0])
+    np.testing.assert_allclose(A @ xd, B[0], rtol=0, atol=1e-10)
+    xc, info = T.solve(B[0], solver="cg", tol=1e-13)
+    assert bool(info.converged)
+    np.testing.assert_allclose(xc, xd, rtol=0, atol=1e-9)
+    xs = jax.vmap(lambda b: T.solve(b)[0])(B)
+    np.testing.assert_allclose(xs, jnp.linalg.solve(A, B.T).T, rtol=0, atol=1e-10)
+
+
+def test_bad_input_before_tracing():
+    apply, _ = MODELS["real"]
+    params = _params(False)
+    x, e = _data(18)
+    lp = _logpsi(apply)
+    with pytest.raises(ValueError, match="`mode` must be one of"):
+        vmcgrad.NTK(lp, params, x, mode="jacobian")
+    with pytest.raises(ValueError, match="holomorphic"):
+        vmcgrad.NTK(lp, params, x, mode="holomorphic")
+    with pytest.raises(ValueError, match="diag_shift"):
+        vmcgrad.NTK(lp, params, x, diag_shift=-1.0)
+    T = vmcgrad.NTK(lp, params, x)
+    with pytest.raises(ValueError, match=r"shape \(18,\)"):
+        T @ jnp.ones(17)
+    with pytest.raises(TypeError, match="real floating"):
+        T @ jnp.ones(18, complex)
+    with pytest.raises(TypeError, match="`solver`"):
+        T.solve(jnp.ones(18), solver="lu")
+    with pytest.raises(ValueError, match="local_values"):
+        vmcgrad.minsr_update(lp, params, x, e[:10], diag_shift=DIAG)
+    with pytest.raises(TypeError, match="diag_shift"):
+        vmcgrad.minsr_update(lp, params, x, e, diag_shift="big")
+    with pytest.raises((TypeError, ValueError), match=r"old_updates|tangent"):
+        vmcgrad.minsr_update(lp, params, x, e, diag_shift=DIAG, momentum=0.5, old_updates={"a": jnp.ones(L)})

@@ -1,0 +1,629 @@
+r"""``NTK``: the centred neural-tangent kernel of sample-space SR (MinSR / SPRING) as a pytree operator.
+
+With :math:`J` the per-sample Jacobian of the mode's output with respect to a real parametrisation
+(NetKet's ``VMC_SR`` conventions, :func:`NTK`), :math:`\Delta J_i = J_i - \frac1N \sum_j J_j`,
+
+.. math::
+
+    T = \frac1N \Delta J \Delta J^\dagger + \lambda\, \mathbb 1 ,
+
+an :math:`NK \times NK` matrix (K = 2 output components in 'complex' mode, 1 otherwise). Its
+non-zero spectrum is that of the QGT :math:`S = \frac1N \Delta J^\dagger \Delta J`.
+
+How it is computed, always through the one chunked primitive (:mod:`vmcgrad._chunked`):
+
+* :meth:`NTKOperator.to_dense`: one pass over each device's rows, ``c`` at a time. For a chunk of
+  rows the chunk's Jacobian :math:`J_{[k]}` (``c K × P``) is taken, then an inner loop walks all N
+  samples (gathered once, before the pass) ``c`` columns at a time, taking each column chunk's
+  Jacobian and the block :math:`(J_{[k]} - \mathbf 1 s^T)(J_{[l]} - \mathbf 1 s^T)^\dagger`. Peak memory is
+  about :math:`2cKP` plus the device's :math:`N_\text{local} K \times NK` rows; no collective
+  runs per block. :math:`s` is NetKet's mean-Jacobian estimate (32 evenly strided samples): it does
+  not change the centred kernel in exact arithmetic, and keeps its small eigenvalues in float32
+  (taken over at most ``c`` samples, so that no model call exceeds the chunk).
+  The centring follows, as row and column means of the blocks.
+* ``T @ v``: one vjp pass (:math:`g = \Delta J^\dagger v`, the pullback path of
+  :func:`vmcgrad.batched_vjp`) and one jvp pass (:math:`\Delta J g`, that of
+  :func:`vmcgrad.batched_jvp`); nothing of size N×N or N×P is stored.
+
+The update of sample-space SR (:func:`minsr_update`) maps the solution back to parameter space with
+the same pullback as :func:`vmcgrad.batched_vjp` (``vmcgrad._vjp.vjp_sum``).
+
+**Complex conventions.** JAX's pullback of a function of complex parameters returns
+:math:`\overline{J_\mathbb{R}^T \bar c}` packed as a complex number, so for every mode
+:math:`\Delta J^\dagger x = \overline{\mathrm{vjp}(\bar x_c)}` with :math:`x_c` the vector packed as
+:math:`x_{re} + i x_{im}` ('complex'), or itself ('real', 'holomorphic'); and the jvp with the packed
+tangent is the directional derivative whose real and imaginary parts are the 'complex' rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from . import _validation as check
+from ._chunked import map_reduce_problem
+from ._chunking import plan_chunks
+from ._function import join_fun
+from ._jvp import jvp_chunk
+from ._problem import Inputs, Problem, auto_chunk, call, problem
+from ._qgt_modes import from_rep, to_rep
+from ._runner import REPLICATED, cast_like
+from ._solve import CGInfo, cg
+from ._vjp import vjp_sum
+
+_NAME = "vmcgrad.NTK"
+MODES = ("real", "complex", "holomorphic")
+#: Samples in NetKet's mean-Jacobian estimate (``srt_onthefly``'s ``n_subset``).
+SHIFT_SAMPLES = 32
+
+
+def _is_complex(x: Any) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.complexfloating)
+
+
+def choose_ntk_mode(where: str, params: Any, out_dtype: Any, mode: Any) -> str:
+    """NetKet's ``VMC_SR`` rule: 'real' if parameters and output are real, else 'complex'.
+
+    'real' keeps only :math:`\\mathrm{Re}\\log\\psi` (for real wave functions with a sign; NetKet's
+    ``VMC_SR(mode='real')``), 'complex' splits output and complex parameters into real and imaginary
+    parts, 'holomorphic' takes :math:`O = \\partial\\log\\psi/\\partial\\theta` of complex parameters.
+    """
+    leaves = jax.tree.leaves(params)
+    any_complex = any(_is_complex(p) for p in leaves)
+    complex_out = jnp.issubdtype(out_dtype, jnp.complexfloating)
+    if mode is None:
+        return "complex" if (any_complex or complex_out) else "real"
+    if not isinstance(mode, str) or mode not in MODES:
+        raise ValueError(
+            f"{where}: `mode` must be one of {MODES} or None; got {mode!r}. Fix: leave it None to "
+            "choose as NetKet's VMC_SR does ('real' for real parameters and output, else 'complex')."
+        )
+    if mode == "holomorphic" and not (all(_is_complex(p) for p in leaves) and complex_out):
+        raise ValueError(
+            f"{where}: mode='holomorphic' needs complex parameters (every leaf) and a complex output; "
+            f"got output dtype {out_dtype} and parameter dtypes "
+            f"{sorted({str(jnp.result_type(p)) for p in leaves})}. Fix: use mode='complex'."
+        )
+    return mode
+
+
+def _k(mode: str) -> int:
+    """Output components per sample: 2 in 'complex' mode (Re, Im), else 1."""
+    return 2 if mode == "complex" else 1
+
+
+def _theta(mode: str, params: Any) -> Any:
+    """The parametrisation differentiated: complex leaves split into (re, im), except 'holomorphic'."""
+    return params if mode == "holomorphic" else to_rep("complex", params)
+
+
+def _rows(fun: Callable, mode: str, params: Any) -> Callable:
+    """``f(theta, batch) -> (batch, K)``: the mode's output components as functions of ``theta``."""
+
+    def f(theta, x):
+        p = theta if mode == "holomorphic" else cast_like(from_rep("complex", theta), params)
+        out = fun(p, x)
+        if mode == "complex":
+            return jnp.stack([jnp.real(out), jnp.imag(out)], axis=-1)
+        if mode == "real":
+            return jnp.real(out)[:, None]
+        return out[:, None]
+
+    return f
+
+
+def _jacobian(f: Callable, theta: Any, x: Any, mode: str) -> Any:
+    """Per-sample Jacobians of ``f``: leaves of shape ``(batch, K, *leaf)`` (vmap of one-sample jacrev)."""
+
+    def one(xi):
+        row = lambda t: f(t, jax.tree.map(lambda a: a[None], xi))[0]
+        return jax.jacrev(row, holomorphic=mode == "holomorphic")(theta)
+
+    return jax.vmap(one)(x)
+
+
+def _contract(a: Any, b: Any, k: int) -> jax.Array:
+    r""":math:`A B^\dagger` over all parameters: ``(n_a, K, n_b, K)`` from leaves ``(n, K, *leaf)``."""
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    na, nb = la[0].shape[0], lb[0].shape[0]
+    total = None
+    for x, y in zip(la, lb):
+        blk = x.reshape(na * k, -1) @ jnp.conj(y.reshape(nb * k, -1)).T
+        total = blk if total is None else total + blk
+    return total.reshape(na, k, nb, k)
+
+
+def _mean_jacobian(f: Callable, theta: Any, samples: Any, n: int, mode: str, most: int) -> Any:
+    """NetKet's estimate of the mean Jacobian: over ``min(n, 32, most)`` samples evenly strided (``most``
+    the chunk, so that no batch exceeds it), by pullbacks (leaves ``(K, *leaf)``); it only needs to
+    remove the bulk of the common part (it cancels exactly in the centred kernel)."""
+    k = min(n, SHIFT_SAMPLES, most)
+    idx = jnp.arange(k) * (n // k)
+    subset = jax.tree.map(lambda a: a[idx], samples)
+    out, pull = jax.vjp(lambda t: f(t, subset), theta)
+    eye = jnp.eye(out.shape[1], dtype=out.dtype)
+    cts = jnp.broadcast_to(eye[:, None, :] / k, (out.shape[1], *out.shape))
+    (mean,) = jax.vmap(pull)(cts)
+    return jax.lax.stop_gradient(mean)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NTKOperator:
+    r"""The centred kernel :math:`T = \frac1N \Delta J \Delta J^\dagger + \lambda\mathbb 1` (see :func:`NTK`).
+
+    A pytree: parameters, samples, the model state of a ``Partial`` ``logpsi`` and ``diag_shift`` are
+    leaves (rebuilding it every step does not recompile); the function's code, the chunk size, the
+    mode and the sample mesh axis are static.
+
+    Vectors are flat, of length :attr:`dim` = N·K, in NetKet's order: sample by sample, and within a
+    sample (Re, Im) in 'complex' mode; real, or complex in 'holomorphic' mode.
+    """
+
+    inputs: Inputs
+    diag_shift: jax.Array
+    problem: Problem = dataclasses.field(metadata={"static": True})
+    mode: str = dataclasses.field(metadata={"static": True})
+
+    @property
+    def params(self) -> Any:
+        """The parameters the kernel is taken at."""
+        return self.inputs.params
+
+    @property
+    def samples(self) -> Any:
+        """The samples :math:`\\sigma_1..\\sigma_N`."""
+        return self.inputs.samples
+
+    @property
+    def n_samples(self) -> int:
+        """N."""
+        return self.problem.n
+
+    @property
+    def dim(self) -> int:
+        """N·K: the side of the matrix (2N in 'complex' mode)."""
+        return self.problem.n * _k(self.mode)
+
+    @property
+    def dtype(self) -> Any:
+        """The matrix dtype: complex in 'holomorphic' mode, else the real dtype of the parameters."""
+        return _vector_dtype(self.mode, self.params)
+
+    @property
+    def chunk_size(self) -> int | None:
+        """Rows (and columns) per block on each device (chosen here for ``chunk_size="auto"``)."""
+        if self.problem.chunk_size != "auto":
+            return self.problem.chunk_size
+        return auto_chunk(_dense_program, self.problem, self)
+
+    def __matmul__(self, v: Any) -> jax.Array:
+        r""":math:`T v`: one vjp pass and one jvp pass over the samples, no N×N storage.
+
+        Args:
+            v: a vector of shape ``(dim,)`` (:attr:`dtype`).
+
+        Returns:
+            :math:`T v`, shape ``(dim,)``.
+        """
+        v = self._vector("v", v)
+        return call(_matmul_program, self.problem, self, v)
+
+    def to_dense(self) -> jax.Array:
+        """The ``(dim, dim)`` matrix, block by block (rows split over the devices like the samples)."""
+        return call(_dense_program, self.problem, self)
+
+    def solve(
+        self,
+        b: Any,
+        *,
+        solver: Any = None,
+        x0: Any = None,
+        tol: float = 1e-10,
+        atol: float = 0.0,
+        maxiter: int | None = None,
+    ) -> tuple[jax.Array, Any]:
+        r"""Solves :math:`T x = b`.
+
+        Args:
+            b: right-hand side, shape ``(dim,)``.
+            solver: None for a Cholesky solve of :meth:`to_dense`; a NetKet-style dense solver
+                ``solver(A, b) -> x`` or ``(x, info)`` (e.g. ``netket.optimizer.solver.cholesky``);
+                or ``"cg"``: vmcgrad's conjugate gradient on :meth:`__matmul__` (matrix-free).
+            x0, tol, atol, maxiter: for ``"cg"`` only (see :meth:`vmcgrad.QGTOperator.solve`).
+
+        Returns:
+            ``(x, info)``: ``info`` a :class:`vmcgrad.CGInfo` for ``"cg"``, the dense solver's info
+            (or None) otherwise.
+        """
+        where = f"{_NAME}.solve"
+        b = self._vector("b", b)
+        solver = _check_solver(where, solver)
+        if solver == "cg":
+            x0 = None if x0 is None else self._vector("x0", x0)
+            tol, atol = check.check_tolerances(where, tol, atol)
+            maxiter = check.check_maxiter(where, maxiter, default=10 * self.dim)
+            return call(_cg_program, self.problem, self, b, x0, tol, atol, maxiter)
+        return call(_dense_solve_program, self.problem, self, b, solver)
+
+    def replace(self, *, diag_shift: Any) -> NTKOperator:
+        """A copy with a new ``diag_shift``."""
+        real = jnp.finfo(self.dtype).dtype
+        return dataclasses.replace(
+            self,
+            diag_shift=check.check_nonnegative_scalar(f"{_NAME}.replace", "diag_shift", diag_shift, real),
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"NTKOperator(mode={self.mode!r}, dim={self.dim}, n_samples={self.n_samples}, "
+            f"chunk_size={self.problem.chunk_size}, diag_shift={self.diag_shift})"
+        )
+
+    def _vector(self, name: str, v: Any) -> jax.Array:
+        where = f"{_NAME} ({name})"
+        v = check.as_arrays(where, name, v)
+        dtype = self.dtype
+        if not isinstance(v, jax.Array) or v.shape != (self.dim,):
+            raise ValueError(
+                f"{where}: `{name}` must be a vector of shape ({self.dim},) (N·K = {self.n_samples}·"
+                f"{_k(self.mode)} in mode {self.mode!r}); got {check.describe(v)}. Fix: pass one entry per "
+                "sample (and per real/imaginary part in 'complex' mode, interleaved as NetKet does)."
+            )
+        if not jnp.issubdtype(v.dtype, jnp.inexact) or (_is_complex(v) and not _is_complex(dtype)):
+            raise TypeError(
+                f"{where}: `{name}` must be a {'complex' if _is_complex(dtype) else 'real'} floating "
+                f"vector ({dtype}); got {check.describe(v)}. Fix: pass v.astype({jnp.dtype(dtype).name!r})."
+            )
+        return v.astype(dtype)
+
+    # --- traced pieces ---------------------------------------------------------------------------
+
+    def _at(self, prob: Problem) -> NTKOperator:
+        return dataclasses.replace(self, problem=prob)
+
+    def _fun(self) -> Callable:
+        return join_fun(self.problem.fun, tuple(self.inputs.fun_data))
+
+    def _jdagger(self, x: jax.Array) -> Any:
+        r""":math:`\Delta J^\dagger x` for ``x`` of shape ``(N, K)``, parameter-shaped: one vjp pass."""
+        x = x - jnp.mean(x, axis=0, keepdims=True)
+        xc = jax.lax.complex(x[:, 0], x[:, 1]) if self.mode == "complex" else x[:, 0]
+        ct = jnp.conj(xc).astype(self.problem.out_dtype)
+        g = vjp_sum(self.problem, self.inputs, ct)
+        return cast_like(jax.tree.map(jnp.conj, g), self.params)
+
+    def _j(self, tangent: Any) -> jax.Array:
+        r""":math:`\Delta J t` for a parameter-shaped ``t``, shape ``(N, K)``: one jvp pass."""
+        _, y = map_reduce_problem(self.problem, self.inputs, jvp_chunk, (tangent, self.problem.layout))
+        y = _components(self.mode, y)
+        return y - jnp.mean(y, axis=0, keepdims=True)
+
+    def _apply(self, v: jax.Array) -> jax.Array:
+        k, n = _k(self.mode), self.problem.n
+        y = self._j(self._jdagger(v.reshape(n, k))) / n
+        return (y.reshape(-1) + self.diag_shift * v).astype(v.dtype)
+
+
+def _components(mode: str, y: jax.Array) -> jax.Array:
+    """A per-sample output ``(N,)`` as the mode's ``(N, K)`` components."""
+    if mode == "complex":
+        return jnp.stack([jnp.real(y), jnp.imag(y)], axis=-1)
+    if mode == "real":
+        return jnp.real(y)[:, None]
+    return y[:, None]
+
+
+def _vector_dtype(mode: str, params: Any) -> Any:
+    dtype = jnp.result_type(*jax.tree.leaves(params))
+    real = jnp.finfo(dtype).dtype
+    return jnp.result_type(real, jnp.complex64) if mode == "holomorphic" else real
+
+
+def _check_solver(where: str, solver: Any) -> Any:
+    if solver is None or callable(solver) or (isinstance(solver, str) and solver == "cg"):
+        return solver
+    raise TypeError(
+        f"{where}: `solver` must be None (Cholesky of the dense kernel), a dense solver "
+        f"solver(A, b) -> x or (x, info), or 'cg' (matrix-free); got {check.describe(solver)}. "
+        "Fix: pass e.g. solver=netket.optimizer.solver.cholesky or solver='cg'."
+    )
+
+
+def NTK(
+    logpsi: Any,
+    params: Any,
+    samples: Any,
+    *,
+    chunk_size: int | str | None = None,
+    mode: str | None = None,
+    diag_shift: float | jax.Array = 0.0,
+    memory_budget: float | None = None,
+) -> NTKOperator:
+    r"""The centred neural-tangent kernel of ``logpsi`` at ``params`` over ``samples``.
+
+    .. math::
+
+        T = \frac1N \Delta J \Delta J^\dagger + \lambda \mathbb 1,\qquad
+        \Delta J_i = J_i - \frac1N\sum_j J_j ,
+
+    in NetKet's ``VMC_SR`` conventions (``srt`` / ``srt_onthefly``): with
+    :math:`\tilde\theta` the parameters, complex leaves split into real and imaginary parts,
+
+    - ``'real'``: :math:`J_i = \partial\,\mathrm{Re}\log\psi(\sigma_i)/\partial\tilde\theta`, T is N×N;
+    - ``'complex'``: rows :math:`\partial\,\mathrm{Re}\log\psi(\sigma_i)/\partial\tilde\theta` and
+      :math:`\partial\,\mathrm{Im}\log\psi(\sigma_i)/\partial\tilde\theta`, interleaved sample by
+      sample: T is the real 2N×2N matrix;
+    - ``'holomorphic'``: :math:`J_i = O_i = \partial\log\psi(\sigma_i)/\partial\theta` (complex), T is
+      complex Hermitian N×N (the complex form of the 'complex' kernel of a holomorphic model).
+
+    Args:
+        logpsi: ``logpsi(params, batch) -> (batch,)`` log-amplitudes; a plain callable or a
+            ``jax.tree_util.Partial`` whose arrays are traced.
+        params: the parameter pytree.
+        samples: the N samples along axis 0 (sharded over devices or not; any N).
+        chunk_size: rows and columns per block on each device (any positive int), None for one block
+            (all local rows against all samples), or ``"auto"``: the largest power of two whose
+            :meth:`~NTKOperator.to_dense` program fits ``memory_budget``.
+        mode: 'real', 'complex', 'holomorphic', or None: 'real' for real parameters and output,
+            else 'complex' (NetKet's default).
+        diag_shift: :math:`\lambda`.
+        memory_budget: bytes per device for ``chunk_size="auto"``.
+
+    Returns:
+        An :class:`NTKOperator`.
+
+    Raises:
+        TypeError, ValueError: for bad input, before anything is traced.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, vmcgrad
+        >>> logpsi = lambda w, x: jnp.tanh(x @ w)
+        >>> w, x = jnp.ones(3) / 4, jnp.arange(30.0).reshape(10, 3) / 30
+        >>> T = vmcgrad.NTK(logpsi, w, x, chunk_size=4)
+        >>> J = jax.jacrev(lambda w: logpsi(w, x))(w)
+        >>> dJ = J - J.mean(0)
+        >>> bool(jnp.allclose(T.to_dense(), dJ @ dJ.T / 10))
+        True
+    """
+    prob, inputs, _ = problem(
+        _NAME, logpsi, params, samples, chunk_size=chunk_size, memory_budget=memory_budget, arg="logpsi"
+    )
+    mode = choose_ntk_mode(_NAME, inputs.params, prob.out_dtype, mode)
+    real = jnp.finfo(_vector_dtype(mode, inputs.params)).dtype
+    diag_shift = check.check_nonnegative_scalar(_NAME, "diag_shift", diag_shift, real)
+    return NTKOperator(inputs=inputs, diag_shift=diag_shift, problem=prob, mode=mode)
+
+
+# --- compiled programs: program(problem, op, ...) with the problem static (see _problem.call) ---------
+
+
+def _column_chunk(prob: Problem) -> int:
+    """Columns per block: the row chunk (at most N), or all N for one block."""
+    c = plan_chunks(prob.n_local, prob.chunk_size).size
+    return min(c, prob.n)
+
+
+def dense_chunk(
+    fun: Callable, params: Any, x: Any, w: jax.Array, all_x: Any, shift: Any, *, mode: str, cols: int, n: int
+) -> tuple[tuple, jax.Array]:
+    """One chunk of rows of the uncentred kernel: ``(c, K, N, K)``, the columns ``cols`` at a time.
+
+    ``all_x`` are all samples (padded to a multiple of ``cols``), ``shift`` the mean-Jacobian estimate.
+    """
+    del w
+    f = _rows(fun, mode, params)
+    theta = _theta(mode, params)
+    k = _k(mode)
+    rows = jax.tree.map(lambda j, s: j - s, _jacobian(f, theta, x, mode), shift)
+    n_pad = jax.tree.leaves(all_x)[0].shape[0]
+    c = jax.tree.leaves(x)[0].shape[0]
+    dtype = jax.tree.leaves(rows)[0].dtype
+
+    def block(i, out):
+        xc = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, i * cols, cols), all_x)
+        col = jax.tree.map(lambda j, s: j - s, _jacobian(f, theta, xc, mode), shift)
+        return jax.lax.dynamic_update_slice_in_dim(out, _contract(rows, col, k), i * cols, axis=2)
+
+    out = jax.lax.fori_loop(0, n_pad // cols, block, jnp.zeros((c, k, n_pad, k), dtype))
+    return (), out[:, :, :n, :]
+
+
+@partial(jax.jit, static_argnums=0)
+def _dense_program(prob: Problem, op: NTKOperator) -> jax.Array:
+    op = op._at(prob)
+    n, k, mode = prob.n, _k(op.mode), op.mode
+    f = _rows(op._fun(), mode, op.params)
+    theta = _theta(mode, op.params)
+    cols = _column_chunk(prob)
+    shift = _mean_jacobian(f, theta, op.samples, n, mode, cols)
+    n_pad = -(-n // cols) * cols
+    all_x = jax.tree.map(lambda a: jnp.concatenate([a, jnp.repeat(a[-1:], n_pad - n, axis=0)]), op.samples)
+    chunk = partial(dense_chunk, mode=mode, cols=cols, n=n)
+    _, t = map_reduce_problem(prob, op.inputs, chunk, (all_x, REPLICATED), (shift, REPLICATED))
+    # Centring without a dense centring matrix (NetKet's srt_onthefly): row and column means.
+    col_means = t.mean(axis=0, keepdims=True)
+    row_means = t.mean(axis=2, keepdims=True)
+    t = (t - col_means - row_means + col_means.mean(axis=2, keepdims=True)) / n
+    t = t.reshape(n * k, n * k)
+    return (t + op.diag_shift * jnp.eye(n * k, dtype=t.dtype)).astype(op.dtype)
+
+
+@partial(jax.jit, static_argnums=0)
+def _matmul_program(prob: Problem, op: NTKOperator, v: jax.Array) -> jax.Array:
+    return op._at(prob)._apply(v)
+
+
+def _dense_solve(solver: Any, a: jax.Array, b: jax.Array) -> tuple[jax.Array, Any]:
+    if solver is None:
+        return jax.scipy.linalg.cho_solve(jax.scipy.linalg.cho_factor(a, lower=True), b), None
+    out = solver(a, b)
+    if isinstance(out, tuple):
+        return out[0], out[1]
+    return out, None
+
+
+@partial(jax.jit, static_argnums=(0, 3))
+def _dense_solve_program(prob: Problem, op: NTKOperator, b: jax.Array, solver: Any) -> tuple[jax.Array, Any]:
+    return _dense_solve(solver, _dense_program(prob, op), b)
+
+
+@partial(jax.jit, static_argnums=0)
+def _cg_program(prob: Problem, op: NTKOperator, b, x0, tol, atol, maxiter) -> tuple[jax.Array, CGInfo]:
+    op = op._at(prob)
+    return cg(op._apply, b, x0, tol=tol, atol=atol, maxiter=maxiter)
+
+
+# --- the sample-space SR update ----------------------------------------------------------------------
+
+_UPDATE = "vmcgrad.minsr_update"
+
+
+def minsr_update(
+    logpsi: Any,
+    params: Any,
+    samples: Any,
+    local_energies: Any,
+    *,
+    diag_shift: float | jax.Array,
+    mode: str | None = None,
+    proj_reg: float | jax.Array | None = None,
+    momentum: float | jax.Array | None = None,
+    old_updates: Any = None,
+    solver: Any = None,
+    chunk_size: int | str | None = None,
+    memory_budget: float | None = None,
+    tol: float = 1e-10,
+    maxiter: int | None = None,
+) -> tuple[Any, Any, Any]:
+    r"""The update of sample-space stochastic reconfiguration (MinSR, SPRING), as NetKet's ``VMC_SR``.
+
+    .. math::
+
+        \varepsilon = \frac{2}{\sqrt N}\big(E_\mathrm{loc} - \bar E\big)
+                      - \mu\,\frac{\Delta J\,\delta_\mathrm{old}}{\sqrt N},
+        \qquad
+        x = \Big(T + \lambda\mathbb 1 + \frac{r}{N}\mathbf 1\mathbf 1^T\Big)^{-1} \varepsilon,
+
+        \delta\theta = \frac{1}{\sqrt N}\Delta J^\dagger x + \mu\, \delta_\mathrm{old},
+
+    with :math:`T` the kernel of :func:`NTK` in the mode's representation (:math:`\varepsilon` split
+    into (Re, Im) per sample in 'complex' mode, its real part in 'real' mode), :math:`\lambda` =
+    ``diag_shift``, :math:`r` = ``proj_reg`` and :math:`\mu` = ``momentum`` (NetKet's ``srt`` and
+    ``srt_onthefly``; by the push-through identity it equals the parameter-space SR update
+    :math:`(S + \lambda)^{-1} F`-direction when :math:`\mu = 0`). :math:`\Delta J^\dagger x` is one chunked
+    pullback with one reduction, the path of :func:`vmcgrad.batched_vjp`.
+
+    Args:
+        logpsi, params, samples, chunk_size, mode, memory_budget: as for :func:`NTK`.
+        local_energies: :math:`E_\mathrm{loc}(\sigma_i)`, shape ``(N,)``.
+        diag_shift: :math:`\lambda \ge 0`.
+        proj_reg: :math:`r \ge 0` or None (changes nothing in exact arithmetic: :math:`\varepsilon`
+            and the solution are orthogonal to the constant vectors; it regularises the solver).
+        momentum: :math:`\mu` (SPRING) or None.
+        old_updates: :math:`\delta_\mathrm{old}`, a pytree like ``params`` (the previous call's second
+            result), or None for zeros. Only read with ``momentum``.
+        solver: None (Cholesky of the dense kernel), a NetKet-style dense solver ``solver(A, b)``, or
+            ``"cg"``: matrix-free conjugate gradient on ``T @ v`` (no N×N matrix stored).
+        tol, maxiter: for ``"cg"``.
+
+    Returns:
+        ``(updates, old_updates, info)``: ``updates`` a pytree like ``params`` (apply it with the
+        optimiser as NetKet does, :math:`\theta \leftarrow \theta - \eta\,\delta\theta`); ``old_updates``
+        the same pytree with ``momentum`` (else None); ``info`` the solver's info or None.
+
+    Raises:
+        TypeError, ValueError: for bad input, before anything is traced.
+        TypeError: when differentiated (see the message for the alternative).
+    """
+    name = _UPDATE
+    prob, inputs, _ = problem(
+        name, logpsi, params, samples, chunk_size=chunk_size, memory_budget=memory_budget, arg="logpsi"
+    )
+    mode = choose_ntk_mode(name, inputs.params, prob.out_dtype, mode)
+    real = jnp.finfo(_vector_dtype(mode, inputs.params)).dtype
+    local_energies = check.as_arrays(name, "local_energies", local_energies)
+    if isinstance(local_energies, jax.Array):
+        local_energies = local_energies.reshape(-1) if local_energies.size == prob.n else local_energies
+    check.check_local_values(name, local_energies, prob.n)
+    diag_shift = check.check_nonnegative_scalar(name, "diag_shift", diag_shift, real)
+    if proj_reg is not None:
+        proj_reg = check.check_nonnegative_scalar(name, "proj_reg", proj_reg, real, example="1.0")
+    if momentum is not None:
+        momentum = check.check_nonnegative_scalar(name, "momentum", momentum, real, example="0.8")
+        if old_updates is not None:
+            old_updates = check.as_arrays(name, "old_updates", old_updates)
+            check.check_tangent(name, old_updates, inputs.params)
+    else:
+        old_updates = None
+    solver = _check_solver(name, solver)
+    tol, atol = check.check_tolerances(name, tol, 0.0)
+    maxiter = check.check_maxiter(name, maxiter, default=10 * prob.n * _k(mode))
+    op = NTKOperator(inputs=inputs, diag_shift=diag_shift, problem=prob, mode=mode)
+    cg_opts = (tol, atol, maxiter)
+    return call(_update_program, prob, op, local_energies, proj_reg, momentum, old_updates, solver, cg_opts)
+
+
+def _refuse_jvp(primals, tangents):
+    del primals, tangents
+    raise TypeError(
+        f"{_UPDATE}: differentiating through the sample-space SR update is not supported. Fix: "
+        "differentiate the parameter-space form, which is the same vector when momentum is None "
+        "(push-through identity): vmcgrad.QGT(logpsi, params, samples, diag_shift=λ).solve(F) with "
+        "F the force (vmcgrad.expect_grad), whose solve is differentiated implicitly; or wrap the "
+        "update in jax.lax.stop_gradient if no derivative is needed."
+    )
+
+
+@partial(jax.jit, static_argnums=(0, 6))
+def _update_program(
+    prob: Problem, op: NTKOperator, e_loc, proj_reg, momentum, old_updates, solver, cg_opts
+) -> tuple[Any, Any, Any]:
+    @jax.custom_jvp
+    def run(op, e_loc, proj_reg, momentum, old_updates, cg_opts):
+        return _update(op._at(prob), e_loc, proj_reg, momentum, old_updates, solver, cg_opts)
+
+    run.defjvp(_refuse_jvp)
+    return run(op, e_loc, proj_reg, momentum, old_updates, cg_opts)
+
+
+def _update(op: NTKOperator, e_loc, proj_reg, momentum, old_updates, solver, cg_opts):
+    n, k, mode = op.problem.n, _k(op.mode), op.mode
+    sqrt_n = math.sqrt(n)
+    dv = 2.0 * (e_loc - jnp.mean(e_loc)) / sqrt_n
+    if mode == "complex":
+        dv = jnp.stack([jnp.real(dv), jnp.imag(dv)], axis=-1)
+    elif mode == "real":
+        dv = jnp.real(dv)[:, None]
+    else:
+        dv = dv[:, None]
+    dv = dv.astype(op.dtype)
+    if momentum is not None and old_updates is not None:
+        dv = dv - momentum * op._j(old_updates) / sqrt_n
+    dv = dv.reshape(-1)
+    info = None
+    if solver == "cg":
+        tol, atol, maxiter = cg_opts
+        if proj_reg is None:
+            apply = op._apply
+        else:
+            apply = lambda v: op._apply(v) + proj_reg / n * jnp.sum(v)
+        x, info = cg(apply, dv, None, tol=tol, atol=atol, maxiter=maxiter)
+    else:
+        a = _dense_program(op.problem, op)
+        if proj_reg is not None:
+            a = a + proj_reg / n
+        x, info = _dense_solve(solver, a, dv)
+    x = x.reshape(n, k) / sqrt_n  # centred by _jdagger
+    updates = op._jdagger(x)
+    if momentum is not None:
+        if old_updates is not None:
+            updates = jax.tree.map(lambda u, o: u + momentum * o, updates, old_updates)
+        return updates, updates, info
+    return updates, None, info

@@ -1,0 +1,166 @@
+r"""``VMC_SR``: NetKet's ``nk.driver.VMC_SR`` with the sample-space SR update computed by vmcgrad.
+
+NetKet's ``VMC_SR`` calls module functions (``srt``, ``srt_onthefly``), not the state, so the
+``MCState`` switch cannot reach it; this subclass replaces only the update of
+:meth:`compute_loss_and_update`. With ``use_ntk=True`` every step computes
+
+.. math::
+
+    \delta\theta = \frac{1}{\sqrt N}\Delta J^\dagger
+        \Big(T + \lambda\mathbb 1 + \frac{r}{N}\mathbf 1\mathbf 1^T\Big)^{-1} \varepsilon
+        + \mu\,\delta_\mathrm{old},\qquad T = \frac1N \Delta J \Delta J^\dagger,
+
+with :func:`vmcgrad.minsr_update` (NetKet's conventions, modes and SPRING momentum): the kernel is
+built block by block from per-chunk Jacobians (never the N×P Jacobian NetKet holds, dense or on the
+fly), at any ``chunk_size_bwd`` (no divisor needed) or ``"auto"``, and mapped back to parameter
+space by one chunked pullback with one reduction. ``on_the_fly`` makes no difference to vmcgrad's
+kernel (both are built without the Jacobian); it is kept for NetKet's interface. ``linear_solver``
+is NetKet's dense solver on the N×N (2N×2N) kernel, or ``"cg"`` for vmcgrad's matrix-free conjugate
+gradient on ``T @ v`` (no N×N matrix stored).
+
+``use_ntk=False`` (parameter-space SR, a P×P matrix) runs NetKet's own ``sr``: the P×P system is
+the point of that path, and for it ``nk.driver.VMC`` with ``nk.optimizer.SR(qgt=
+vmcgrad.netket.QGTOnTheFly)`` is vmcgrad's chunked route (no P×P or N×P matrix at all). The
+driver warns once that this step is NetKet's.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import netket as nk
+from netket._src.ngd.sr_srt_common import get_samples_and_pdf
+from netket.utils import struct, timing
+
+import vmcgrad
+
+from .. import _validation as check
+from ._expect_grad import log_psi
+
+NAME = "vmcgrad.netket.VMC_SR"
+
+
+class VMC_SR(nk.driver.VMC_SR):
+    r"""NetKet's ``VMC_SR`` driver whose MinSR / SPRING update (``use_ntk=True``) is vmcgrad's.
+
+    Same arguments as ``nk.driver.VMC_SR``, and:
+
+    Args:
+        chunk_size_bwd: rows and columns per block of the kernel on each device: any positive int,
+            None, or ``"auto"`` (largest power of two whose program fits ``memory_budget``).
+            Default: the state's vmcgrad chunk size (``vmcgrad.netket.MCState``), else its
+            ``chunk_size``.
+        linear_solver: NetKet's dense solver ``solver(A, b)``, or ``"cg"`` (matrix-free).
+        memory_budget: bytes per device for ``chunk_size_bwd="auto"``.
+
+    Example::
+
+        vs = vmcgrad.netket.MCState(sampler, model, n_samples=4096, chunk_size=256)
+        gs = vmcgrad.netket.VMC_SR(H, optax.sgd(0.01), diag_shift=1e-4, variational_state=vs,
+                                   use_ntk=True)
+        gs.run(300)
+    """
+
+    _cg: bool = struct.field(pytree_node=False, default=False)
+    _memory_budget: Any = struct.field(pytree_node=False, default=None)
+
+    def __init__(
+        self,
+        hamiltonian: Any,
+        optimizer: Any,
+        *,
+        variational_state: Any,
+        chunk_size_bwd: int | str | None = None,
+        linear_solver: Any = nk.optimizer.solver.cholesky_with_fallback,
+        memory_budget: float | None = None,
+        **kwargs: Any,
+    ):
+        if isinstance(variational_state, nk.vqs.FullSumState):
+            raise TypeError(
+                f"{NAME}: takes an MCState (sampled); got a FullSumState. Fix: use nk.driver.VMC_SR for "
+                "full-sum states (its NTK is not defined there)."
+            )
+        chunk = check.check_chunk_size(NAME, chunk_size_bwd)
+        if chunk is None:
+            chunk = getattr(variational_state, "vmcgrad_chunk_size", None)
+            if chunk is None:
+                chunk = variational_state.chunk_size
+        use_cg = isinstance(linear_solver, str)
+        if use_cg and linear_solver != "cg":
+            raise ValueError(
+                f"{NAME}: `linear_solver` must be a dense solver solver(A, b) or 'cg'; got {linear_solver!r}."
+            )
+        super().__init__(
+            hamiltonian,
+            optimizer,
+            variational_state=variational_state,
+            linear_solver=linear_solver,
+            chunk_size_bwd=chunk if isinstance(chunk, int) else None,
+            **kwargs,
+        )
+        self._cg = use_cg
+        if self._cg and not self.use_ntk:
+            raise ValueError(f"{NAME}: linear_solver='cg' needs use_ntk=True (the sample-space update).")
+        self._chunk_size_bwd = chunk  # may be "auto", which NetKet's setter refuses
+        self._memory_budget = check.check_memory_budget(NAME, memory_budget)
+        if self.use_ntk:
+            # vmcgrad's SPRING buffer: a pytree like the parameters (None: zeros).
+            self._old_updates = None
+
+    @timing.timed
+    def compute_loss_and_update(self):
+        """The energy statistics and vmcgrad's sample-space update (NetKet's step if ``use_ntk=False``)."""
+        if not self.use_ntk:
+            _warn_netket_step()
+            return super().compute_loss_and_update()
+        local_energies = self.state.local_estimators(self._ham)
+        self._loss_stats = nk.stats.statistics(local_energies)
+        decay = self._mcmc_convergence_diagnostics_ema_decay
+        if decay is not None:
+            old = self._loss_stats_online
+            if old is not None and old.n_samples == 0:
+                old = None
+            self._loss_stats_online = nk.stats.online_statistics(
+                local_energies, old_estimator=old, decay=decay, max_lag=32
+            )
+        diag_shift, proj_reg, momentum = self.diag_shift, self.proj_reg, self.momentum
+        if callable(diag_shift):
+            diag_shift = diag_shift(self.step_count)
+        if callable(proj_reg):
+            proj_reg = proj_reg(self.step_count)
+        if callable(momentum):
+            momentum = momentum(self.step_count)
+        samples, _ = get_samples_and_pdf(self.state)
+        logpsi = log_psi(self.state._apply_fun, self.state.model_state)
+        self._dp, self._old_updates, info = vmcgrad.minsr_update(
+            logpsi,
+            self.state.parameters,
+            samples,
+            local_energies.reshape(-1),
+            diag_shift=diag_shift,
+            mode=str(self.mode),  # NetKet's JacobianMode
+            proj_reg=proj_reg,
+            momentum=momentum,
+            old_updates=self._old_updates,
+            solver="cg" if self._cg else self._linear_solver,
+            chunk_size=self.chunk_size_bwd,
+            memory_budget=self._memory_budget,
+        )
+        self.info = info if isinstance(info, dict) and info else None
+        return self._loss_stats, self._dp
+
+
+_WARNED: list[bool] = []
+
+
+def _warn_netket_step() -> None:
+    if not _WARNED:
+        _WARNED.append(True)
+        warnings.warn(
+            f"{NAME}(use_ntk=False) runs NetKet's own parameter-space SR step (a P×P matrix). For "
+            "vmcgrad's chunked parameter-space SR use nk.driver.VMC with "
+            "nk.optimizer.SR(qgt=vmcgrad.netket.QGTOnTheFly).",
+            UserWarning,
+            stacklevel=3,
+        )
