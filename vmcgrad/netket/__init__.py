@@ -4,7 +4,8 @@ The one-line switch for a NetKet VMC script: replace ``nk.vqs.MCState(sampler, m
 ``vmcgrad.netket.MCState(sampler, model, ..., chunk_size=256)``. The driver (``nk.driver.VMC``,
 with or without ``nk.optimizer.SR``), loggers and callbacks are NetKet's, unchanged; the gradient
 of each step is computed by vmcgrad, chunked with no divisibility requirement and reduced once.
-For a chunked QGT in SR, pass ``qgt=vmcgrad.netket.QGTOnTheFly``.
+For vmcgrad's chunked QGT in SR, replace ``nk.optimizer.SR(...)`` by ``vmcgrad.netket.SR(...)`` (NetKet's
+SR whose QGT defaults to vmcgrad's), or pass ``qgt=vmcgrad.netket.QGTOnTheFly`` (also to TDVP).
 
 This subpackage imports NetKet; ``import vmcgrad`` alone does not.
 """
@@ -13,6 +14,16 @@ from ._expect_grad import expect_and_grad as expect_and_grad
 from ._forces import expect_and_forces as expect_and_forces
 from ._qgt import QGTOnTheFly as QGTOnTheFly
 from ._qgt import QGTOnTheFlyT as QGTOnTheFlyT
+from ._sr import SR as SR
+from ._sr import QGTAuto as QGTAuto
 from ._state import MCState as MCState
 
-__all__ = ["MCState", "QGTOnTheFly", "QGTOnTheFlyT", "expect_and_forces", "expect_and_grad"]
+__all__ = [
+    "SR",
+    "MCState",
+    "QGTAuto",
+    "QGTOnTheFly",
+    "QGTOnTheFlyT",
+    "expect_and_forces",
+    "expect_and_grad",
+]
