@@ -1,6 +1,6 @@
 """vmcgrad for NetKet users: ``expect_and_grad``, an SR-ready ``QGTOnTheFly``, and ``MCState``.
 
-The one-line switch for a NetKet VMC script: replace ``nk.vqs.MCState(sampler, model, ...)`` by
+The switch for a NetKet VMC script (one line; two with SR or TDVP): replace ``nk.vqs.MCState(sampler, model, ...)`` by
 ``vmcgrad.netket.MCState(sampler, model, ..., chunk_size=256)``. The driver (``nk.driver.VMC``,
 with or without ``nk.optimizer.SR``), loggers and callbacks are NetKet's, unchanged; the gradient
 of each step is computed by vmcgrad, chunked with no divisibility requirement and reduced once.
