@@ -1,11 +1,12 @@
 """vmcgrad for NetKet users: ``expect_and_grad``, an SR-ready ``QGTOnTheFly``, and ``MCState``.
 
-The switch for a NetKet VMC script (one line; two with SR or TDVP): replace ``nk.vqs.MCState(sampler, model, ...)`` by
-``vmcgrad.netket.MCState(sampler, model, ..., chunk_size=256)``. The driver (``nk.driver.VMC``,
-with or without ``nk.optimizer.SR``), loggers and callbacks are NetKet's, unchanged; the gradient
-of each step is computed by vmcgrad, chunked with no divisibility requirement and reduced once.
-For vmcgrad's chunked QGT in SR, replace ``nk.optimizer.SR(...)`` by ``vmcgrad.netket.SR(...)`` (NetKet's
-SR whose QGT defaults to vmcgrad's), or pass ``qgt=vmcgrad.netket.QGTOnTheFly`` (also to TDVP).
+The switch for a NetKet VMC script (one line; two with SR or TDVP): replace
+``nk.vqs.MCState(sampler, model, ...)`` by ``vmcgrad.netket.MCState(sampler, model, ...,
+chunk_size=256)``. The driver (``nk.driver.VMC``, with or without ``nk.optimizer.SR``), loggers and
+callbacks are NetKet's, unchanged; the gradient of each step is computed by vmcgrad, chunked with no
+divisibility requirement and reduced once. For vmcgrad's chunked QGT in SR, replace
+``nk.optimizer.SR(...)`` by ``vmcgrad.netket.SR(...)`` (NetKet's SR whose QGT defaults to
+vmcgrad's), or pass ``qgt=vmcgrad.netket.QGTOnTheFly`` (also to TDVP).
 
 This subpackage imports NetKet; ``import vmcgrad`` alone does not.
 """
