@@ -500,6 +500,7 @@ def test_bad_pytree_diag_shift_and_diag_scale():
     )
 
 
+@pytest.mark.filterwarnings("ignore::netket.errors.HolomorphicUndeclaredWarning")  # NetKet's, mode=None
 @pytest.mark.parametrize("mode", ["real", "complex", "holomorphic", "auto"])
 def test_mode_matches_netkets_jacobian_dense(vstate, mode):
     """``mode=`` as NetKet's ``QGTJacobianDense(mode=...)`` ('real' on a complex output takes
