@@ -338,3 +338,98 @@ def test_models_that_branch_on_data_run_in_every_estimator(mesh_kind):
     assert_tree_allclose(got, plain, rtol=1e-11, atol=1e-12)
     np.testing.assert_allclose(got_jvp, plain_jvp, rtol=1e-11, atol=1e-12)
     np.testing.assert_allclose(dense, S_ref, rtol=1e-10, atol=1e-12)
+
+
+# --- the validation cache: once per input signature, never stale, bounded --------------------------
+
+
+def _counting_checks(monkeypatch):
+    from vmcgrad import _problem
+    from vmcgrad import _validation as check
+
+    calls = []
+    real = check.check_problem
+
+    def counted(*args, **kwargs):
+        calls.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(check, "check_problem", counted)
+    monkeypatch.setattr(_problem, "_CHECKED", type(_problem._CHECKED)())
+    return calls
+
+
+def test_problem_validates_once_per_input_signature(monkeypatch):
+    """A second call with new values of the same shapes, dtypes and shardings reuses the checks
+    (a driver's every step); any change in the signature checks again; results stay exact."""
+    from vmcgrad import _problem
+
+    calls = _counting_checks(monkeypatch)
+    fun, params, samples = make_case("r2c", N)
+    ct = jnp.linspace(-1.0, 1.0, N).astype(jnp.complex128)
+    expected = vmcgrad.batched_vjp(fun, params, samples, ct, chunk_size=8)
+    params2 = jax.tree.map(lambda p: 2 * p, params)
+    got = vmcgrad.batched_vjp(fun, params2, samples + 1, ct, chunk_size=8)
+    assert calls == ["vmcgrad.batched_vjp"]
+    ref = jax.vjp(lambda p: fun(p, samples + 1), params2)[1](ct)[0]
+    assert_tree_allclose(got, ref, rtol=1e-12, atol=1e-14)
+    assert jax.tree.structure(got) == jax.tree.structure(expected)
+    vmcgrad.batched_vjp(fun, params2, samples[:-1], ct[:-1], chunk_size=8)  # another N
+    vmcgrad.batched_vjp(fun, params2, samples.astype(jnp.float32), ct, chunk_size=8)  # another dtype
+    vmcgrad.batched_vjp(lambda p, x: fun(p, x), params2, samples, ct, chunk_size=8)  # another function
+    vmcgrad.expect_grad(fun, params2, samples, ct, chunk_size=8)  # another entry point
+    assert len(calls) == 5
+    # the problem built from the cache is the one built without it
+    hit = _problem.problem("vmcgrad.batched_vjp", fun, params, samples, chunk_size=8)[0]
+    _problem._CHECKED.clear()
+    assert _problem.problem("vmcgrad.batched_vjp", fun, params, samples, chunk_size=8)[0] == hit
+
+
+@multi
+def test_problem_validation_cache_keys_on_the_sharding(monkeypatch):
+    calls = _counting_checks(monkeypatch)
+    fun, params, samples = make_case("r2c", 8 * N_DEV)
+    ct = jnp.ones(8 * N_DEV, jnp.complex128)
+    mesh = explicit_mesh()
+    with jax.set_mesh(mesh):
+        sharded = jax.device_put(samples, NamedSharding(mesh, P("S")))
+        a = vmcgrad.batched_vjp(fun, params, sharded, ct, chunk_size=3)
+        b = vmcgrad.batched_vjp(
+            fun, params, jax.device_put(samples, NamedSharding(mesh, P())), ct, chunk_size=3
+        )
+    assert len(calls) == 2
+    assert_tree_allclose(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_bad_input_after_a_cached_call_still_raises(monkeypatch):
+    _counting_checks(monkeypatch)
+    fun, params, samples = make_case("r2c", N)
+    ct = jnp.ones(N, jnp.complex128)
+    vmcgrad.batched_vjp(fun, params, samples, ct, chunk_size=8)
+    bad = jax.tree.map(lambda p: jnp.round(p).astype(jnp.int32), params)
+    with pytest.raises(TypeError, match="must be a real or complex floating array"):
+        vmcgrad.batched_vjp(fun, bad, samples, ct, chunk_size=8)
+    with pytest.raises(TypeError, match="must be a real or complex floating array"):
+        vmcgrad.batched_vjp(fun, bad, samples, ct, chunk_size=8)
+
+
+def test_problem_validation_cache_is_bounded_and_keeps_no_closure_alive(monkeypatch):
+    import gc
+    import weakref
+
+    from vmcgrad import _problem
+
+    _counting_checks(monkeypatch)
+    _, params, samples = make_case("r2c", N)
+    refs = []
+    for i in range(_problem._CHECKED_MAX + 5):
+        big = jnp.full((3,), float(i))
+        refs.append(weakref.ref(big))
+        vmcgrad.batched_vjp(
+            lambda p, x, big=big: x @ p["W"][:, 0] + big[0], params, samples, jnp.ones(N), chunk_size=8
+        )
+        del big
+    jax.clear_caches()  # jax.jit's caches hold the functions of compiled programs; this one must not
+    gc.collect()
+    assert len(_problem._CHECKED) == _problem._CHECKED_MAX
+    assert all(r() is None for r in refs), "the cache kept a function's closure alive"

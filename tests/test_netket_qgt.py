@@ -498,3 +498,30 @@ def test_bad_pytree_diag_shift_and_diag_scale():
     np.testing.assert_allclose(  # None means 0, as NetKet
         vnk.QGTOnTheFly(vs, diag_shift=None).to_dense(), nkqgt.QGTJacobianDense(vs).to_dense(), rtol=1e-10
     )
+
+
+@pytest.mark.filterwarnings("ignore::netket.errors.HolomorphicUndeclaredWarning")  # NetKet's, mode=None
+@pytest.mark.parametrize("mode", ["real", "complex", "holomorphic", "auto"])
+def test_mode_matches_netkets_jacobian_dense(vstate, mode):
+    """``mode=`` as NetKet's ``QGTJacobianDense(mode=...)`` ('real' on a complex output takes
+    Re log psi, as NetKet's does; 'auto' is the default choice). Where NetKet computes something
+    that is not the QGT (mode='holomorphic' on real parameters, 'real' on complex ones) vmcgrad
+    refuses before tracing; 'complex' on a real-valued model (NetKet refuses) is 'real'."""
+    rtol, atol = tols(vstate)
+    real_params = not is_complex(vstate)
+    if (mode == "holomorphic") == real_params and mode in ("real", "holomorphic"):
+        with pytest.raises(ValueError, match=f"mode='{mode}'"):
+            vnk.QGTOnTheFly(vstate, mode=mode, chunk_size=37, diag_shift=0.01)
+        return
+    real_output = not jnp.iscomplexobj(vstate.log_value(vstate.samples.reshape(-1, 5)[:2]))
+    ref_mode = {"auto": None, "complex": "real" if real_output else "complex"}.get(mode, mode)
+    ref = nkqgt.QGTJacobianDense(vstate, mode=ref_mode, diag_shift=0.01)
+    S = vnk.QGTOnTheFly(vstate, mode=mode, chunk_size=37, diag_shift=0.01)
+    np.testing.assert_allclose(S.to_dense(), ref.to_dense(), rtol=rtol, atol=atol)
+    v = random_tree(vstate)
+    assert_tree_allclose(S @ v, ref @ v, rtol=rtol, atol=atol)
+
+
+def test_mode_and_holomorphic_are_exclusive():
+    with pytest.raises(ValueError, match="pass `mode` or `holomorphic`, not both"):
+        vnk.QGTOnTheFly(_state("RBM[complex128]"), mode="complex", holomorphic=True)

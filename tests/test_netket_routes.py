@@ -16,6 +16,8 @@ device: in the README's test command's second pass (``VMCGRAD_TEST_DEVICES=1 pyt
 also run by ``.ci/run``); the 4-device pass skips them and runs the rest of this file.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -393,6 +395,82 @@ def test_sr_with_netkets_qgt_onthefly_runs_at_a_divisor():
         got, seen = run_and_record(lambda: sr(ours, grad))
     assert max(seen_ref) == N_SAMPLES and max(seen) == 14, (sorted(set(seen_ref)), sorted(set(seen)))
     assert not passes  # NetKet's own QGT
+    assert_tree_allclose(got, expected, rtol=1e-9, atol=1e-11)
+
+
+CG_TIGHT = functools.partial(jax.scipy.sparse.linalg.cg, tol=1e-13, maxiter=2000)
+
+
+@one_device
+@pytest.mark.parametrize(
+    "solver",
+    [CG_TIGHT, nk.optimizer.solver.cholesky],
+    ids=["cg", "cholesky"],
+)
+def test_vmcgrad_sr_default_qgt_is_vmcgrads(solver):
+    """``vmcgrad.netket.SR()`` (NetKet's SR, its QGT defaulting to vmcgrad's) on the switch: the QGT
+    is vmcgrad's, chunked at c, with the iterative and the dense solver; equal to NetKet's default
+    ``SR()`` (QGTAuto: QGTOnTheFly for cg, QGTJacobianDense for cholesky) on the unchunked state.
+    (cg at 1e-13: NetKet's default tolerance, 1e-5, would bound the difference only through S's
+    condition number.) The defaults are NetKet's: cg, and the QGT vmcgrad's ``QGTAuto``."""
+    default = vnk.SR()
+    assert default.solver is jax.scipy.sparse.linalg.cg and isinstance(default.qgt_constructor, vnk.QGTAuto)
+    ref, ours = states("rbm_modphase")
+    _, grad = ref.expect_and_grad(H)
+    sr = vnk.SR(solver=solver, diag_shift=0.01)
+    assert isinstance(sr, nk.optimizer.SR)
+    got, expected = assert_routed(
+        lambda: nk.optimizer.SR(solver=solver, diag_shift=0.01)(ref, grad),
+        lambda: sr(ours, grad),
+        via="vmcgrad",
+    )
+    assert_tree_allclose(got, expected, rtol=1e-9, atol=1e-11)
+
+
+@one_device
+@pytest.mark.filterwarnings("ignore:.*largest divisor:UserWarning")
+def test_netkets_default_sr_on_the_switch_stays_netkets():
+    """vmcgrad does not patch NetKet: ``nk.optimizer.SR()`` on the switch runs NetKet's own QGT
+    (chunked at the divisor the state reports), as documented."""
+    ref, ours = states("rbm_modphase")
+    _, grad = ref.expect_and_grad(H)
+    sr = nk.optimizer.SR(solver=nk.optimizer.solver.cholesky, diag_shift=0.01)
+    got, expected = assert_routed(lambda: sr(ref, grad), lambda: sr(ours, grad), via="netket")
+    assert_tree_allclose(got, expected, rtol=1e-9, atol=1e-11)
+
+
+def test_qgt_auto_chooses_vmcgrads_on_mc_states_and_netkets_otherwise():
+    """``vmcgrad.netket.QGTAuto``: vmcgrad's operator on an MCState (the switch or NetKet's),
+    keyword arguments passed on; NetKet's QGTAuto on a FullSumState."""
+    ref, ours = states("rbm_real", spy=False)
+    for vs in (ours, ref):
+        S = vnk.QGTAuto(nk.optimizer.solver.cholesky, diag_shift=0.01)(vs)
+        assert isinstance(S, vnk.QGTOnTheFlyT) and S.diag_shift == 0.01
+    full = nk.vqs.FullSumState(HILBERT, MODELS["rbm_real"](), seed=0)
+    S = vnk.QGTAuto()(full, diag_shift=0.01)
+    assert isinstance(S, nk.optimizer.LinearOperator) and not isinstance(S, vnk.QGTOnTheFlyT)
+
+
+@one_device
+def test_tdvp_with_vmcgrad_qgt_auto_runs_vmcgrads_qgt():
+    """``nkx.driver.TDVP(..., qgt=vmcgrad.netket.QGTAuto())`` on the switch: the QGT of each step is
+    vmcgrad's, chunked at c; the trajectory equals NetKet's TDVP with its QGTAuto, unchunked (both
+    with a shift: S is singular here and an unshifted solve amplifies round-off)."""
+    import netket.experimental as nkx
+
+    qgts = []
+
+    def run(vs, qgt):
+        te = nkx.driver.TDVP(H, vs, nkx.dynamics.Euler(dt=1e-3), qgt=qgt, linear_solver=CG_TIGHT)
+        te.run(T=2e-3, show_progress=False)
+        qgts.append(te._last_qgt)
+        return vs.parameters
+
+    ref, ours = states("rbm_modphase")
+    expected, seen_ref = run_and_record(lambda: run(ref, nk.optimizer.qgt.QGTAuto(diag_shift=1e-2)))
+    got, seen = run_and_record(lambda: run(ours, vnk.QGTAuto(diag_shift=1e-2)))
+    assert not isinstance(qgts[0], vnk.QGTOnTheFlyT) and isinstance(qgts[1], vnk.QGTOnTheFlyT)
+    assert max(seen_ref) > CHUNK >= max(seen), (sorted(set(seen_ref)), sorted(set(seen)))
     assert_tree_allclose(got, expected, rtol=1e-9, atol=1e-11)
 
 

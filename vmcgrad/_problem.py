@@ -19,8 +19,11 @@ the compiled program's memory and halving once after an out-of-memory error.
 
 from __future__ import annotations
 
+import collections
 import contextvars
 import dataclasses
+import types
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -97,7 +100,7 @@ def problem(
     check.check_not_in_shard_map(name)
     chunk_size = check.check_chunk_size(name, chunk_size)
     memory_budget = check.check_memory_budget(name, memory_budget)
-    params, samples, n, out = check.check_problem(name, fun, params, samples, arg=arg)
+    params, samples, n, out = _check_problem_cached(name, fun, params, samples, arg)
     check.warn_if_sharding_unseen(name, samples)
     where = find_sample_axis(samples)
     static, data = split_fun(fun)
@@ -114,6 +117,66 @@ def problem(
         memory_budget=memory_budget,
     )
     return prob, Inputs(data, params, samples), extra
+
+
+#: ``check_problem``'s results (``n``, the output's shape and dtype) per input signature, least
+#: recently used last out: what ``jax.jit`` caches a trace by (see :func:`_signature`).
+_CHECKED: collections.OrderedDict = collections.OrderedDict()
+_CHECKED_MAX = 32
+
+
+def _signature(name: str, fun: Callable, params: Any, samples: Any, arg: str) -> Any:
+    """The key of ``check_problem``'s result, or None when it must not be cached.
+
+    Everything the checks read: the entry point and argument names, the function's static part
+    (plain functions by weak reference, so that the cache keeps no closure alive; other callables by
+    equality, as ``jax.jit``'s static arguments), the tree structures, and every array's shape,
+    dtype, weak type and sharding (the function's own arrays included), the x64 flag and the mesh
+    in context. Only concrete JAX arrays are cached (not tracers, not NumPy or Python values).
+    """
+    leaves = jax.tree.leaves((params, samples))
+    if not leaves or not all(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) for x in leaves):
+        return None
+    static, data = split_fun(fun)
+    if not all(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) for x in data):
+        return None
+    if isinstance(static, types.FunctionType):
+        static = weakref.ref(static)
+    try:
+        hash(static)
+    except TypeError:
+        return None
+
+    def sig(x: jax.Array) -> tuple:
+        return (x.shape, x.dtype, x.weak_type, x.sharding)
+
+    return (
+        name,
+        arg,
+        static,
+        jax.tree.structure(params),
+        jax.tree.structure(samples),
+        tuple(map(sig, leaves)),
+        tuple(map(sig, data)),
+        bool(jax.config.jax_enable_x64),
+        jax.sharding.get_abstract_mesh(),
+    )
+
+
+def _check_problem_cached(name: str, fun: Callable, params: Any, samples: Any, arg: str) -> tuple:
+    """``check.check_problem``, its result cached per :func:`_signature` (a bounded LRU): a driver
+    calling an estimator every step with new values of the same shapes validates once. Failures
+    are not cached (bad input raises every time)."""
+    key = _signature(name, fun, params, samples, arg)
+    if key is not None and key in _CHECKED:
+        _CHECKED.move_to_end(key)
+        return (params, samples, *_CHECKED[key])
+    params, samples, n, out = check.check_problem(name, fun, params, samples, arg=arg)
+    if key is not None:
+        _CHECKED[key] = (n, out)
+        while len(_CHECKED) > _CHECKED_MAX:
+            _CHECKED.popitem(last=False)
+    return params, samples, n, out
 
 
 def call(program: Any, prob: Problem, *args: Any) -> Any:

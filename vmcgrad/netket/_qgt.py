@@ -42,6 +42,7 @@ from netket.errors import HolomorphicUndeclaredWarning, IllegalHolomorphicDeclar
 from netket.optimizer import LinearOperator
 from netket.optimizer.linear_operator import SolverT, Uninitialized
 from netket.optimizer.qgt.common import check_valid_vector_type
+from netket.utils import HashablePartial
 from netket.utils.api_utils import partial_from_kwargs
 
 import vmcgrad
@@ -63,6 +64,7 @@ def QGTOnTheFly(
     diag_shift: Any = 0.0,
     diag_scale: float | None = None,
     holomorphic: bool | None = None,
+    mode: str | None = None,
 ) -> QGTOnTheFlyT:
     r"""The quantum geometric tensor of ``vstate`` as a NetKet linear operator, computed by vmcgrad.
 
@@ -101,6 +103,10 @@ def QGTOnTheFly(
             :func:`vmcgrad.QGT` checks it) applies the 'complex' matrix, whose products and solves
             are the ones NetKet's ``QGTOnTheFly(holomorphic=True)`` gives; a UserWarning says so.
             The model's rows must depend on their own sample only (see :func:`vmcgrad.QGT`).
+        mode: 'real', 'complex' or 'holomorphic', as NetKet's ``QGTJacobianDense(mode=...)``
+            ('real' takes :math:`\operatorname{Re}\log\psi`, as NetKet's does), or None (or
+            'auto') to choose from ``holomorphic`` and the parameter dtypes as NetKet does;
+            exclusive with ``holomorphic``. See :func:`vmcgrad.QGT`.
 
     Returns:
         A :class:`QGTOnTheFlyT`.
@@ -127,11 +133,16 @@ def QGTOnTheFly(
         )
     if holomorphic and nkjax.tree_leaf_isreal(params):
         raise IllegalHolomorphicDeclarationForRealParametersError()
+    if mode == "auto":  # NetKet's QGTJacobian name for "choose"
+        mode = None
     diag_shift = check_shift(NAME, diag_shift, params)
     diag_scale = check_scale(NAME, diag_scale)
-    if holomorphic is None and nkjax.tree_leaf_iscomplex(params):
+    if mode is None and holomorphic is None and nkjax.tree_leaf_iscomplex(params):
         warnings.warn(HolomorphicUndeclaredWarning(), UserWarning, stacklevel=2)
-    logpsi, samples = log_psi(nkp.apply_fun(vstate), vstate.model_state), _flat_samples(vstate.samples)
+    apply_fun = nkp.apply_fun(vstate)
+    if mode == "real":  # NetKet's QGTJacobian mode='real' takes Re log psi (drops Im of a complex output)
+        apply_fun = HashablePartial(_real_apply, apply_fun)  # equal across calls: compiled once
+    logpsi, samples = log_psi(apply_fun, vstate.model_state), _flat_samples(vstate.samples)
     if holomorphic:
         why = holomorphic_violation(logpsi, params, samples)
         if why is not None:
@@ -154,9 +165,14 @@ def QGTOnTheFly(
         chunk_size=chunk_size,
         diag_shift=0.0,  # the shift is added by QGTOnTheFlyT (scalar or per parameter)
         diag_scale=diag_scale,
+        mode=mode,
         holomorphic=holomorphic,
     )
     return QGTOnTheFlyT(diag_shift=diag_shift, qgt=qgt)
+
+
+def _real_apply(apply_fun: Any, variables: Any, x: jax.Array) -> jax.Array:
+    return jnp.real(apply_fun(variables, x))
 
 
 @jax.jit

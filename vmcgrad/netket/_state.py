@@ -31,7 +31,11 @@ class MCState(nkp.NetKetMCState):
         vstate = vmcgrad.netket.MCState(sampler, model, n_samples=8192, seed=0, chunk_size=256)  # after
 
     Everything else — ``nk.driver.VMC`` with or without ``nk.optimizer.SR``, ``VMC_SR``,
-    ``nkx.driver.TDVP``, loggers, callbacks — is NetKet's, unchanged. With a chunk size ``c``
+    ``nkx.driver.TDVP``, loggers, callbacks — is NetKet's, unchanged. NetKet's default QGT
+    (``QGTAuto``, in ``nk.optimizer.SR()`` and TDVP) stays NetKet's own: a second line,
+    ``vmcgrad.netket.SR(...)`` for ``nk.optimizer.SR(...)`` or ``qgt=vmcgrad.netket.QGTAuto()`` for
+    TDVP, makes the QGT vmcgrad's; ``vmcgrad.netket.VMC_SR`` for ``nk.driver.VMC_SR`` makes the
+    sample-space kernel vmcgrad's. With a chunk size ``c``
     (non-mutable model), what runs where (the table in ``docs/netket.md``):
 
     - ``expect_and_grad(O)`` with the covariance formula (hermitian ``O``, or
