@@ -342,6 +342,11 @@ def _jvp_rule(primals, tangents, *, body, n_rep, n_sum, rep_layout, sum_layout, 
     if not any(nz):
         out = _bind(primals[:n_rep], primals[n_rep:], **params, pullback=pullback)
         return out, [ad.Zero(jax.typeof(o).to_tangent_aval()) for o in out]
+    # One bind for primal and tangent where the primal outputs are real. jax.checkpoint's partial
+    # evaluation saves them (_partial_eval_custom_rule), and jax 0.10.2 cannot save a complex value
+    # there (it inserts reduce_precision, which refuses complex dtypes): complex outputs take two
+    # binds, the primal part then being recomputed as checkpoint asks.
+    combine = all(jnp.issubdtype(a.dtype, jnp.floating) for a in body.out_avals)
     in_avals = body.in_avals  # (*rep, *per_sample_chunk, w)
     n_in = len(in_avals) - 1
     nz_rep = [i for i in range(n_rep) if nz[i]]
@@ -386,6 +391,9 @@ def _jvp_rule(primals, tangents, *, body, n_rep, n_sum, rep_layout, sum_layout, 
         pullback=None,
         jvp_split=None,
     )
+    if not combine:
+        out = _bind(primals[:n_rep], primals[n_rep:], **params, pullback=pullback)
+        return out, _bind(rep_in, ps_in, **{k: v for k, v in tangent.items() if k != "n_rep"})
     n_out = len(body.out_avals)
     split = _JvpSplit(
         primal_in=tuple(range(n_rep)) + tuple(range(len(rep_in), len(rep_in) + n_in - n_rep)),
@@ -474,8 +482,8 @@ def _partial_eval_custom_rule(saveable, unks_in, inst_in, eqn):
     unks_out, inst_out = [True] * n_out, [True] * n_out
     for i in split.primal_out:
         unks_out[i], inst_out[i] = False, False
-    primal_res = [eqn.invars[i] for i in split.primal_in]
-    residuals = [v for v in primal_res if isinstance(v, Var)]
+    # the staged part reads the primal operands: those not already available there are residuals
+    residuals = [eqn.invars[i] for i in split.primal_in if isinstance(eqn.invars[i], Var) and not inst_in[i]]
     return known, staged, unks_out, inst_out, residuals
 
 
