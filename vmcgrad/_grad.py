@@ -135,6 +135,7 @@ def expect_grad(
     )
     local_values = check.as_arrays(name, "local_values", local_values)
     check.check_local_values(name, local_values, prob.n)
+    check.check_same_devices(name, "local_values", local_values, prob.where)
     return call(grad_program, prob, inputs, local_values)
 
 

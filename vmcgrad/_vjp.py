@@ -89,6 +89,7 @@ def batched_vjp(
     prob, inputs, _ = problem(name, fun, params, samples, chunk_size=chunk_size, memory_budget=memory_budget)
     cotangent = check.as_arrays(name, "cotangent", cotangent)
     check.check_cotangent(name, "cotangent", cotangent, jax.ShapeDtypeStruct((prob.n,), prob.out_dtype))
+    check.check_same_devices(name, "cotangent", cotangent, prob.where)
     return call(vjp_program, prob, inputs, cotangent)
 
 

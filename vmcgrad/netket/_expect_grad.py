@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from functools import partial
 from typing import Any
 
@@ -137,13 +138,24 @@ def _log_psi_no_state(apply_fun, state_def, params, x):
 def log_psi(apply_fun: Any, model_state: Any) -> Any:
     """``logpsi(params, x)`` for vmcgrad, compiled once per model.
 
-    With model-state arrays: a ``jax.tree_util.Partial`` whose arrays are traced (new values do not
-    recompile). Without: a ``HashablePartial`` equal across calls (a fresh ``Partial`` holding no
-    arrays would be static and, hashed by identity, recompile every step).
+    vmcgrad keys a callable by identity (:mod:`vmcgrad._function`), so the callable is one object
+    per ``(apply_fun, model-state structure)`` (:func:`_log_psi_of`; NetKet's own jitted functions
+    take ``apply_fun`` as a static argument, equal by value, and so does this cache). With
+    model-state arrays: a ``jax.tree_util.Partial`` of it whose arrays are traced (new values do not
+    recompile).
     """
     if jax.tree.leaves(model_state):
-        return jax.tree_util.Partial(HashablePartial(_log_psi, apply_fun), model_state)
-    return HashablePartial(_log_psi_no_state, apply_fun, jax.tree.structure(model_state))
+        return jax.tree_util.Partial(_log_psi_of(apply_fun, None), model_state)
+    return _log_psi_of(apply_fun, jax.tree.structure(model_state))
+
+
+@functools.lru_cache(maxsize=64)
+def _log_psi_of(apply_fun: Any, state_def: Any) -> Any:
+    """One ``HashablePartial`` per model: ``_log_psi`` with the state traced (``state_def`` None),
+    else ``_log_psi_no_state``."""
+    if state_def is None:
+        return HashablePartial(_log_psi, apply_fun)
+    return HashablePartial(_log_psi_no_state, apply_fun, state_def)
 
 
 @partial(jax.jit, static_argnames=("kernel", "apply_fun", "chunk_size"))
