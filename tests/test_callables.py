@@ -7,14 +7,22 @@ Python-float leaves does not compile again per call, and a collected callable ne
 """
 
 import gc
+import warnings
 
 import equinox as eqx
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from helpers import assert_tree_allclose, compile_count
 
 import vmcgrad
+
+with jax.set_mesh(None):  # NetKet's import sets a global mesh: kept out of this file (test_netket.py)
+    import netket as nk
+
+    import vmcgrad.netket as vnk
 
 N, CHUNK = 11, 4
 W = jnp.linspace(-0.5, 0.7, 3)
@@ -202,3 +210,43 @@ def test_collected_callable_does_not_alias_a_new_one():
         assert_tree_allclose(got, references(fun)["batched_vjp"], rtol=1e-12, atol=1e-13)
         del fun, got
         gc.collect()
+
+
+# --- the NetKet adapter over several VMC steps ----------------------------------------------------
+
+
+@pytest.fixture
+def netket_mesh():
+    """NetKet's mesh (one Auto axis "S" over all devices), as after a plain ``import netket``."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("S",), axis_types=(jax.sharding.AxisType.Auto,))
+    with jax.set_mesh(mesh):
+        yield
+
+
+class StatefulRBM(nn.Module):
+    """An RBM scaled by a model-state variable: NetKet's ``log_psi`` is then a ``Partial``."""
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.variable("consts", "scale", lambda: jnp.asarray(0.7))
+        h = nn.Dense(4, param_dtype=jnp.float64, kernel_init=nn.initializers.normal(0.1))(x)
+        return scale.value * jnp.sum(jnp.log(jnp.cosh(h)), axis=-1)
+
+
+@pytest.mark.parametrize(("model", "chunk_size"), [("rbm", 5), ("rbm", "auto"), ("stateful", 5)])
+def test_netket_vmc_steps_do_not_recompile(model, chunk_size, netket_mesh):
+    """vmcgrad.netket.MCState under nk.driver.VMC with SR on vmcgrad's QGT: after the first step,
+    no step compiles anything (the log ψ callable is one object per model, keyed by identity)."""
+    g = nk.graph.Chain(6, pbc=True)
+    hi = nk.hilbert.Spin(0.5, g.n_nodes, total_sz=0)
+    H = nk.operator.Heisenberg(hi, g)
+    sampler = nk.sampler.MetropolisExchange(hi, graph=g, n_chains=2 * jax.device_count())
+    net = nk.models.RBMModPhase(alpha=1, param_dtype=jnp.float64) if model == "rbm" else StatefulRBM()
+    vs = vnk.MCState(sampler, net, n_samples=16 * jax.device_count(), seed=0, chunk_size=chunk_size)
+    sr = nk.optimizer.SR(qgt=vnk.QGTOnTheFly, solver=nk.optimizer.solver.cholesky, diag_shift=0.01)
+    driver = nk.driver.VMC(H, nk.optimizer.Sgd(0.05), variational_state=vs, preconditioner=sr)
+    counts = []
+    with warnings.catch_warnings():  # NetKet: fewer samples than parameters for SR (on purpose: small)
+        warnings.simplefilter("ignore", nk.errors.InsufficientSamplesForSRWarning)
+        driver.run(5, callback=lambda *a: counts.append(compile_count()) or True, show_progress=False)
+    assert counts[1:] == [counts[1]] * (len(counts) - 1), counts

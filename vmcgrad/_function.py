@@ -84,6 +84,10 @@ def _collect(aux: Any, out: list) -> None:
     elif isinstance(aux, dict):
         for a in aux.values():
             _collect(a, out)
+    elif type(aux).__name__ == "_HashableCallableShim" and hasattr(aux, "fun"):
+        # jax.tree_util.Partial wraps a functools.partial function in a new shim each time, equal
+        # by the wrapped function's __eq__: the wrapped function is the key
+        _collect(aux.fun, out)
     elif callable(aux) and not isinstance(aux, type):
         out.append(_key(aux))
 

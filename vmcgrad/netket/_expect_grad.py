@@ -89,13 +89,26 @@ _SHRUNK: dict = {}
 
 
 def auto_chunk_size(vstate: Any, sigma: Any) -> int:
-    """``chunk_size="auto"``: :func:`vmcgrad.auto_chunk_size` of the gradient pass on these samples.
+    """``chunk_size="auto"``: :func:`vmcgrad.auto_chunk_size` of the gradient pass on these samples,
+    at the state's ``memory_budget`` (:class:`vmcgrad.netket.MCState`; the default budget otherwise).
 
     The same chunk then bounds the local-value kernels (their memory also grows with the chunk).
     """
     flat = sigma.reshape(-1, sigma.shape[-1]) if sigma.ndim >= 3 else sigma
     logpsi = log_psi(vstate._apply_fun, vstate.model_state)
-    return vmcgrad.auto_chunk_size(logpsi, vstate.parameters, flat)
+    budget = getattr(vstate, "vmcgrad_memory_budget", None)
+    try:
+        return vmcgrad.auto_chunk_size(logpsi, vstate.parameters, flat, memory_budget=budget)
+    except MemoryError as err:
+        if not hasattr(err, "need"):
+            raise
+        raise MemoryError(
+            f"vmcgrad.netket: chunk_size='auto' found no chunk of the gradient pass that fits the "
+            f"memory budget of {err.budget} bytes per device; even one sample per chunk needs "
+            f"{err.need} bytes. Fix: give the state a larger budget, "
+            f"vmcgrad.netket.MCState(..., chunk_size='auto', memory_budget={2 * err.need}) (bytes per "
+            "device), or a fixed chunk_size, or use more devices."
+        ) from None
 
 
 def check_state_and_operator(vstate: Any, operator: Any) -> None:

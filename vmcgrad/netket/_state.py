@@ -63,6 +63,9 @@ class MCState(nk.vqs.MCState):
             or ``"auto"`` (:func:`vmcgrad.auto_chunk_size` of the gradient pass, at each call).
         netket_chunk_size: NetKet's own ``chunk_size`` (default None; when given, NetKet's paths
             and the forward kernels use it).
+        memory_budget: bytes per device for ``chunk_size="auto"`` (any positive number; stored as
+            :attr:`vmcgrad_memory_budget`); None for the default (half the free device memory, or
+            2 GiB where the backend does not say), as :func:`vmcgrad.auto_chunk_size`.
         **kwargs: every other keyword of ``nk.vqs.MCState`` (``n_samples``, ``seed``, ...).
     """
 
@@ -73,9 +76,11 @@ class MCState(nk.vqs.MCState):
         *,
         chunk_size: int | None = None,
         netket_chunk_size: int | None = None,
+        memory_budget: float | None = None,
         **kwargs: Any,
     ):
         self.vmcgrad_chunk_size = check.check_chunk_size(NAME, chunk_size)
+        self.vmcgrad_memory_budget = check.check_memory_budget(NAME, memory_budget)
         super().__init__(sampler, model, chunk_size=netket_chunk_size, **kwargs)
 
     # --- NetKet's chunk_size, as NetKet's own code reads it ---------------------------------
@@ -191,6 +196,7 @@ class MCState(nk.vqs.MCState):
             new = super()._replace_model(model, apply_fun=apply_fun, variables=variables)
         # NetKet passes its chunk size as ``chunk_size=``, which is vmcgrad's here: put both back
         new.vmcgrad_chunk_size, new.chunk_size = chunk, self._chunk_size
+        new.vmcgrad_memory_budget = self.vmcgrad_memory_budget
         return new
 
     def __repr__(self) -> str:
