@@ -243,10 +243,10 @@ def test_netket_vmc_steps_do_not_recompile(model, chunk_size, netket_mesh):
     sampler = nk.sampler.MetropolisExchange(hi, graph=g, n_chains=2 * jax.device_count())
     net = nk.models.RBMModPhase(alpha=1, param_dtype=jnp.float64) if model == "rbm" else StatefulRBM()
     vs = vnk.MCState(sampler, net, n_samples=16 * jax.device_count(), seed=0, chunk_size=chunk_size)
-    sr = nk.optimizer.SR(qgt=vnk.QGTOnTheFly, solver=nk.optimizer.solver.cholesky, diag_shift=0.01)
-    driver = nk.driver.VMC(H, nk.optimizer.Sgd(0.05), variational_state=vs, preconditioner=sr)
     counts = []
-    with warnings.catch_warnings():  # NetKet: fewer samples than parameters for SR (on purpose: small)
+    with warnings.catch_warnings():  # NetKet: fewer samples than parameters for SR (small on purpose)
         warnings.simplefilter("ignore", nk.errors.InsufficientSamplesForSRWarning)
+        sr = nk.optimizer.SR(qgt=vnk.QGTOnTheFly, solver=nk.optimizer.solver.cholesky, diag_shift=0.01)
+        driver = nk.driver.VMC(H, nk.optimizer.Sgd(0.05), variational_state=vs, preconditioner=sr)
         driver.run(5, callback=lambda *a: counts.append(compile_count()) or True, show_progress=False)
     assert counts[1:] == [counts[1]] * (len(counts) - 1), counts

@@ -376,3 +376,36 @@ def test_per_sample_argument_on_another_device_order(api):
         call(fun, w, xs, cts, chunk_size=3)
     got = call(fun, w, xs, jax.device_put(cts, xs.sharding), chunk_size=3)  # the advice, followed
     assert_tree_allclose(got, call(fun, w, x, ct, chunk_size=3), rtol=1e-13, atol=1e-14)
+
+
+def test_netket_mcstate_auto_memory_budget_advice_is_followable():
+    """Before: MCState's "auto" MemoryError advised ``memory_budget=``, which MCState did not take
+    (a TypeError from nk.vqs.MCState). Now it takes it; following the advice gives NetKet's numbers."""
+    import re
+
+    with jax.set_mesh(None):  # NetKet's import sets a global mesh
+        import netket as nk
+
+        import vmcgrad.netket as vnk
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("S",), axis_types=(AxisType.Auto,))
+    with jax.set_mesh(mesh):
+        g = nk.graph.Chain(6, pbc=True)
+        hi = nk.hilbert.Spin(0.5, g.n_nodes, total_sz=0)
+        H = nk.operator.Heisenberg(hi, g)
+        sampler = nk.sampler.MetropolisExchange(hi, graph=g, n_chains=2 * jax.device_count())
+        model = nk.models.RBM(alpha=1, param_dtype=jnp.float64)
+        kw = {"n_samples": 32 * jax.device_count(), "seed": 0, "sampler_seed": 1}
+        advice = r"vmcgrad.netket.MCState\(\.\.\., chunk_size='auto', memory_budget=(\d+)\)"
+        with pytest.raises(MemoryError, match=advice) as info:
+            vnk.MCState(sampler, model, chunk_size="auto", memory_budget=1000, **kw).expect_and_grad(H)
+        budget = int(re.search(advice, str(info.value)).group(1))
+        vs = vnk.MCState(sampler, model, chunk_size="auto", memory_budget=budget, **kw)
+        assert vs.vmcgrad_memory_budget == budget
+        stats, grad = vs.expect_and_grad(H)
+        ref = nk.vqs.MCState(sampler, model, **kw)
+        ref_stats, ref_grad = ref.expect_and_grad(H)
+        np.testing.assert_allclose(stats.mean, ref_stats.mean, rtol=1e-10)
+        assert_tree_allclose(grad, ref_grad, rtol=1e-10, atol=1e-12)
+        with pytest.raises(ValueError, match=r"vmcgrad.netket.MCState: `memory_budget` must be a positive"):
+            vnk.MCState(sampler, model, chunk_size="auto", memory_budget=-1, **kw)
