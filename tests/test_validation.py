@@ -350,16 +350,6 @@ def test_fun_error_on_a_chunk_carries_vmcgrad_context(api):
     assert "Fix: write fun for any number of rows" in note
 
 
-def test_fun_error_context_is_added_once():
-    """An error raised in fun under nested transformations carries one note, not one per level."""
-    w, x = jnp.ones(3) / 4, jnp.cos(jnp.arange(30.0)).reshape(10, 3)
-    loss = lambda w: vmcgrad.batched_vjp(hard_coded_batch, w, x, jnp.ones(10), chunk_size=4).sum()
-    with pytest.raises(TypeError) as info:
-        jax.grad(loss)(w)
-    ours = [n for n in getattr(info.value, "__notes__", []) if n.startswith("vmcgrad.")]
-    assert len(ours) == 1
-
-
 @multi
 @pytest.mark.parametrize("api", ["batched_vjp", "expect_grad"])
 def test_per_sample_argument_on_another_device_order(api):

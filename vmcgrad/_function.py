@@ -150,9 +150,7 @@ def on_chunks(fun: Callable, name: str, n: int, chunk_size: Any) -> Callable:
         try:
             return fun(params, x, *args, **kwargs)
         except Exception as err:
-            if not getattr(err, "_vmcgrad_context", False):
-                err._vmcgrad_context = True
-                err.add_note(_context(name, x, n, chunk_size))
+            err.add_note(_context(name, x, n, chunk_size))
             raise
 
     return chunk_fun

@@ -103,8 +103,9 @@ def expect_grad(
 
     Args:
         logpsi: ``logpsi(params, batch) -> (batch_size,)`` array, real or complex; a plain
-            callable (compiled in), or a ``jax.tree_util.Partial(f, *arrays)`` whose arrays are
-            traced (e.g. a model state) so new values do not recompile.
+            callable (compiled in, keyed by identity), or a pytree callable such as
+            ``jax.tree_util.Partial(f, *arrays)`` whose array-like leaves are traced (e.g. a model
+            state) so new values do not recompile.
         params: a pytree of real and/or complex floating arrays.
         samples: an array, or pytree of arrays, with the N samples along axis 0.
         local_values: the local estimators :math:`L_i`, shape ``(N,)``, real or complex (complex

@@ -50,8 +50,9 @@ def batched_vjp(
 
     Args:
         fun: ``fun(params, batch) -> (batch_size,)`` array, real or complex. A plain callable is
-            compiled in (cached by identity, as ``jax.jit`` does); a
-            ``jax.tree_util.Partial(f, *arrays)`` has its arrays traced instead (model state).
+            compiled in (keyed by identity, as ``jax.jit`` keys a function); a pytree callable
+            (``jax.tree_util.Partial(f, *arrays)``, an equinox ``Module``) has its array-like leaves,
+            Python floats included, traced instead (model state; :mod:`vmcgrad._function`).
         params: a pytree of real and/or complex floating arrays.
         samples: an array, or pytree of arrays, with the N samples along axis 0.
         cotangent: an array of shape ``(N,)`` with the dtype of ``fun``'s output.
