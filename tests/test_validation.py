@@ -321,3 +321,81 @@ def test_warns_once_per_call_site_when_no_sharding_is_visible():
             f(np.asarray(x))
     (w,) = _vmcgrad_warnings(record)
     assert "no sharding visible in their type" in str(w.message)
+
+
+# --- errors with vmcgrad's context (issue 19 item 6) ---------------------------------------------
+
+
+def hard_coded_batch(w, x):
+    """A fun written for all N=10 samples at once: fails on a chunk."""
+    return jnp.tanh(jnp.reshape(x, (10, 3)) @ w)
+
+
+@pytest.mark.parametrize("api", ["batched_vjp", "batched_jvp", "expect_grad", "QGT"])
+def test_fun_error_on_a_chunk_carries_vmcgrad_context(api):
+    """Before: JAX's bare "cannot reshape array of shape (4, 3)"; nothing said fun sees chunks."""
+    w, x, ct = jnp.ones(3) / 4, jnp.cos(jnp.arange(30.0)).reshape(10, 3), jnp.ones(10)
+    calls = {
+        "batched_vjp": lambda: vmcgrad.batched_vjp(hard_coded_batch, w, x, ct, chunk_size=4),
+        "batched_jvp": lambda: vmcgrad.batched_jvp(hard_coded_batch, w, x, w, chunk_size=4),
+        "expect_grad": lambda: vmcgrad.expect_grad(hard_coded_batch, w, x, ct, chunk_size=4),
+        "QGT": lambda: vmcgrad.QGT(hard_coded_batch, w, x, chunk_size=4) @ w,
+    }
+    with pytest.raises(TypeError, match=r"cannot reshape array of shape \(4, 3\)") as info:
+        calls[api]()
+    note = "\n".join(getattr(info.value, "__notes__", []))
+    assert f"vmcgrad.{api}: the error above was raised by `fun`" in note
+    assert "x of shape (4, 3)" in note and "chunks of 4 rows" in note
+    assert "chunk_size=4" in note and "N=10" in note
+    assert "Fix: write fun for any number of rows" in note
+
+
+@multi
+@pytest.mark.parametrize("api", ["batched_vjp", "expect_grad"])
+def test_per_sample_argument_on_another_device_order(api):
+    """Before: JAX's "Received incompatible devices for jitted computation"."""
+    fun = lambda w, x: jnp.tanh(x @ w)
+    w, x = jnp.ones(3) / 4, jnp.cos(jnp.arange(48.0)).reshape(16, 3)
+    ct = jnp.linspace(-1.0, 1.0, 16)
+    a = jax.sharding.Mesh(np.array(jax.devices()), ("S",))
+    b = jax.sharding.Mesh(np.array(jax.devices()[::-1]), ("S",))
+    xs, cts = jax.device_put(x, NamedSharding(a, P("S"))), jax.device_put(ct, NamedSharding(b, P("S")))
+    call = getattr(vmcgrad, api)
+    arg = "cotangent" if api == "batched_vjp" else "local_values"
+    with pytest.raises(ValueError, match=rf"vmcgrad.{api}: `{arg}` must be on the devices of the samples'"):
+        call(fun, w, xs, cts, chunk_size=3)
+    got = call(fun, w, xs, jax.device_put(cts, xs.sharding), chunk_size=3)  # the advice, followed
+    assert_tree_allclose(got, call(fun, w, x, ct, chunk_size=3), rtol=1e-13, atol=1e-14)
+
+
+def test_netket_mcstate_auto_memory_budget_advice_is_followable():
+    """Before: MCState's "auto" MemoryError advised ``memory_budget=``, which MCState did not take
+    (a TypeError from nk.vqs.MCState). Now it takes it; following the advice gives NetKet's numbers."""
+    import re
+
+    with jax.set_mesh(None):  # NetKet's import sets a global mesh
+        import netket as nk
+
+        import vmcgrad.netket as vnk
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("S",), axis_types=(AxisType.Auto,))
+    with jax.set_mesh(mesh):
+        g = nk.graph.Chain(6, pbc=True)
+        hi = nk.hilbert.Spin(0.5, g.n_nodes, total_sz=0)
+        H = nk.operator.Heisenberg(hi, g)
+        sampler = nk.sampler.MetropolisExchange(hi, graph=g, n_chains=2 * jax.device_count())
+        model = nk.models.RBM(alpha=1, param_dtype=jnp.float64)
+        kw = {"n_samples": 32 * jax.device_count(), "seed": 0, "sampler_seed": 1}
+        advice = r"vmcgrad.netket.MCState\(\.\.\., chunk_size='auto', memory_budget=(\d+)\)"
+        with pytest.raises(MemoryError, match=advice) as info:
+            vnk.MCState(sampler, model, chunk_size="auto", memory_budget=1000, **kw).expect_and_grad(H)
+        budget = int(re.search(advice, str(info.value)).group(1))
+        vs = vnk.MCState(sampler, model, chunk_size="auto", memory_budget=budget, **kw)
+        assert vs.vmcgrad_memory_budget == budget
+        stats, grad = vs.expect_and_grad(H)
+        ref = nk.vqs.MCState(sampler, model, **kw)
+        ref_stats, ref_grad = ref.expect_and_grad(H)
+        np.testing.assert_allclose(stats.mean, ref_stats.mean, rtol=1e-10)
+        assert_tree_allclose(grad, ref_grad, rtol=1e-10, atol=1e-12)
+        with pytest.raises(ValueError, match=r"vmcgrad.netket.MCState: `memory_budget` must be a positive"):
+            vnk.MCState(sampler, model, chunk_size="auto", memory_budget=-1, **kw)

@@ -78,7 +78,8 @@ def choose_chunk(
         where: the public function's name, for the error message.
 
     Raises:
-        MemoryError: when even a chunk of one sample does not fit.
+        MemoryError: when even a chunk of one sample does not fit (attributes ``need``, the bytes of
+            chunk 1, and ``budget``).
     """
     key = (key, n_local, budget)
     if key in _cache:
@@ -93,11 +94,13 @@ def choose_chunk(
             hi = mid - 1
     if best is None:
         need = program_bytes(compile_at(1))
-        raise MemoryError(
+        err = MemoryError(
             f"{where}: chunk_size='auto' found no chunk that fits the memory budget of {budget} bytes "
             f"per device; even one sample per chunk needs {need} bytes. Fix: pass a larger budget to "
             f"{where}, e.g. memory_budget={2 * need}, use more devices, or reduce the model size."
         )
+        err.need, err.budget = need, budget  # for callers that word their own advice (vmcgrad.netket)
+        raise err
     _cache[key] = best
     return best
 

@@ -56,7 +56,6 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ._chunking import plan_chunks
-from ._function import join_fun
 from ._runner import SAMPLES, Laid, Space, acc_dtype, run_on
 
 chunked_p = Primitive("vmcgrad_chunked_map_reduce")
@@ -801,6 +800,6 @@ def map_reduce_problem(
             values[i] = v
         for i, v in zip(where_ps, chunks):
             values[i] = v
-        return chunk_fun(join_fun(prob.fun, tuple(fun_data)), params, x, w, *values)
+        return chunk_fun(prob.user_fun(fun_data), params, x, w, *values)
 
     return map_reduce(prob.space, g, rep, per_sample, sum_layout=sum_layout)

@@ -103,8 +103,9 @@ def expect_grad(
 
     Args:
         logpsi: ``logpsi(params, batch) -> (batch_size,)`` array, real or complex; a plain
-            callable (compiled in), or a ``jax.tree_util.Partial(f, *arrays)`` whose arrays are
-            traced (e.g. a model state) so new values do not recompile.
+            callable (compiled in, keyed by identity), or a pytree callable such as
+            ``jax.tree_util.Partial(f, *arrays)`` whose array-like leaves are traced (e.g. a model
+            state) so new values do not recompile.
             **Row by row:** row i of the output may depend on sample i only; ``logpsi`` is called on chunks of
             at most ``chunk_size`` rows (per device), so a batch statistic inside it (a mean, max or
             logsumexp of the batch subtracted without ``jax.lax.stop_gradient``) would become a per-chunk
@@ -139,6 +140,7 @@ def expect_grad(
     )
     local_values = check.as_arrays(name, "local_values", local_values)
     check.check_local_values(name, local_values, prob.n)
+    check.check_same_devices(name, "local_values", local_values, prob.where)
     return call(grad_program, prob, inputs, local_values)
 
 

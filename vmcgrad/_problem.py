@@ -32,7 +32,7 @@ import numpy as np
 
 from . import _validation as check
 from ._auto_chunk import choose_chunk, default_memory_budget, remember, run_with_oom_retry, signature
-from ._function import split_fun
+from ._function import join_fun, on_chunks, split_fun
 from ._runner import Space
 from ._sharding import SampleAxis, find_sample_axis, layout_of, local_count, replicate
 
@@ -51,7 +51,7 @@ class Problem:
 
     Attributes:
         name: the public function's name, for messages.
-        fun: the static part of the user's function (see :mod:`vmcgrad._function`).
+        fun: the static part of the user's function, keyed by identity (:mod:`vmcgrad._function`).
         where: the sample mesh axis, or None on one device.
         layout: per parameter leaf, the dimension split over the sample axis, or None.
         n: N, the global number of samples.
@@ -75,6 +75,12 @@ class Problem:
     def space(self) -> Space:
         """The rows and how each device walks them (:class:`vmcgrad._runner.Space`)."""
         return Space(self.where, self.n, self.n_local, self.chunk_size)
+
+    def user_fun(self, fun_data: tuple) -> Callable:
+        """The user's function inside the program, from its static part and traced data; an
+        exception it raises on a chunk carries this problem's context
+        (:func:`vmcgrad._function.on_chunks`)."""
+        return on_chunks(join_fun(self.fun, tuple(fun_data)), self.name, self.n, self.chunk_size)
 
     def at_chunk(self, chunk_size: int | None) -> Problem:
         """The same problem at a fixed chunk size."""

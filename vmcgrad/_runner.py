@@ -33,7 +33,6 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ._chunking import Chunks, plan_chunks
-from ._function import join_fun
 from ._sharding import gather, pad_to_devices, reduce, specs
 
 #: Placements: one row per sample (padded, split, cut back to N on the way out); replicated; and
@@ -79,7 +78,7 @@ def run(problem: Any, body: Any, inputs: Any, *extra: tuple[Any, Any], out: Any)
     """
 
     def local(chunks, fun_data, params, samples, *values):
-        return body(join_fun(problem.fun, fun_data), params, samples, chunks, *values)
+        return body(problem.user_fun(fun_data), params, samples, chunks, *values)
 
     args = ((inputs.fun_data, REPLICATED), (inputs.params, problem.layout), (inputs.samples, SAMPLES))
     return run_on(problem.space, local, *args, *extra, out=out)

@@ -222,6 +222,38 @@ def check_cotangent(where: str, name: str, ct: Any, out: jax.ShapeDtypeStruct) -
         )
 
 
+def check_same_devices(where: str, name: str, x: Any, axis: Any) -> None:
+    """A per-sample argument placed on the samples' devices, in the samples' mesh order.
+
+    ``axis`` is the problem's sample axis (:class:`vmcgrad._sharding.SampleAxis`, or None). Tracers
+    and uncommitted arrays are placed by the compiled program; a committed array on other devices,
+    or on the same devices in another mesh order, would make JAX refuse the call with
+    "incompatible devices".
+    """
+    mesh = getattr(axis, "mesh", None)
+    if not isinstance(mesh, jax.sharding.Mesh):
+        return
+    want = tuple(mesh.devices.flat)
+    for leaf in jax.tree.leaves(x):
+        if isinstance(leaf, jax.core.Tracer) or not isinstance(leaf, jax.Array) or not leaf.committed:
+            continue
+        sharding = leaf.sharding
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            got = tuple(sharding.mesh.devices.flat)
+            same = got == want
+        else:
+            got = tuple(sorted(sharding.device_set, key=lambda d: d.id))
+            same = set(got) == set(want)
+        if not same:
+            raise ValueError(
+                f"{where}: `{name}` must be on the devices of the samples' mesh, in its order "
+                f"(device ids {[d.id for d in want]}, mesh axes {tuple(mesh.axis_names)}); got "
+                f"{describe(leaf)} on device ids {[d.id for d in got]}. JAX runs one program over "
+                f"one device order. Fix: place it like the samples, e.g. "
+                f"`{name} = jax.device_put({name}, samples.sharding)`, or build both on one mesh."
+            )
+
+
 def check_tangent(where: str, tangent: Any, params: Any) -> None:
     """The tangent must have the pytree structure, shapes and dtypes of ``params``."""
     p_def, t_def = jax.tree.structure(params), jax.tree.structure(tangent)

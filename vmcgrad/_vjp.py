@@ -50,8 +50,9 @@ def batched_vjp(
 
     Args:
         fun: ``fun(params, batch) -> (batch_size,)`` array, real or complex. A plain callable is
-            compiled in (cached by identity, as ``jax.jit`` does); a
-            ``jax.tree_util.Partial(f, *arrays)`` has its arrays traced instead (model state).
+            compiled in (keyed by identity, as ``jax.jit`` keys a function); a pytree callable
+            (``jax.tree_util.Partial(f, *arrays)``, an equinox ``Module``) has its array-like leaves,
+            Python floats included, traced instead (model state; :mod:`vmcgrad._function`).
             **Row by row:** row i of the output may depend on sample i only; ``fun`` is called on chunks of
             at most ``chunk_size`` rows (per device), so a batch statistic inside it (a mean, max or
             logsumexp of the batch subtracted without ``jax.lax.stop_gradient``) would become a per-chunk
@@ -94,6 +95,7 @@ def batched_vjp(
     prob, inputs, _ = problem(name, fun, params, samples, chunk_size=chunk_size, memory_budget=memory_budget)
     cotangent = check.as_arrays(name, "cotangent", cotangent)
     check.check_cotangent(name, "cotangent", cotangent, jax.ShapeDtypeStruct((prob.n,), prob.out_dtype))
+    check.check_same_devices(name, "cotangent", cotangent, prob.where)
     return call(vjp_program, prob, inputs, cotangent)
 
 

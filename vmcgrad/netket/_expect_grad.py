@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from functools import partial
 from typing import Any
 
@@ -91,13 +92,26 @@ _SHRUNK: dict = {}
 
 
 def auto_chunk_size(vstate: Any, sigma: Any) -> int:
-    """``chunk_size="auto"``: :func:`vmcgrad.auto_chunk_size` of the gradient pass on these samples.
+    """``chunk_size="auto"``: :func:`vmcgrad.auto_chunk_size` of the gradient pass on these samples,
+    at the state's ``memory_budget`` (:class:`vmcgrad.netket.MCState`; the default budget otherwise).
 
     The same chunk then bounds the local-value kernels (their memory also grows with the chunk).
     """
     flat = sigma.reshape(-1, sigma.shape[-1]) if sigma.ndim >= 3 else sigma
     logpsi = log_psi(nkp.apply_fun(vstate), vstate.model_state)
-    return vmcgrad.auto_chunk_size(logpsi, vstate.parameters, flat)
+    budget = getattr(vstate, "vmcgrad_memory_budget", None)
+    try:
+        return vmcgrad.auto_chunk_size(logpsi, vstate.parameters, flat, memory_budget=budget)
+    except MemoryError as err:
+        if not hasattr(err, "need"):
+            raise
+        raise MemoryError(
+            f"vmcgrad.netket: chunk_size='auto' found no chunk of the gradient pass that fits the "
+            f"memory budget of {err.budget} bytes per device; even one sample per chunk needs "
+            f"{err.need} bytes. Fix: give the state a larger budget, "
+            f"vmcgrad.netket.MCState(..., chunk_size='auto', memory_budget={2 * err.need}) (bytes per "
+            "device), or a fixed chunk_size, or use more devices."
+        ) from None
 
 
 def check_state_and_operator(vstate: Any, operator: Any) -> None:
@@ -140,13 +154,24 @@ def _log_psi_no_state(apply_fun, state_def, params, x):
 def log_psi(apply_fun: Any, model_state: Any) -> Any:
     """``logpsi(params, x)`` for vmcgrad, compiled once per model.
 
-    With model-state arrays: a ``jax.tree_util.Partial`` whose arrays are traced (new values do not
-    recompile). Without: a ``HashablePartial`` equal across calls (a fresh ``Partial`` holding no
-    arrays would be static and, hashed by identity, recompile every step).
+    vmcgrad keys a callable by identity (:mod:`vmcgrad._function`), so the callable is one object
+    per ``(apply_fun, model-state structure)`` (:func:`_log_psi_of`; NetKet's own jitted functions
+    take ``apply_fun`` as a static argument, equal by value, and so does this cache). With
+    model-state arrays: a ``jax.tree_util.Partial`` of it whose arrays are traced (new values do not
+    recompile).
     """
     if jax.tree.leaves(model_state):
-        return jax.tree_util.Partial(HashablePartial(_log_psi, apply_fun), model_state)
-    return HashablePartial(_log_psi_no_state, apply_fun, jax.tree.structure(model_state))
+        return jax.tree_util.Partial(_log_psi_of(apply_fun, None), model_state)
+    return _log_psi_of(apply_fun, jax.tree.structure(model_state))
+
+
+@functools.lru_cache(maxsize=64)
+def _log_psi_of(apply_fun: Any, state_def: Any) -> Any:
+    """One ``HashablePartial`` per model: ``_log_psi`` with the state traced (``state_def`` None),
+    else ``_log_psi_no_state``."""
+    if state_def is None:
+        return HashablePartial(_log_psi, apply_fun)
+    return HashablePartial(_log_psi_no_state, apply_fun, state_def)
 
 
 @partial(jax.jit, static_argnames=("kernel", "apply_fun", "chunk_size"))

@@ -66,6 +66,9 @@ class MCState(nkp.NetKetMCState):
             or ``"auto"`` (:func:`vmcgrad.auto_chunk_size` of the gradient pass, at each call).
         netket_chunk_size: NetKet's own ``chunk_size`` (default None; when given, NetKet's paths
             and the forward kernels use it).
+        memory_budget: bytes per device for ``chunk_size="auto"`` (any positive number; stored as
+            :attr:`vmcgrad_memory_budget`); None for the default (half the free device memory, or
+            2 GiB where the backend does not say), as :func:`vmcgrad.auto_chunk_size`.
         **kwargs: every other keyword of ``nk.vqs.MCState`` (``n_samples``, ``seed``, ...).
     """
 
@@ -76,9 +79,11 @@ class MCState(nkp.NetKetMCState):
         *,
         chunk_size: int | None = None,
         netket_chunk_size: int | None = None,
+        memory_budget: float | None = None,
         **kwargs: Any,
     ):
         self.vmcgrad_chunk_size = check.check_chunk_size(NAME, chunk_size)
+        self.vmcgrad_memory_budget = check.check_memory_budget(NAME, memory_budget)
         super().__init__(sampler, model, chunk_size=netket_chunk_size, **kwargs)
 
     # --- NetKet's chunk_size, as NetKet's own code reads it ---------------------------------
@@ -193,6 +198,7 @@ class MCState(nkp.NetKetMCState):
             new = nkp.replace_model(self, model, apply_fun, variables)
         # NetKet passes its chunk size as ``chunk_size=``, which is vmcgrad's here: put both back
         new.vmcgrad_chunk_size, new.chunk_size = chunk, nkp.own_chunk_size(self)
+        new.vmcgrad_memory_budget = self.vmcgrad_memory_budget
         return new
 
     def __repr__(self) -> str:

@@ -30,12 +30,12 @@ import warnings
 from typing import Any
 
 import netket as nk
-from netket._src.ngd.sr_srt_common import get_samples_and_pdf
 from netket.utils import struct, timing
 
 import vmcgrad
 
 from .. import _validation as check
+from . import _nk_private as nkp
 from ._expect_grad import log_psi
 
 NAME = "vmcgrad.netket.VMC_SR"
@@ -131,8 +131,8 @@ class VMC_SR(nk.driver.VMC_SR):
             proj_reg = proj_reg(self.step_count)
         if callable(momentum):
             momentum = momentum(self.step_count)
-        samples, _ = get_samples_and_pdf(self.state)
-        logpsi = log_psi(self.state._apply_fun, self.state.model_state)
+        samples, _ = nkp.get_samples_and_pdf(self.state)
+        logpsi = log_psi(nkp.apply_fun(self.state), self.state.model_state)
         self._dp, self._old_updates, info = vmcgrad.minsr_update(
             logpsi,
             self.state.parameters,
