@@ -44,6 +44,7 @@ is not silently dropped. Bodies are traced with no context mesh: they run on one
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -668,22 +669,39 @@ def _pullback_jaxprs(chunk_fun: Callable, unpack: Callable, avals: list, sum_ava
 def _with_refs_traces(pullback: tuple, avals: list, sum_avals: Sequence) -> bool:
     """Whether JAX can write this pullback through ``with_refs`` (traced once, not run).
 
-    Not every transpose rule in jax 0.10.2 accumulates into refs: a model with ``slogdet`` fails
-    inside ``with_refs`` ("'NoneType' object is not iterable"). Such a pullback takes the generic
-    body (``acc[...] += part``), which every transpose supports.
+    Not every transpose rule in jax 0.10.2 accumulates into refs: a model that slices or indexes its
+    parameters (``W[:, 0]``, ``W[0]``) or calls ``slogdet`` fails inside ``with_refs`` ("'NoneType'
+    object is not iterable", a ``dot_general`` shape error). Such a pullback takes the generic body
+    (``acc[...] += part``), which every transpose supports. The failure is caught inside the probe's
+    trace, so that the trace ends normally and keeps none of the model's constants alive.
     """
+    ok = []
 
     def probe(*args):
         accs = [jax.new_ref(jnp.zeros(a.shape, a.dtype)) for a in sum_avals]
-        _pull_into(accs, pullback, list(args[:-1]), [], args[-1])  # operands in the body's order
+        try:  # inside the trace, so that the trace itself ends normally and keeps nothing alive
+            _pull_into(accs, pullback, list(args[:-1]), [], args[-1])  # operands in the body's order
+            ok.append(True)
+        except Exception as err:  # any failure inside JAX's ref transposes: use the generic body
+            _drop_frames(err)
+            ok.append(False)
         return [jax.ref.freeze(a) for a in accs]
 
-    try:
-        with jax.sharding.use_abstract_mesh(_NO_MESH):
-            jax.make_jaxpr(probe)(*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals))
-    except Exception:  # any failure inside JAX's ref transposes: use the generic body
-        return False
-    return True
+    with jax.sharding.use_abstract_mesh(_NO_MESH):
+        jax.make_jaxpr(probe)(*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals))
+    return ok[0]
+
+
+def _drop_frames(err: BaseException) -> None:
+    """Clears the frames of a failed probe's exception chain: they hold the abandoned trace, whose
+    constants (a user's closure) would otherwise outlive the call."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if err.__traceback__ is not None:
+            traceback.clear_frames(err.__traceback__)
+        err.__traceback__ = None
+        err = err.__cause__ or err.__context__
 
 
 def map_reduce(

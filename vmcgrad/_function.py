@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import enum
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -168,3 +169,12 @@ def _context(name: str, x: Any, n: int, chunk_size: Any) -> str:
         "write fun for any number of rows (x.shape[0] or -1 instead of a hard-coded batch size, or "
         "jax.vmap over single samples); chunk_size=None runs one chunk of each device's rows."
     )
+
+
+def cache_key(fun: Callable) -> Any:
+    """A key for vmcgrad's own bounded caches (validation, jaxpr analyses) that keeps nothing alive:
+    a weak reference for a plain function (a dead reference equals only itself, so a new function
+    at the same address never aliases it), else the static part of :func:`split_fun`."""
+    if isinstance(fun, types.FunctionType):
+        return weakref.ref(fun)
+    return split_fun(fun)[0]

@@ -710,10 +710,10 @@ def _avals(tree: Any) -> tuple:
 def signature_key(kind: str, fun: Callable, params: Any, samples: Any) -> Any:
     """The cache key of ``kind`` for ``fun`` (its static part, as the compiled programs key it) and
     the shapes and dtypes of ``fun``'s arrays, ``params`` and ``samples``; None if unhashable."""
-    from ._function import split_fun
+    from ._function import cache_key, split_fun
 
-    static, data = split_fun(fun)
-    key = (kind, static, _avals(data), _avals(params), _avals(samples))
+    _, data = split_fun(fun)
+    key = (kind, cache_key(fun), _avals(data), _avals(params), _avals(samples))
     try:
         hash(key)
     except TypeError:

@@ -22,8 +22,6 @@ from __future__ import annotations
 import collections
 import contextvars
 import dataclasses
-import types
-import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -32,7 +30,7 @@ import numpy as np
 
 from . import _validation as check
 from ._auto_chunk import choose_chunk, default_memory_budget, remember, run_with_oom_retry, signature
-from ._function import join_fun, on_chunks, split_fun
+from ._function import cache_key, join_fun, on_chunks, split_fun
 from ._runner import Space
 from ._sharding import SampleAxis, find_sample_axis, layout_of, local_count, replicate
 
@@ -143,11 +141,10 @@ def _signature(name: str, fun: Callable, params: Any, samples: Any, arg: str) ->
     leaves = jax.tree.leaves((params, samples))
     if not leaves or not all(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) for x in leaves):
         return None
-    static, data = split_fun(fun)
+    _, data = split_fun(fun)
     if not all(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) for x in data):
         return None
-    if isinstance(static, types.FunctionType):
-        static = weakref.ref(static)
+    static = cache_key(fun)
     try:
         hash(static)
     except TypeError:
