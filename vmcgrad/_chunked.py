@@ -335,9 +335,7 @@ def _split(seq: Sequence, sizes: Sequence[int]) -> list:
 
 def _jvp_rule(primals, tangents, *, body, n_rep, n_sum, rep_layout, sum_layout, space, pullback, jvp_split):
     del jvp_split  # a combined equation differentiated again: its body is an ordinary one
-    params = dict(
-        body=body, n_rep=n_rep, n_sum=n_sum, rep_layout=rep_layout, sum_layout=sum_layout, space=space
-    )
+    params = dict(body=body, n_sum=n_sum, rep_layout=rep_layout, sum_layout=sum_layout, space=space)
     nz = [type(t) is not ad.Zero for t in tangents]
     if not any(nz):
         out = _bind(primals[:n_rep], primals[n_rep:], **params, pullback=pullback)
@@ -397,7 +395,7 @@ def _jvp_rule(primals, tangents, *, body, n_rep, n_sum, rep_layout, sum_layout, 
     n_out = len(body.out_avals)
     split = _JvpSplit(
         primal_in=tuple(range(n_rep)) + tuple(range(len(rep_in), len(rep_in) + n_in - n_rep)),
-        primal=tuple(sorted({**params, "pullback": pullback, "jvp_split": None}.items())),
+        primal=tuple(sorted({**params, "n_rep": n_rep, "pullback": pullback, "jvp_split": None}.items())),
         tangent=tuple(sorted(tangent.items())),
         primal_out=tuple(range(n_sum)) + tuple(range(2 * n_sum, n_sum + n_out)),
         tangent_out=tuple(range(n_sum, 2 * n_sum)) + tuple(range(n_sum + n_out, 2 * n_out)),
@@ -459,14 +457,15 @@ def _partial_eval_rule(trace, *tracers, **params):
 def _partial_eval_custom_rule(saveable, unks_in, inst_in, eqn):
     """The same split for ``jax.checkpoint``'s partial evaluation: the primal part is a known
     equation whose outputs are saved, the tangent part a staged one reading the primal operands."""
-    del saveable  # the outputs are parameter-shaped sums: saved, never recomputed
     split = eqn.params["jvp_split"]
     residuals = [v for v, inst in zip(eqn.invars, inst_in) if isinstance(v, Var) and not inst]
     n_out = len(eqn.outvars)
-    if split is None or not split.splits(unks_in):
+    if split is None or not split.splits(unks_in):  # what JAX does for a primitive without a rule
         if any(unks_in):
             return None, eqn, [True] * n_out, [True] * n_out, residuals
-        return eqn, None, [False] * n_out, [False] * n_out, []
+        if _saved(saveable, eqn):
+            return eqn, None, [False] * n_out, [False] * n_out, []
+        return eqn, eqn, [False] * n_out, [True] * n_out, residuals  # recomputed where it is needed
     primal_params, tangent_params = dict(split.primal), dict(split.tangent)
     known = eqn.replace(
         invars=[eqn.invars[i] for i in split.primal_in],
@@ -485,6 +484,15 @@ def _partial_eval_custom_rule(saveable, unks_in, inst_in, eqn):
     # the staged part reads the primal operands: those not already available there are residuals
     residuals = [eqn.invars[i] for i in split.primal_in if isinstance(eqn.invars[i], Var) and not inst_in[i]]
     return known, staged, unks_out, inst_out, residuals
+
+
+def _saved(saveable: Callable, eqn: Any) -> bool:
+    """Whether ``jax.checkpoint``'s policy saves this equation's outputs (rather than recomputing
+    them): a policy answers True, or a saveable / offloadable case (JAX's enum, read by name)."""
+    answer = saveable(eqn.primitive, *(v.aval for v in eqn.invars), **eqn.params)
+    if isinstance(answer, bool):
+        return answer
+    return type(answer).__name__ in ("SaveableType", "Offloadable")
 
 
 pe.custom_partial_eval_rules[chunked_p] = _partial_eval_rule
