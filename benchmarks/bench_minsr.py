@@ -29,6 +29,8 @@ import argparse
 import json
 import time
 
+from benchlib.large import largest_n
+
 IMPLS = ("vmcgrad dense", "vmcgrad cg", "VMC_SR dense", "VMC_SR ntk")
 MiB = 2**20
 
@@ -140,22 +142,6 @@ def compiled_bytes(impl, model, params, n_sites, n, args):
     return vmcgrad.program_bytes(lowered.compile())
 
 
-def largest_n(fits, granule, n_max):
-    """Largest multiple of ``granule`` (≤ n_max) that fits: doubling, then bisection to 1/16."""
-    if not fits(granule):
-        return 0, granule
-    lo = granule
-    while lo * 2 <= n_max and fits(lo * 2):
-        lo *= 2
-    hi = lo * 2 if lo * 2 <= n_max else None
-    if hi is None:
-        return lo, None
-    while hi - lo > max(granule, lo // 16):
-        mid = (lo + hi) // 2 // granule * granule
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo, hi
-
-
 def main(argv=None):
     args = parse(argv)
     import jax
@@ -193,7 +179,9 @@ def main(argv=None):
                                 cache[n] = False
                         return cache[n]
 
-                    lo, hi = largest_n(fits, args.chunk * n_dev, args.n_max)
+                    lo, hi, _ = largest_n(
+                        fits, granule=args.chunk * n_dev, hint=4 * args.chunk * n_dev, n_max=args.n_max
+                    )
                     results["limits"].append(
                         dict(
                             model=name, dtype=dtype, P=n_params, budget_mib=budget, impl=impl, n=lo, n_fail=hi

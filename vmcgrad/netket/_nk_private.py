@@ -41,7 +41,6 @@ FUNCTIONS = (
     ("netket.vqs.mc.mc_state.state", "serialize_MCState"),
     ("netket.vqs.mc.mc_state.state", "deserialize_MCState"),
     ("netket.vqs.mc.common", "local_estimators"),
-    ("netket._src.ngd.sr_srt_common", "get_samples_and_pdf"),
 )
 
 
@@ -94,7 +93,6 @@ check(nk.vqs.MCState, nk.__version__)
 #: NetKet's own ``MCState`` class, as it was when vmcgrad.netket was imported.
 NetKetMCState: type = nk.vqs.MCState
 
-from netket._src.ngd.sr_srt_common import get_samples_and_pdf as get_samples_and_pdf  # noqa: E402
 from netket.vqs.mc.common import local_estimators as local_estimators  # noqa: E402
 from netket.vqs.mc.mc_state.state import deserialize_MCState as deserialize_MCState  # noqa: E402
 from netket.vqs.mc.mc_state.state import serialize_MCState as serialize_MCState  # noqa: E402

@@ -29,6 +29,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import jax
 import netket as nk
 from netket.utils import struct, timing
 
@@ -131,7 +132,8 @@ class VMC_SR(nk.driver.VMC_SR):
             proj_reg = proj_reg(self.step_count)
         if callable(momentum):
             momentum = momentum(self.step_count)
-        samples, _ = nkp.get_samples_and_pdf(self.state)
+        samples = self.state.samples
+        samples = jax.lax.collapse(samples, 0, samples.ndim - 1)  # (chains, per chain, ...) -> rows
         logpsi = log_psi(nkp.apply_fun(self.state), self.state.model_state)
         self._dp, self._old_updates, info = vmcgrad.minsr_update(
             logpsi,
