@@ -186,7 +186,9 @@ def test_a_process_killed_mid_run_ends_the_other_with_one_line(tmp_path, killed)
         assert log["status"] == "failed" and log["error"].startswith("lost process 1 of 2"), log
         assert len(log["energy_mean"]) >= 2
         assert f"{out / 'log.json'} keeps the {len(log['energy_mean'])} steps run" in last
-        assert sorted(p.name for p in out.iterdir()) == ["energy.png", "log.json"]  # no lock file left
+        # no lock file left (energy.png may or may not be there yet: the kill can come before its
+        # first write, which depends on the machine's speed; a fresh matplotlib builds its font cache)
+        assert {p.name for p in out.iterdir()} <= {"energy.png", "log.json"}
 
 
 @pytest.mark.parametrize("second", [None, 0], ids=["process-0-alone", "process-0-twice"])
