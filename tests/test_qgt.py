@@ -9,6 +9,7 @@ from jax.flatten_util import ravel_pytree
 
 import vmcgrad
 from vmcgrad import collective_report
+from vmcgrad._chunking import plan_chunks
 
 N_DEV = jax.device_count()
 N = 37 * N_DEV  # prime per device: chunk sizes leave remainders
@@ -257,7 +258,11 @@ def test_solve_with_kept_linearisations(case):
         S = vmcgrad.QGT(counted, params, samples, chunk_size=N // 2 + 1, diag_shift=0.05)  # 2 chunks
         calls.clear()
         jax.block_until_ready(S.solve(b, tol=0.0, maxiter=3))
-        assert len(calls) == 2 * 3  # recomputed: one forward per chunk per iteration
+        # recomputed: one forward per chunk per iteration, and, where the 2 chunks re-read a row (N
+        # odd), one forward-mode pass over the chunk holding it, which looks for a row whose
+        # derivative is finite to stand in for it (vmcgrad._chunked._finite_stand_ins)
+        plan = plan_chunks(N, N // 2 + 1)
+        assert len(calls) == 2 * 3 + (3 if plan.count * plan.size != N else 0)
         calls.clear()
         lin = jax.block_until_ready(S.linearize())
         assert len(calls) == 2  # one forward per chunk, once

@@ -24,7 +24,7 @@ def auto_chunk_size(
     estimator: str = "batched_vjp",
     memory_budget: float | None = None,
 ) -> int:
-    """The chunk size ``chunk_size="auto"`` picks for ``estimator`` on these inputs.
+    r"""The chunk size ``chunk_size="auto"`` picks for ``estimator`` on these inputs.
 
     The largest power of two (at most the per-device sample count) whose compiled program —
     temporaries plus arguments and outputs, per device, from ``memory_analysis()`` — fits
