@@ -6,6 +6,14 @@ This must run before any JAX computation: ``jax_num_cpu_devices`` raises if set 
 import gc
 import os
 
+# XLA's CPU collectives abort the process ("Fatal Python error") when a device's thread waits over 40 s
+# at a rendezvous. Four fake devices share two cores with the other test process, so a loaded machine
+# stalls a rendezvous that long without any deadlock; 600 s still ends a real one. Set before JAX
+# starts its backend (subprocesses inherit it).
+_STALL = "--xla_cpu_collective_call_terminate_timeout_seconds"
+if _STALL not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_STALL}=600".strip()
+
 import jax
 import pytest
 
@@ -14,6 +22,14 @@ jax.config.update("jax_num_cpu_devices", N_DEVICES)
 jax.config.update("jax_enable_x64", True)
 # NetKet fakes its own CPU devices from this variable at import; keep it in step.
 os.environ.setdefault("NETKET_EXPERIMENTAL_SHARDING_CPU", str(N_DEVICES))
+# With that variable NetKet's import sets a global mesh. Import it here, with the mesh undone, so that
+# no test's outcome depends on whether it is the first to import NetKet (a test file run alone, or
+# a pytest-xdist worker's share).
+with jax.set_mesh(None):
+    try:
+        import netket  # noqa: F401
+    except ImportError:  # the core suite runs without the [netket] extra
+        pass
 
 # A worker script run in subprocesses by test_multiprocess.py; importing it would join a cluster.
 collect_ignore = ["mp_worker.py"]
@@ -37,3 +53,59 @@ def _no_mesh_left_behind(request):
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty:
         pytest.fail(f"{request.node.nodeid} left a context mesh set: {mesh}")
+
+
+# --- tiers ---------------------------------------------------------------------------------------
+# The README's command runs the quick tier: every test, each value of each of its parameters at
+# least once (a covering subset of its parameter matrix, chosen in collection order), and no test
+# marked `slow`. `--tier=rest` runs exactly what the quick tier leaves out (the rest of each matrix
+# and the slow tests); .ci/run runs both, so CI covers the whole matrix. `--tier=all` runs everything.
+TIERS = ("quick", "rest", "all")
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--tier",
+        choices=TIERS,
+        default="quick",
+        help="quick (default): each parameter value once, no slow tests; rest: the others; all: every test",
+    )
+
+
+def _param_key(name, value):
+    try:
+        hash(value)
+    except TypeError:
+        return (name, "id", id(value))
+    return (name, type(value).__name__, value)
+
+
+def quick_items(items):
+    """The quick tier of ``items``: per test function, the first instance that covers a parameter value
+    no earlier instance covered; no instance of a test marked ``slow``."""
+    covered, quick = {}, []
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            continue
+        callspec = getattr(item, "callspec", None)
+        if callspec is None:
+            quick.append(item)
+            continue
+        seen = covered.setdefault((item.module.__name__, item.originalname), set())
+        keys = {_param_key(n, v) for n, v in callspec.params.items()}
+        if not keys <= seen:
+            seen |= keys
+            quick.append(item)
+    return quick
+
+
+def pytest_collection_modifyitems(config, items):
+    tier = config.getoption("--tier")
+    if tier == "all":
+        return
+    quick = {id(item) for item in quick_items(items)}
+    keep = [item for item in items if (id(item) in quick) == (tier == "quick")]
+    dropped = [item for item in items if (id(item) in quick) != (tier == "quick")]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep

@@ -145,6 +145,7 @@ def _signal_self(signum, then_wait=True):
         time.sleep(30)  # the handler runs in the main thread and raises here
 
 
+@pytest.mark.slow
 def test_a_stopped_suite_writes_the_summary_once_and_a_second_signal_cannot_cut_it(
     tmp_path, capsys, monkeypatch
 ):
@@ -188,6 +189,7 @@ def test_a_stopped_suite_writes_the_summary_once_and_a_second_signal_cannot_cut_
     assert sorted(p.name for p in out.iterdir()) == ["bench.json", "bench.png"]  # no temporary
 
 
+@pytest.mark.slow
 def test_a_signal_while_the_final_summary_is_written_changes_nothing(tmp_path, capsys, monkeypatch):
     """Ctrl-C as the suite draws its plot, after every setting finished: the summary is completed, the
     status is "finished" and 0 (a KeyboardInterrupt there would leave bench.json without bench.png)."""
@@ -208,6 +210,7 @@ def test_a_signal_while_the_final_summary_is_written_changes_nothing(tmp_path, c
     assert _is_png(out / "bench.png") and "vmcgrad impl" in captured.out
 
 
+@pytest.mark.slow
 def test_run_py_stopped_by_sigterm_keeps_the_summary_and_the_plot(tmp_path):
     """``python benchmarks/run.py`` as a user starts it, SIGTERM twice after the first setting: status
     130, no traceback, bench.json ("interrupted", the rows that finished), bench.png and the table of

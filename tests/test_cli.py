@@ -81,6 +81,7 @@ def _is_png(path):
     return True
 
 
+@pytest.mark.slow
 def test_chunk_size_auto_runs(tmp_path):
     out = tmp_path / "run"
     args = ["vmc", "--L", "8", "--samples", "128", "--chunk-size", "auto", "--steps", "2", "--out", str(out)]
@@ -228,6 +229,7 @@ def test_bad_input_in_a_real_process_has_no_traceback(tmp_path):
     assert "Traceback" not in stderr and not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_interrupted_run_keeps_a_valid_log(tmp_path):
     out = tmp_path / "run"
     proc = _start(["vmc", *TINY, "--steps", "100000", "--out", str(out)], tmp_path)

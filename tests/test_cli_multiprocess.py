@@ -147,6 +147,7 @@ def _steps_in(log_path):
         return 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("killed", [1, 0], ids=["process-1-killed", "coordinator-killed"])
 def test_a_process_killed_mid_run_ends_the_other_with_one_line(tmp_path, killed):
     """SIGKILL one process after the first steps: the other ends within the timeout with status 1 and one
@@ -191,6 +192,7 @@ def test_a_process_killed_mid_run_ends_the_other_with_one_line(tmp_path, killed)
         assert {p.name for p in out.iterdir()} <= {"energy.png", "log.json"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("second", [None, 0], ids=["process-0-alone", "process-0-twice"])
 def test_a_process_that_never_joins_ends_the_others_with_one_line(tmp_path, second):
     """Only process 0 of 2 started (or process 0 twice, into two directories): each ends after the

@@ -62,6 +62,7 @@ def test_json_log_writes_nonfinite_numbers_as_null_with_the_reason(tmp_path):
     assert _strict(path.read_text()) == {"x": [1.0]}
 
 
+@pytest.mark.slow
 def test_few_samples_auto_chunk_and_a_stale_lock_in_a_real_run(tmp_path):
     """16 samples in 16 chains: NetKet's error of the mean is NaN. The log must still be strict JSON;
     ``--chunk-size auto`` prints what it picked; a lock file left by a dead process is taken over."""
@@ -242,6 +243,7 @@ def _in_process_run(args, capsys):
     return rc, captured.out, captured.err
 
 
+@pytest.mark.slow
 def test_full_disk_while_writing_the_log_stops_with_one_line_and_keeps_the_log(tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
     full = _FullDiskOs(ok=3)  # the empty log, steps 1 and 2; step 3's log finds the disk full
@@ -281,6 +283,7 @@ def test_full_disk_while_writing_the_plot_ends_with_one_line(tmp_path, monkeypat
 # --- a second Ctrl-C ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_second_ctrl_c_during_the_first_compile_ends_at_once_and_cleanly(tmp_path):
     out = tmp_path / "run"
     proc = _start(["vmc", *TINY, "--steps", "100000", "--out", str(out)], tmp_path)

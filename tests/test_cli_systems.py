@@ -57,6 +57,7 @@ def _run(tmp_path, *args):
     return json.loads((out / "log.json").read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("system", ["heisenberg2d", "j1j2"])
 def test_square_lattice_defaults_go_down_from_the_first_step(system, tmp_path):
     log = _run(tmp_path, "--system", system, "--steps", "12")
@@ -68,6 +69,7 @@ def test_square_lattice_defaults_go_down_from_the_first_step(system, tmp_path):
     assert log["energy_mean"][-1] < 0.85 * log["exact_energy"]  # within 15% of E0 after 12 steps (4x4)
 
 
+@pytest.mark.slow
 def test_trend_check_fires_on_the_kick(tmp_path):
     """The detector on a bad program: lr 0.02 kicks the symmetric RBM off its start (-36 to about -21)."""
     log = _run(tmp_path, "--system", "heisenberg2d", "--lr", "0.02", "--steps", "6")

@@ -11,6 +11,7 @@ import json
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import jax
@@ -282,3 +283,54 @@ def test_the_citation_check_sees_a_missing_file_and_a_missing_test():
         "a.md: tests/nope.py (no such file)",
         "b.py: tests/test_package.py::test_gone (no such test)",
     ]
+
+
+# --- warnings ------------------------------------------------------------------------------------
+
+
+def _warn_calls(root: Path, relative_to: Path = ROOT) -> list[tuple[str, int, str, str]]:
+    """``(file, line, message, category)`` source text of every ``warnings.warn(...)`` under ``root``."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            func = getattr(node, "func", None)
+            if isinstance(node, ast.Call) and ast.unparse(func) == "warnings.warn":
+                category = node.args[1] if len(node.args) > 1 else None
+                category = next((k.value for k in node.keywords if k.arg == "category"), category)
+                rel = str(path.relative_to(relative_to))
+                found.append((rel, node.lineno, ast.unparse(node.args[0]), ast.unparse(category or "")))
+    return found
+
+
+def test_every_vmcgrad_warning_is_a_vmcgrad_warning():
+    """Every warning vmcgrad issues has a :class:`vmcgrad.VmcgradWarning` category, so that
+    ``pyproject.toml``'s ``error::vmcgrad.VmcgradWarning`` fails each test where one appears unasserted
+    and users can filter them as one category. The one exception re-issues NetKet's own warning
+    instance, as NetKet's ``QGTOnTheFly`` does (its category is NetKet's class)."""
+    import vmcgrad._warnings as ours
+
+    ours_names = {n for n, v in vars(ours).items() if isinstance(v, type) and issubclass(v, Warning)}
+    calls = _warn_calls(PACKAGE)
+    assert len(calls) >= 5, calls  # the walk finds the calls (five today)
+    wrong = [c for c in calls if c[3] not in ours_names and c[2] != "HolomorphicUndeclaredWarning()"]
+    assert not wrong, f"warnings.warn with a category that is not a vmcgrad.VmcgradWarning: {wrong}"
+
+
+def test_the_warning_walk_sees_a_foreign_category(tmp_path):
+    """The companion: the walk reports a plain ``UserWarning`` and a keyword category."""
+    (tmp_path / "m.py").write_text(
+        "import warnings\nwarnings.warn('a', UserWarning)\nwarnings.warn('b', category=RuntimeWarning)\n"
+    )
+    found = [(line, cat) for _, line, _, cat in _warn_calls(tmp_path, relative_to=tmp_path)]
+    assert found == [(2, "UserWarning"), (3, "RuntimeWarning")]
+
+
+def test_pytest_turns_an_unasserted_vmcgrad_warning_into_an_error():
+    """The suite's configuration escalates vmcgrad's category (so the test above matters), and an
+    asserted one passes."""
+    import vmcgrad
+
+    with pytest.raises(vmcgrad.VmcgradWarning):
+        warnings.warn("an unasserted notice", vmcgrad.VmcgradWarning, stacklevel=1)
+    with pytest.warns(vmcgrad.VmcgradWarning):
+        warnings.warn("an asserted notice", vmcgrad.VmcgradWarning, stacklevel=1)

@@ -21,6 +21,7 @@ _EXPORTS = {
     "NTK": "._ntk",
     "NTKOperator": "._ntk",
     "QGTOperator": "._qgt",
+    "VmcgradWarning": "._warnings",
     "auto_chunk_size": "._auto",
     "batched_jvp": "._jvp",
     "batched_vjp": "._vjp",
@@ -65,3 +66,4 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from ._qgt_linearized import LinearizedQGT as LinearizedQGT
     from ._solve import CGInfo as CGInfo
     from ._vjp import batched_vjp as batched_vjp
+    from ._warnings import VmcgradWarning as VmcgradWarning

@@ -26,6 +26,8 @@ from typing import Any
 
 import jax
 
+from ._warnings import ChunkRetryWarning
+
 #: Budget in bytes per device when the backend does not report its free memory (CPU): 2 GiB.
 DEFAULT_MEMORY_BUDGET = 2 * 2**30
 #: Fraction of the reported free device memory used as the default budget.
@@ -122,7 +124,7 @@ def run_with_oom_retry(run: Callable[[int], Any], chunk: int, on_retry: Callable
             f"{where}: out of memory at chunk_size={chunk} chosen by chunk_size='auto'; retrying once "
             f"with chunk_size={smaller}. To avoid this, pass {where} a smaller memory_budget (bytes per "
             "device) or a fixed chunk_size.",
-            RuntimeWarning,
+            ChunkRetryWarning,
             stacklevel=3,
         )
         on_retry(smaller)

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._warnings import VmcgradWarning
+
 #: How many elements, items or characters :func:`describe` shows of a long input.
 _MAX_ITEMS = 3
 _MAX_CHARS = 80
@@ -480,7 +482,7 @@ def warn_if_sharding_unseen(where: str, samples: Any) -> None:
             "(vmcgrad then splits the samples over all the mesh's axes), or give the mesh "
             "AxisType.Explicit axes so that the split is part of the type. If the samples are on "
             "one device on purpose, ignore this warning.",
-            UserWarning,
+            VmcgradWarning,
             stacklevel=_stacklevel_outside_package(),
         )
         return

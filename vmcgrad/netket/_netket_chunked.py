@@ -16,6 +16,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from .._warnings import VmcgradWarning
+
 _FALLBACK = "Ignoring chunk_size"
 _warned: set = set()
 
@@ -52,7 +54,7 @@ def divisor_at_most(n: int, chunk_size: int) -> int:
 
 
 def warn_once(key: Any, message: str) -> None:
-    """A UserWarning, once per ``key`` in this process."""
+    """A :class:`vmcgrad.VmcgradWarning`, once per ``key`` in this process."""
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(message, UserWarning, stacklevel=3)
+        warnings.warn(message, VmcgradWarning, stacklevel=3)

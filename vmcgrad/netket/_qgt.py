@@ -50,6 +50,7 @@ import vmcgrad
 from .. import _validation as check
 from .._qgt_modes import holomorphic_violation, to_rep
 from .._views import Views
+from .._warnings import VmcgradWarning
 from . import _nk_private as nkp
 from ._expect_grad import log_psi
 
@@ -154,7 +155,7 @@ def QGTOnTheFly(
                 "whose products and solves equal those of NetKet's QGTOnTheFly(holomorphic=True) on "
                 "this model; to_dense() is then the (2P x 2P)-like real matrix of that mode. "
                 "Fix: pass holomorphic=False to silence this warning.",
-                UserWarning,
+                VmcgradWarning,
                 stacklevel=2,
             )
             holomorphic = False

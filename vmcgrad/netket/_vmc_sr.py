@@ -36,6 +36,7 @@ from netket.utils import struct, timing
 import vmcgrad
 
 from .. import _validation as check
+from .._warnings import VmcgradWarning
 from . import _nk_private as nkp
 from ._expect_grad import log_psi
 
@@ -163,6 +164,6 @@ def _warn_netket_step() -> None:
             f"{NAME}(use_ntk=False) runs NetKet's own parameter-space SR step (a P×P matrix). For "
             "vmcgrad's chunked parameter-space SR use nk.driver.VMC with "
             "nk.optimizer.SR(qgt=vmcgrad.netket.QGTOnTheFly).",
-            UserWarning,
+            VmcgradWarning,
             stacklevel=3,
         )
