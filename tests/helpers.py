@@ -157,3 +157,16 @@ jax.monitoring.register_event_duration_secs_listener(_on_event)
 def compile_count() -> int:
     """Backend compilations so far in this process."""
     return _compiles
+
+
+def traced_without_mesh():
+    """The notice vmcgrad gives when samples are traced under ``jax.jit`` with no mesh and several
+    devices (``vmcgrad._sharding``'s ``warn_if_sharding_unseen``), asserted where it is due: a test that
+    jits an estimator without a mesh on purpose wraps the call in this (nothing is expected on 1 device)."""
+    import pytest
+
+    import vmcgrad
+
+    if jax.device_count() == 1:
+        return contextlib.nullcontext()
+    return pytest.warns(vmcgrad.VmcgradWarning, match="no sharding visible in their type")

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_tree_allclose
+from helpers import assert_tree_allclose, traced_without_mesh
 from jax.flatten_util import ravel_pytree
 from jax.sharding import AxisType, Mesh
 
@@ -75,7 +75,7 @@ def test_core_refuses_non_holomorphic(kw):
 
 
 def test_core_refuses_under_jit():
-    with pytest.raises(ValueError, match="traced inputs"):
+    with pytest.raises(ValueError, match="traced inputs"), traced_without_mesh():
         jax.jit(lambda w, x: vmcgrad.QGT(non_holo, w, x, holomorphic=True) @ V)(W, X)
 
 
@@ -96,12 +96,9 @@ def test_core_holomorphic_proved_without_numerics(monkeypatch):
     x, _ = S.replace(diag_shift=1e-2).solve(ref @ V + 1e-2 * V, tol=1e-12)
     np.testing.assert_allclose(x, V, rtol=1e-8)
     # and inside jit too (the proof needs no values)
-    np.testing.assert_allclose(
-        jax.jit(lambda w, x: vmcgrad.QGT(holo, w, x, holomorphic=True) @ V)(W, X),
-        ref @ V,
-        rtol=1e-12,
-        atol=1e-13,
-    )
+    with traced_without_mesh():
+        jitted = jax.jit(lambda w, x: vmcgrad.QGT(holo, w, x, holomorphic=True) @ V)(W, X)
+    np.testing.assert_allclose(jitted, ref @ V, rtol=1e-12, atol=1e-13)
 
 
 def test_core_holomorphic_through_slogdet_passes_numerically():
