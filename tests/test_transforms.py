@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 import vmcgrad
 from vmcgrad._chunked import map_reduce
-from vmcgrad._runner import Space
+from vmcgrad._chunking import Space
 
 N_DEV = jax.device_count()
 N = 7 * N_DEV  # 7 samples per device; chunk 3 -> 3 chunks, the last shifted back over 2 samples

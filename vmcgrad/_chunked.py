@@ -56,8 +56,8 @@ from jax.interpreters import partial_eval as pe
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._chunking import plan_chunks
-from ._runner import SAMPLES, Laid, Space, acc_dtype, run_on
+from ._chunking import Space, acc_dtype, plan_chunks
+from ._runner import SAMPLES, Laid, run_on
 
 chunked_p = Primitive("vmcgrad_chunked_map_reduce")
 chunked_p.multiple_results = True
@@ -97,7 +97,7 @@ class Pullback(NamedTuple):
 #   n_sum:      how many outputs are summed
 #   rep_layout: per replicated operand, the dimension split over the sample axis, or None
 #   sum_layout: per summed output, the same (split sums are reduce-scattered)
-#   space:      the rows: sample axis, N, rows per device, chunk size (vmcgrad._runner.Space)
+#   space:      the rows: sample axis, N, rows per device, chunk size (vmcgrad._chunking.Space)
 #   pullback:   None, or (point, fwd, n_y): the sums as a pullback (see Pullback), for the lowering:
 #               point(*replicated, *chunk, w) -> primal leaves; fwd(*replicated, *chunk, w, *primals)
 #               -> (*y, *cotangent); sums = vjp of y at the primals with that cotangent
@@ -731,7 +731,7 @@ def map_reduce(
     each transformed computation is again one chunked pass with one reduction (module docstring).
 
     Args:
-        space: the rows (:class:`vmcgrad._runner.Space`).
+        space: the rows (:class:`vmcgrad._chunking.Space`).
         chunk_fun: ``chunk_fun(*replicated_trees, *chunk_trees, w) -> (sums, maps)`` with ``w`` the
             ``(size,)`` bool row mask; ``sums`` (a pytree) must not depend on rows where ``w`` is
             False; ``maps`` is a pytree of arrays with leading axis ``size``.

@@ -24,6 +24,10 @@ row whose derivative is infinite would turn ``inf`` into NaN. Where the plan has
 counted row of the same chunk whose derivative is finite, and a chunk with no counted row is
 skipped (:func:`vmcgrad._chunked._finite_stand_ins`; for the pullbacks of untransformed estimators,
 where the sums are pullbacks: ``batched_vjp``, ``expect_grad``, the QGT passes).
+
+**The precision of the sums over chunks.** Chunk results are added at :func:`acc_dtype`, the leaf's
+dtype promoted to at least float32 (complex64), whatever the parameters' dtype, so that the chunked
+sum is as accurate as one reduction over all samples; results are cast back (:func:`cast_like`).
 """
 
 from __future__ import annotations
@@ -55,6 +59,22 @@ def plan_chunks(n: int, chunk_size: int | None) -> ChunkPlan:
     count = -(-n // chunk_size)
     size = -(-n // count)
     return ChunkPlan(n=n, size=size, count=count)
+
+
+class Space(NamedTuple):
+    """Where the rows live and how each device walks them (static, hashable).
+
+    Attributes:
+        where: the sample mesh axis, or None on one device.
+        n: N, the global number of real samples.
+        n_local: rows per device after padding to the device count.
+        chunk_size: rows per chunk on each device, or None for one chunk.
+    """
+
+    where: Any
+    n: int
+    n_local: int
+    chunk_size: int | None
 
 
 class Chunks(NamedTuple):
@@ -91,3 +111,38 @@ class Chunks(NamedTuple):
         fresh = local >= k * self.plan.size
         real = self.first + local < self.n_total
         return (*sliced, (fresh & real).astype(dtype))
+
+
+# --- precision: what the sums over chunks are accumulated in -----------------------------------
+
+
+def accumulators(tree: Any) -> Any:
+    """Zero ref accumulators for ``tree``'s leaves, at float32 or better (see :func:`acc_dtype`)."""
+    return jax.tree.map(lambda p: jax.new_ref(jnp.zeros(p.shape, acc_dtype(p.dtype))), tree)
+
+
+def freeze(refs: Any) -> Any:
+    """The accumulated values of :func:`accumulators`."""
+    return jax.tree.map(jax.ref.freeze, refs)
+
+
+def acc_dtype(dtype: Any) -> Any:
+    """The accumulation dtype of a leaf: its own, promoted to at least float32 (complex64).
+
+    Sums over chunks run at this precision whatever the parameters' dtype (bfloat16, float16), so
+    the chunked sum is as accurate as one reduction over all samples; the result is cast back.
+    """
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        return jnp.promote_types(dtype, jnp.complex64)
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def promote(tree: Any) -> Any:
+    """``tree`` with every leaf cast to its accumulation dtype (:func:`acc_dtype`)."""
+    return jax.tree.map(lambda p: p.astype(acc_dtype(p.dtype)), tree)
+
+
+def cast_like(tree: Any, like: Any) -> Any:
+    """``tree`` cast leaf by leaf to the dtypes of ``like``."""
+    return jax.tree.map(lambda a, b: a.astype(b.dtype), tree, like)

@@ -63,8 +63,9 @@ import jax
 import jax.numpy as jnp
 
 from . import _validation as check
+from ._chunking import cast_like
 from ._problem import Inputs, Problem, call, problem
-from ._runner import cast_like
+from ._sharding import check_same_devices
 from ._vjp import vjp_sum
 
 
@@ -140,7 +141,7 @@ def expect_grad(
     )
     local_values = check.as_arrays(name, "local_values", local_values)
     check.check_local_values(name, local_values, prob.n)
-    check.check_same_devices(name, "local_values", local_values, prob.where)
+    check_same_devices(name, "local_values", local_values, prob.where)
     return call(grad_program, prob, inputs, local_values)
 
 

@@ -48,12 +48,13 @@ import jax.numpy as jnp
 
 from . import _validation as check
 from ._chunked import map_reduce_problem
-from ._chunking import plan_chunks
+from ._chunking import cast_like, plan_chunks
 from ._function import join_fun
 from ._jvp import jvp_chunk
-from ._problem import Inputs, Problem, auto_chunk, call, problem
+from ._operator import AbstractOperator
+from ._problem import Problem, call, problem
 from ._qgt_modes import from_rep, to_rep
-from ._runner import REPLICATED, cast_like
+from ._runner import REPLICATED
 from ._solve import CGInfo, cg
 from ._vjp import vjp_sum
 
@@ -154,37 +155,19 @@ def _mean_jacobian(f: Callable, theta: Any, samples: Any, n: int, mode: str, mos
 
 
 @jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class NTKOperator:
+@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
+class NTKOperator(AbstractOperator):
     r"""The centred kernel :math:`T = \frac1N \Delta J \Delta J^\dagger + \lambda\mathbb 1` (see :func:`NTK`).
 
-    A pytree: parameters, samples, the model state of a ``Partial`` ``logpsi`` and ``diag_shift`` are
-    leaves (rebuilding it every step does not recompile); the function's code, the chunk size, the
-    mode and the sample mesh axis are static.
+    A pytree (:class:`vmcgrad._operator.AbstractOperator`): parameters, samples, the model state of a
+    ``Partial`` ``logpsi`` and ``diag_shift`` are leaves (rebuilding it every step does not recompile);
+    the function's code, the chunk size, the mode and the sample mesh axis are static.
 
     Vectors are flat, of length :attr:`dim` = N·K, in NetKet's order: sample by sample, and within a
     sample (Re, Im) in 'complex' mode; real, or complex in 'holomorphic' mode.
     """
 
-    inputs: Inputs
-    diag_shift: jax.Array
-    problem: Problem = dataclasses.field(metadata={"static": True})
-    mode: str = dataclasses.field(metadata={"static": True})
-
-    @property
-    def params(self) -> Any:
-        """The parameters the kernel is taken at."""
-        return self.inputs.params
-
-    @property
-    def samples(self) -> Any:
-        """The samples :math:`\\sigma_1..\\sigma_N`."""
-        return self.inputs.samples
-
-    @property
-    def n_samples(self) -> int:
-        """N."""
-        return self.problem.n
+    _builder = _NAME
 
     @property
     def dim(self) -> int:
@@ -195,13 +178,6 @@ class NTKOperator:
     def dtype(self) -> Any:
         """The matrix dtype: complex in 'holomorphic' mode, else the real dtype of the parameters."""
         return _vector_dtype(self.mode, self.params)
-
-    @property
-    def chunk_size(self) -> int | None:
-        """Rows (and columns) per block on each device (chosen here for ``chunk_size="auto"``)."""
-        if self.problem.chunk_size != "auto":
-            return self.problem.chunk_size
-        return auto_chunk(_dense_program, self.problem, self)
 
     def __matmul__(self, v: Any) -> jax.Array:
         r""":math:`T v`: one vjp pass and one jvp pass over the samples, no N×N storage.
@@ -252,20 +228,6 @@ class NTKOperator:
             return call(_cg_program, self.problem, self, b, x0, tol, atol, maxiter)
         return call(_dense_solve_program, self.problem, self, b, solver)
 
-    def replace(self, *, diag_shift: Any) -> NTKOperator:
-        """A copy with a new ``diag_shift``."""
-        real = jnp.finfo(self.dtype).dtype
-        return dataclasses.replace(
-            self,
-            diag_shift=check.check_nonnegative_scalar(f"{_NAME}.replace", "diag_shift", diag_shift, real),
-        )
-
-    def __repr__(self) -> str:
-        return (
-            f"NTKOperator(mode={self.mode!r}, dim={self.dim}, n_samples={self.n_samples}, "
-            f"chunk_size={self.problem.chunk_size}, diag_shift={self.diag_shift})"
-        )
-
     def _vector(self, name: str, v: Any) -> jax.Array:
         where = f"{_NAME} ({name})"
         v = check.as_arrays(where, name, v)
@@ -285,8 +247,12 @@ class NTKOperator:
 
     # --- traced pieces ---------------------------------------------------------------------------
 
-    def _at(self, prob: Problem) -> NTKOperator:
-        return dataclasses.replace(self, problem=prob)
+    @property
+    def _real_dtype(self) -> Any:
+        return jnp.finfo(self.dtype).dtype
+
+    def _sizing_call(self) -> tuple:
+        return _dense_program, self.problem, self
 
     def _fun(self) -> Callable:
         return join_fun(self.problem.fun, tuple(self.inputs.fun_data))

@@ -30,9 +30,17 @@ import numpy as np
 
 from . import _validation as check
 from ._auto_chunk import choose_chunk, default_memory_budget, remember, run_with_oom_retry, signature
+from ._chunking import Space
 from ._function import cache_key, join_fun, on_chunks, split_fun
-from ._runner import Space
-from ._sharding import SampleAxis, find_sample_axis, layout_of, local_count, replicate
+from ._sharding import (
+    SampleAxis,
+    check_not_in_shard_map,
+    find_sample_axis,
+    layout_of,
+    local_count,
+    replicate,
+    warn_if_sharding_unseen,
+)
 
 
 class Inputs(NamedTuple):
@@ -71,7 +79,7 @@ class Problem:
 
     @property
     def space(self) -> Space:
-        """The rows and how each device walks them (:class:`vmcgrad._runner.Space`)."""
+        """The rows and how each device walks them (:class:`vmcgrad._chunking.Space`)."""
         return Space(self.where, self.n, self.n_local, self.chunk_size)
 
     def user_fun(self, fun_data: tuple) -> Callable:
@@ -101,11 +109,11 @@ def problem(
     ``extra`` is a pytree of further concrete arrays to replicate with the parameters (a tangent,
     shifts), returned placed.
     """
-    check.check_not_in_shard_map(name)
+    check_not_in_shard_map(name)
     chunk_size = check.check_chunk_size(name, chunk_size)
     memory_budget = check.check_memory_budget(name, memory_budget)
     params, samples, n, out = _check_problem_cached(name, fun, params, samples, arg)
-    check.warn_if_sharding_unseen(name, samples)
+    warn_if_sharding_unseen(name, samples)
     where = find_sample_axis(samples)
     static, data = split_fun(fun)
     params, data, extra = replicate((params, data, extra), where)

@@ -32,7 +32,8 @@ from jax.flatten_util import ravel_pytree
 
 from . import _validation as check
 from ._chunked import map_reduce_problem
-from ._problem import Inputs, Problem, auto_chunk, call, problem
+from ._operator import AbstractOperator
+from ._problem import Problem, call, problem
 from ._qgt_apply import matmul_program, solve
 from ._qgt_modes import choose_mode, holomorphic_violation, to_rep
 from ._qgt_passes import jacobian_chunk, join_mean, mean_chunk, product_chunk, split_imag
@@ -43,44 +44,29 @@ _NAME = "vmcgrad.QGT"
 
 
 @jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class QGTOperator:
+@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
+class QGTOperator(AbstractOperator):
     r"""The regularised QGT :math:`S + \epsilon_1\operatorname{diag}(S) + \epsilon_2` of one set of samples.
 
-    Build it with :func:`vmcgrad.QGT`. It is a pytree: the parameters, samples, :math:`\bar O`,
-    the model state of a ``Partial`` ``logpsi`` and the shifts are leaves, so it can be passed
-    into ``jax.jit`` and rebuilt every step without recompiling; ``logpsi``'s code, the chunk
-    size, the mode and the sample mesh axis are static (in its :class:`~vmcgrad._problem.Problem`).
+    Build it with :func:`vmcgrad.QGT`. It is a pytree (:class:`vmcgrad._operator.AbstractOperator`):
+    the parameters, samples, :math:`\bar O`, the model state of a ``Partial`` ``logpsi`` and the
+    shifts are leaves, so it can be passed into ``jax.jit`` and rebuilt every step without
+    recompiling; ``logpsi``'s code, the chunk size, the mode and the sample mesh axis are static (in
+    its :class:`~vmcgrad._problem.Problem`).
 
     Vectors are pytrees like ``params``, flat vectors in ``ravel_pytree(params)`` order, or flat
     vectors in the mode's real representation (length :attr:`dim`, the order of :meth:`to_dense`);
     every method returns the kind it was given.
     """
 
-    inputs: Inputs
+    _shifts = ("diag_shift", "diag_scale")
+    _builder = _NAME
+
     obar: Any  # the mean O, shaped like the representation of params (complex where O is)
-    diag_shift: jax.Array
     diag_scale: jax.Array | None
     diag_s: Any  # diag of S (no shifts), shaped like the representation of params, or None
-    problem: Problem = dataclasses.field(metadata={"static": True})
-    mode: str = dataclasses.field(metadata={"static": True})
 
     # --- shapes --------------------------------------------------------------------------------
-
-    @property
-    def params(self) -> Any:
-        """The parameters the QGT is taken at."""
-        return self.inputs.params
-
-    @property
-    def samples(self) -> Any:
-        """The samples :math:`\\sigma_1..\\sigma_N`."""
-        return self.inputs.samples
-
-    @property
-    def n_samples(self) -> int:
-        """N, the number of samples."""
-        return self.problem.n
 
     @property
     def views(self) -> Views:
@@ -91,13 +77,6 @@ class QGTOperator:
     def dim(self) -> int:
         """D, the size of the matrix: P, plus the number of complex entries in 'complex' mode."""
         return self.views.dim
-
-    @property
-    def chunk_size(self) -> int | None:
-        """Samples per chunk of a product on each device (chosen here for ``chunk_size="auto"``)."""
-        if self.problem.chunk_size != "auto":
-            return self.problem.chunk_size
-        return auto_chunk(matmul_program, self.problem, self, self.params, "tree")
 
     # --- public API ----------------------------------------------------------------------------
 
@@ -174,28 +153,10 @@ class QGTOperator:
 
     def replace(self, **changes: Any) -> QGTOperator:
         """A copy with new ``diag_shift`` and/or ``diag_scale`` (computing diag(S) if needed)."""
-        bad = set(changes) - {"diag_shift", "diag_scale"}
-        if bad:
-            raise TypeError(
-                f"{_NAME}.replace: only `diag_shift` and `diag_scale` can be replaced; got {sorted(bad)}. "
-                "Fix: build a new operator with vmcgrad.QGT for new parameters or samples."
-            )
-        real = self.views.real_dtype
-        if "diag_shift" in changes:
-            changes["diag_shift"] = _scalar(f"{_NAME}.replace", "diag_shift", changes["diag_shift"], real)
-        if "diag_scale" in changes:
-            changes["diag_scale"] = _diag_scale(f"{_NAME}.replace", changes["diag_scale"], real)
-        new = dataclasses.replace(self, **changes)
+        new = super().replace(**changes)
         if new.diag_scale is not None and new.diag_s is None:
             new = dataclasses.replace(new, diag_s=call(_diag_s_program, new.problem, new))
         return new
-
-    def __repr__(self) -> str:
-        return (
-            f"QGTOperator(mode={self.mode!r}, dim={self.dim}, n_samples={self.n_samples}, "
-            f"chunk_size={self.problem.chunk_size}, diag_shift={self.diag_shift}, "
-            f"diag_scale={self.diag_scale})"
-        )
 
     # --- traced pieces, shared with LinearizedQGT ---------------------------------------------
 
@@ -204,8 +165,17 @@ class QGTOperator:
         """Itself (a :class:`vmcgrad.LinearizedQGT`'s is the operator it keeps linearisations of)."""
         return self
 
-    def _at(self, prob: Problem) -> QGTOperator:
-        return dataclasses.replace(self, problem=prob)
+    @property
+    def _real_dtype(self) -> Any:
+        return self.views.real_dtype
+
+    def _sizing_call(self) -> tuple:
+        return matmul_program, self.problem, self, self.params, "tree"
+
+    def _check_shift(self, where: str, name: str, value: Any) -> Any:
+        if name == "diag_scale":
+            return _diag_scale(where, value, self._real_dtype)
+        return super()._check_shift(where, name, value)
 
     def _rep_layout(self) -> tuple:
         return self.views.rep_layout(self.problem.layout)

@@ -28,32 +28,17 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._chunking import Chunks, plan_chunks
+# accumulators, cast_like, freeze, promote: the precision policy, in vmcgrad._chunking; named here
+# for vmcgrad._qgt_passes, which imports them from this module.
+from ._chunking import Chunks, Space, accumulators, cast_like, freeze, plan_chunks, promote  # noqa: F401
 from ._sharding import gather, pad_to_devices, reduce, specs
 
 #: Placements: one row per sample (padded, split, cut back to N on the way out); replicated; and
 #: per device (an output block per device, concatenated along axis 0; an input split the same way).
 SAMPLES, REPLICATED, PER_DEVICE = "samples", "replicated", "per_device"
-
-
-class Space(NamedTuple):
-    """Where the rows live and how each device walks them (static, hashable).
-
-    Attributes:
-        where: the sample mesh axis, or None on one device.
-        n: N, the global number of real samples.
-        n_local: rows per device after padding to the device count.
-        chunk_size: rows per chunk on each device, or None for one chunk.
-    """
-
-    where: Any
-    n: int
-    n_local: int
-    chunk_size: int | None
 
 
 def run(problem: Any, body: Any, inputs: Any, *extra: tuple[Any, Any], out: Any) -> Any:
@@ -192,35 +177,3 @@ def _cut(x: Any, n: int, where: Any) -> Any:
         return a[:n]
 
     return jax.tree.map(cut, x)
-
-
-def accumulators(tree: Any) -> Any:
-    """Zero ref accumulators for ``tree``'s leaves, at float32 or better (see :func:`acc_dtype`)."""
-    return jax.tree.map(lambda p: jax.new_ref(jnp.zeros(p.shape, acc_dtype(p.dtype))), tree)
-
-
-def freeze(refs: Any) -> Any:
-    """The accumulated values of :func:`accumulators`."""
-    return jax.tree.map(jax.ref.freeze, refs)
-
-
-def acc_dtype(dtype: Any) -> Any:
-    """The accumulation dtype of a leaf: its own, promoted to at least float32 (complex64).
-
-    Sums over chunks run at this precision whatever the parameters' dtype (bfloat16, float16), so
-    the chunked sum is as accurate as one reduction over all samples; the result is cast back.
-    """
-    dtype = jnp.dtype(dtype)
-    if jnp.issubdtype(dtype, jnp.complexfloating):
-        return jnp.promote_types(dtype, jnp.complex64)
-    return jnp.promote_types(dtype, jnp.float32)
-
-
-def promote(tree: Any) -> Any:
-    """``tree`` with every leaf cast to its accumulation dtype (:func:`acc_dtype`)."""
-    return jax.tree.map(lambda p: p.astype(acc_dtype(p.dtype)), tree)
-
-
-def cast_like(tree: Any, like: Any) -> Any:
-    """``tree`` cast leaf by leaf to the dtypes of ``like``."""
-    return jax.tree.map(lambda a, b: a.astype(b.dtype), tree, like)

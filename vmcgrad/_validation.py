@@ -9,9 +9,6 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-import os
-import sys
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._warnings import VmcgradWarning
 
 #: How many elements, items or characters :func:`describe` shows of a long input.
 _MAX_ITEMS = 3
@@ -224,38 +220,6 @@ def check_cotangent(where: str, name: str, ct: Any, out: jax.ShapeDtypeStruct) -
         )
 
 
-def check_same_devices(where: str, name: str, x: Any, axis: Any) -> None:
-    """A per-sample argument placed on the samples' devices, in the samples' mesh order.
-
-    ``axis`` is the problem's sample axis (:class:`vmcgrad._sharding.SampleAxis`, or None). Tracers
-    and uncommitted arrays are placed by the compiled program; a committed array on other devices,
-    or on the same devices in another mesh order, would make JAX refuse the call with
-    "incompatible devices".
-    """
-    mesh = getattr(axis, "mesh", None)
-    if not isinstance(mesh, jax.sharding.Mesh):
-        return
-    want = tuple(mesh.devices.flat)
-    for leaf in jax.tree.leaves(x):
-        if isinstance(leaf, jax.core.Tracer) or not isinstance(leaf, jax.Array) or not leaf.committed:
-            continue
-        sharding = leaf.sharding
-        if isinstance(sharding, jax.sharding.NamedSharding):
-            got = tuple(sharding.mesh.devices.flat)
-            same = got == want
-        else:
-            got = tuple(sorted(sharding.device_set, key=lambda d: d.id))
-            same = set(got) == set(want)
-        if not same:
-            raise ValueError(
-                f"{where}: `{name}` must be on the devices of the samples' mesh, in its order "
-                f"(device ids {[d.id for d in want]}, mesh axes {tuple(mesh.axis_names)}); got "
-                f"{describe(leaf)} on device ids {[d.id for d in got]}. JAX runs one program over "
-                f"one device order. Fix: place it like the samples, e.g. "
-                f"`{name} = jax.device_put({name}, samples.sharding)`, or build both on one mesh."
-            )
-
-
 def check_tangent(where: str, tangent: Any, params: Any) -> None:
     """The tangent must have the pytree structure, shapes and dtypes of ``params``."""
     p_def, t_def = jax.tree.structure(params), jax.tree.structure(tangent)
@@ -439,92 +403,3 @@ def check_memory_budget(where: str, memory_budget: Any) -> int | float | None:
         f"{describe(memory_budget)}. {fix}"
     )
 
-
-# --- samples under the user's jit ----------------------------------------------------------------
-
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-
-
-def warn_if_sharding_unseen(where: str, samples: Any) -> None:
-    """Warns (once per call site) when traced samples may be sharded in a way vmcgrad cannot see.
-
-    Under ``jax.jit`` the samples are tracers. Their abstract type (``jax.typeof(x).sharding``)
-    shows the split on Explicit mesh axes, which :func:`vmcgrad._sharding.find_sample_axis` uses.
-    On Auto axes (jax 0.10.2) it shows the mesh but not the split (``spec`` is all None), and an
-    array placed by ``jax.jit(..., in_shardings=...)`` shows neither. With no context mesh
-    (``jax.set_mesh``) vmcgrad then runs as on one device: if the samples are in fact sharded,
-    every device walks all N samples. An Auto mesh in the type is used as the sample mesh
-    (:func:`vmcgrad._sharding.find_sample_axis`); this warns when, with no context mesh set, a traced
-    leaf shows no mesh at all while there is more than one device.
-    """
-    if not jax.sharding.get_abstract_mesh().empty:
-        return
-    leaves = jax.tree.leaves(samples)
-    shardings = [_aval_sharding(x) for x in leaves]
-    if any(_leading_spec(s) is not None for s in shardings):
-        return  # the split is visible and used
-    for leaf, sharding in zip(leaves, shardings):
-        if not isinstance(leaf, jax.core.Tracer):
-            continue
-        mesh = getattr(sharding, "mesh", None)
-        if mesh is not None and not mesh.empty:
-            continue  # a mesh in the type: vmcgrad._sharding.find_sample_axis splits over it
-        if jax.device_count() > 1:
-            seen = f"with no sharding visible in their type, and there are {jax.device_count()} devices"
-        else:
-            continue
-        n = leaf.shape[0] if leaf.ndim else "all"
-        warnings.warn(
-            f"{where}: `samples` (shape {tuple(leaf.shape)}) are traced {seen}, and no mesh is "
-            "set, so vmcgrad cannot tell whether they are split over devices; it runs them as on "
-            f"one device: if they are sharded, every device walks all {n} samples and holds their "
-            "activations. Fix: call your jitted function inside `with jax.set_mesh(mesh):` "
-            "(vmcgrad then splits the samples over all the mesh's axes), or give the mesh "
-            "AxisType.Explicit axes so that the split is part of the type. If the samples are on "
-            "one device on purpose, ignore this warning.",
-            VmcgradWarning,
-            stacklevel=_stacklevel_outside_package(),
-        )
-        return
-
-
-def _aval_sharding(x: Any) -> Any:
-    concrete = None if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
-    if concrete is not None:
-        return concrete
-    try:
-        return jax.typeof(x).sharding
-    except (TypeError, AttributeError):
-        return None
-
-
-def _leading_spec(sharding: Any) -> Any:
-    spec = getattr(sharding, "spec", None)
-    return spec[0] if isinstance(sharding, jax.sharding.NamedSharding) and len(spec) > 0 else None
-
-
-def _stacklevel_outside_package() -> int:
-    """The ``stacklevel`` (for a ``warnings.warn`` in the caller) of the first frame outside vmcgrad."""
-    frame, level = sys._getframe(1), 1  # level 1: the function that calls warnings.warn
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-def check_not_in_shard_map(where: str) -> None:
-    """Refuses a call inside the user's ``jax.shard_map`` (manual mesh axes in context).
-
-    vmcgrad's estimators are global operations that shard themselves over the samples; inside a
-    ``shard_map`` each device would see only its own rows as "all samples" and the one reduction
-    would be missing.
-    """
-    try:
-        manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
-    except AttributeError:  # no abstract mesh API: nothing to detect
-        return
-    if manual:
-        raise ValueError(
-            f"{where} was called inside jax.shard_map (manual mesh axes {manual}); vmcgrad's "
-            "estimators are global operations that split the samples over the devices themselves and "
-            "reduce once. Fix: call it outside shard_map, on the global (sharded) arrays."
-        )

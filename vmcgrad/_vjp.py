@@ -11,8 +11,10 @@ import jax.numpy as jnp
 
 from . import _validation as check
 from ._chunked import Pullback, map_reduce_problem
+from ._chunking import cast_like, promote
 from ._problem import Inputs, Problem, call, problem
-from ._runner import SAMPLES, cast_like, promote
+from ._runner import SAMPLES
+from ._sharding import check_same_devices
 
 
 def batched_vjp(
@@ -95,7 +97,7 @@ def batched_vjp(
     prob, inputs, _ = problem(name, fun, params, samples, chunk_size=chunk_size, memory_budget=memory_budget)
     cotangent = check.as_arrays(name, "cotangent", cotangent)
     check.check_cotangent(name, "cotangent", cotangent, jax.ShapeDtypeStruct((prob.n,), prob.out_dtype))
-    check.check_same_devices(name, "cotangent", cotangent, prob.where)
+    check_same_devices(name, "cotangent", cotangent, prob.where)
     return call(vjp_program, prob, inputs, cotangent)
 
 
@@ -119,7 +121,7 @@ def vjp_chunk(
     ``f_vjp.with_refs`` (the seed's recipe).
 
     The pullback is taken with respect to the parameters at the accumulation dtype
-    (:func:`vmcgrad._runner.acc_dtype`; ``fun`` sees them cast back), so the chunk's sum arrives in
+    (:func:`vmcgrad._chunking.acc_dtype`; ``fun`` sees them cast back), so the chunk's sum arrives in
     the accumulators' dtype (float32 or better for bfloat16 / float16 parameters).
     """
     ct = jnp.where(w, cotangent, jnp.zeros_like(cotangent))

@@ -1,0 +1,67 @@
+"""The operators' shared base, :class:`vmcgrad._operator.AbstractOperator`: both :class:`vmcgrad.QGTOperator`
+and :class:`vmcgrad.NTKOperator` are immutable pytrees with the same accessors, the same ``replace`` of
+their shifts (checked, refused for anything else) and the same ``chunk_size="auto"`` resolution.
+
+The products themselves are tested against dense Jacobians in test_qgt.py and test_ntk.py.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import vmcgrad
+from vmcgrad._operator import AbstractOperator
+
+N = 10
+
+
+def logpsi(w, x):
+    return jnp.tanh(x @ w)
+
+
+def _inputs():
+    return jnp.ones(3) / 4, jnp.arange(3.0 * N).reshape(N, 3) / (3 * N)
+
+
+@pytest.mark.parametrize("build", [vmcgrad.QGT, vmcgrad.NTK], ids=["QGT", "NTK"])
+def test_the_operators_share_the_base(build):
+    w, x = _inputs()
+    A = build(logpsi, w, x, chunk_size=4, diag_shift=0.1)
+    assert isinstance(A, AbstractOperator)
+    np.testing.assert_array_equal(A.params, w)
+    np.testing.assert_array_equal(A.samples, x)
+    assert A.n_samples == N and A.chunk_size == 4
+
+    # a pytree: the leaves round-trip, the problem and the mode are static (in the treedef)
+    leaves, treedef = jax.tree.flatten(A)
+    B = jax.tree.unflatten(treedef, leaves)
+    assert type(B) is type(A) and B.problem == A.problem and B.mode == A.mode == "real"
+    assert not any(leaf is A.problem for leaf in leaves)
+
+    name = type(A).__name__
+    assert re.fullmatch(
+        rf"{name}\(mode='real', dim={A.dim}, n_samples={N}, chunk_size=4, diag_shift=0\.1.*\)", repr(A)
+    )
+
+    # replace: a new operator with the new shift, the old one unchanged
+    v = jnp.linspace(0.5, 1.5, A.dim)
+    A2 = A.replace(diag_shift=0.5)
+    assert float(A.diag_shift) == 0.1 and float(A2.diag_shift) == 0.5
+    np.testing.assert_allclose(A2 @ v - A @ v, 0.4 * v, rtol=1e-12, atol=1e-14)
+    with pytest.raises(
+        TypeError, match=rf"vmcgrad\.{name[:-8]}\.replace: only `diag_shift`.* got \['mode'\]"
+    ):
+        A.replace(mode="complex")
+    with pytest.raises(ValueError, match=rf"vmcgrad\.{name[:-8]}\.replace: `diag_shift`"):
+        A.replace(diag_shift=-1.0)
+
+
+@pytest.mark.parametrize("build", [vmcgrad.QGT, vmcgrad.NTK], ids=["QGT", "NTK"])
+def test_auto_chunk_size_resolves_to_a_chunk(build):
+    w, x = _inputs()
+    A = build(logpsi, w, x, chunk_size="auto")
+    assert A.problem.chunk_size == "auto"
+    assert isinstance(A.chunk_size, int) and 1 <= A.chunk_size
