@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
 #: How many elements, items or characters :func:`describe` shows of a long input.
 _MAX_ITEMS = 3
 _MAX_CHARS = 80
@@ -402,4 +401,3 @@ def check_memory_budget(where: str, memory_budget: Any) -> int | float | None:
         f"{where}: `memory_budget` must be a positive number of bytes or None; got "
         f"{describe(memory_budget)}. {fix}"
     )
-
