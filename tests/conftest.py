@@ -58,8 +58,9 @@ def _no_mesh_left_behind(request):
 # --- tiers ---------------------------------------------------------------------------------------
 # The README's command runs the quick tier: every test, each value of each of its parameters at
 # least once (a covering subset of its parameter matrix, chosen in collection order), and no test
-# marked `slow`. `--tier=rest` runs exactly what the quick tier leaves out (the rest of each matrix
-# and the slow tests); .ci/run runs both, so CI covers the whole matrix. `--tier=all` runs everything.
+# marked `slow`; on 1 device, also nothing marked `device_independent` (run by the 4-device pass).
+# `--tier=rest` runs exactly what the quick tier leaves out (the rest of each matrix and the slow
+# tests); .ci/run runs both on 4 devices, so CI covers the whole matrix. `--tier=all` runs everything.
 TIERS = ("quick", "rest", "all")
 
 
@@ -104,6 +105,8 @@ def pytest_collection_modifyitems(config, items):
     if tier == "all":
         return
     quick = {id(item) for item in quick_items(items)}
+    if N_DEVICES == 1:  # the quick tier's 1-device pass: only what depends on the device count
+        quick -= {id(item) for item in items if item.get_closest_marker("device_independent")}
     keep = [item for item in items if (id(item) in quick) == (tier == "quick")]
     dropped = [item for item in items if (id(item) in quick) != (tier == "quick")]
     if dropped:

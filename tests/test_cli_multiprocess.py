@@ -24,6 +24,9 @@ from pathlib import Path
 
 import pytest
 
+# Its outcome does not depend on the device count: the quick tier runs it in the 4-device pass only.
+pytestmark = pytest.mark.device_independent
+
 ROOT = Path(__file__).resolve().parents[1]
 N_DEVICES = int(os.environ.get("VMCGRAD_TEST_DEVICES", "4"))  # as tests/conftest.py
 PER_PROCESS = max(1, N_DEVICES // 2)
@@ -72,6 +75,7 @@ def _run_all(commands, cwd):
                 p.communicate()
 
 
+@pytest.mark.slow  # tests/test_multiprocess.py runs two processes in the quick tier
 def test_two_processes_match_one(tmp_path):
     port = _free_port()
     multi = tmp_path / "multi"

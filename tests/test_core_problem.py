@@ -163,10 +163,11 @@ def test_memory_budget_is_accepted_by_every_entry_point():
     ct = jnp.ones(N, jnp.complex128)
     budget = np.int64(2**30)  # numpy integers and floats are byte counts too
     expected = estimators(fun, params, samples, ct, chunk_size=None)
-    for kw in ({"memory_budget": budget}, {"memory_budget": 1e9}):
-        got = estimators(fun, params, samples, ct, chunk_size="auto", **kw)
-        for name in expected:
-            assert_tree_allclose(got[name], expected[name], rtol=1e-10, atol=1e-12)
+    got = estimators(fun, params, samples, ct, chunk_size="auto", memory_budget=budget)
+    for name in expected:
+        assert_tree_allclose(got[name], expected[name], rtol=1e-10, atol=1e-12)
+    got = vmcgrad.expect_grad(fun, params, samples, ct, chunk_size="auto", memory_budget=1e9)  # a float
+    assert_tree_allclose(got, expected["expect_grad"], rtol=1e-10, atol=1e-12)
     for bad in (True, -1, 0, float("nan"), float("inf"), "1GB"):
         with pytest.raises(
             (TypeError, ValueError), match="`memory_budget` must be a positive number of bytes"
