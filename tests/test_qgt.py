@@ -325,6 +325,20 @@ def test_one_reduction_per_product(kind, case):
         # a solve: the product's reduction once per CG iteration (the CG loop), none in the chunk loop
         solve = collective_report(jax.jit(lambda S, v: S.solve(v, maxiter=5)).lower(S, v).compile())
         assert set(solve.in_loops) == {"all-reduce"} and solve.in_loops["all-reduce"] <= n_dtypes, solve
+        # kept linearisations: the same, and the linearising pass reduces nothing (per-chunk slots)
+        from vmcgrad._qgt_linearized import _linearize_program
+
+        lin = S.linearize()
+        kept = collective_report(_linearize_program.lower(S.problem, S).compile())
+        assert kept.total_in_loops == 0 and not kept.outside, kept
+        two = jax.tree.map(lambda a: jnp.stack([a, a]), v)
+        for program, vs in ((lambda L, v: L @ v, v), (jax.vmap(lambda L, v: L @ v, in_axes=(None, 0)), two)):
+            product = collective_report(jax.jit(program).lower(lin, vs).compile())
+            assert product.total_in_loops == 0, product
+            assert set(product.outside) == {"all-reduce"}
+            assert 1 <= product.outside["all-reduce"] <= n_dtypes, product
+        solve = collective_report(jax.jit(lambda L, v: L.solve(v, maxiter=5)).lower(lin, v).compile())
+        assert set(solve.in_loops) == {"all-reduce"} and solve.in_loops["all-reduce"] <= n_dtypes, solve
 
 
 def test_jit_operator_argument_no_recompilation():
