@@ -376,7 +376,7 @@ def test_qgt_dense_and_diagonal_transform():
 
 
 def test_linearized_qgt_vmaps():
-    """S.linearize() (kept linearisations, a ref loop of its own) under vmap over vectors."""
+    """S.linearize() (kept linearisations: per-chunk operands of the primitive) under vmap over vectors."""
     fun, params, x = make_case("r2c", N)
     flat, unravel = ravel_pytree(params)
     f = lambda p, x: fun(unravel(p), x)
