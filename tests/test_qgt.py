@@ -224,6 +224,32 @@ def test_jax_scipy_cg_over_products(case):
     close(x_scipy, x_ours, jnp.float64, scale=1e3)
 
 
+@pytest.mark.parametrize("case", ["r2c", "c2c_holo", "c2c_nonholo"])
+def test_jax_scipy_cg_on_kept_linearisations(case):
+    """jax.scipy.sparse.linalg.cg over products of a LinearizedQGT, outside and inside jax.jit, and
+    vmapped over right-hand sides: the dense solve, and QGT.solve's answer (the product is the chunked
+    primitive, which jax.scipy's complex CG transposes; nothing of it is a ref loop of its own)."""
+    fun, params, samples = make_case(case, N)
+    mode = MODES[case]
+    ref = Dense(fun, params, samples, mode)
+    b = tree_like(params, 13)
+    bs = jnp.stack([ref.to_flat(b), ref.to_flat(tree_like(params, 14))])
+    A = ref.matrix(diag_shift=0.05)
+    with setup("netket") as place:
+        S = vmcgrad.QGT(fun, params, place(samples), chunk_size=7, mode=mode, diag_shift=0.05)
+        lin = S.linearize()
+        x_ours, _ = S.solve(b, tol=1e-12)
+        cg = lambda L, b: jax.scipy.sparse.linalg.cg(lambda y: L @ y, b, tol=1e-12)[0]
+        eager = cg(lin, b)
+        jitted = jax.jit(cg)(lin, b)
+        batched = jax.jit(jax.vmap(cg, in_axes=(None, 0)))(lin, bs)
+    expected = ref.from_flat(jnp.linalg.solve(A, ref.to_flat(b)))
+    for x in (eager, jitted):
+        close(x, expected, jnp.float64, scale=1e3)
+        close(x, x_ours, jnp.float64, scale=1e3)
+    close(batched, jnp.linalg.solve(A, bs.T).T, jnp.float64, scale=1e3)
+
+
 @pytest.mark.parametrize("case", ["r2c", "c2c_nonholo", "layered"])
 def test_solve_with_kept_linearisations(case):
     """S.linearize(): the same products and solution, iterate for iterate; the forward pass runs once
@@ -298,6 +324,20 @@ def test_one_reduction_per_product(kind, case):
         assert 1 <= product.outside["all-reduce"] <= n_dtypes, product
         # a solve: the product's reduction once per CG iteration (the CG loop), none in the chunk loop
         solve = collective_report(jax.jit(lambda S, v: S.solve(v, maxiter=5)).lower(S, v).compile())
+        assert set(solve.in_loops) == {"all-reduce"} and solve.in_loops["all-reduce"] <= n_dtypes, solve
+        # kept linearisations: the same, and the linearising pass reduces nothing (per-chunk slots)
+        from vmcgrad._qgt_linearized import _linearize_program
+
+        lin = S.linearize()
+        kept = collective_report(_linearize_program.lower(S.problem, S).compile())
+        assert kept.total_in_loops == 0 and not kept.outside, kept
+        two = jax.tree.map(lambda a: jnp.stack([a, a]), v)
+        for program, vs in ((lambda L, v: L @ v, v), (jax.vmap(lambda L, v: L @ v, in_axes=(None, 0)), two)):
+            product = collective_report(jax.jit(program).lower(lin, vs).compile())
+            assert product.total_in_loops == 0, product
+            assert set(product.outside) == {"all-reduce"}
+            assert 1 <= product.outside["all-reduce"] <= n_dtypes, product
+        solve = collective_report(jax.jit(lambda L, v: L.solve(v, maxiter=5)).lower(lin, v).compile())
         assert set(solve.in_loops) == {"all-reduce"} and solve.in_loops["all-reduce"] <= n_dtypes, solve
 
 

@@ -376,7 +376,7 @@ def test_qgt_dense_and_diagonal_transform():
 
 
 def test_linearized_qgt_vmaps():
-    """S.linearize() (kept linearisations, a ref loop of its own) under vmap over vectors."""
+    """S.linearize() (kept linearisations: per-chunk operands of the primitive) under vmap over vectors."""
     fun, params, x = make_case("r2c", N)
     flat, unravel = ravel_pytree(params)
     f = lambda p, x: fun(unravel(p), x)
@@ -531,28 +531,48 @@ def test_integer_samples_captured_by_the_users_jit(setup):
 
 
 def test_linearized_qgt_transforms_and_refusals():
-    """Kept linearisations: products differentiate in the vector (linear in it); differentiating
-    the solve or through the kept maps in the parameters is refused up front, naming vmcgrad and
-    the alternative (which then works)."""
+    """Kept linearisations: products and solves differentiate in their vector (the solve implicitly,
+    as QGT.solve) and vmap over it; differentiating through the kept maps in the parameters is refused
+    by the primitive's own jvp rule, naming vmcgrad and the alternative (which then works), with or
+    without an outer jax.jit. (The guard this replaces matched JAX's tracer class names before
+    tracing, and an outer jit hid them: jax.grad(jax.jit(... .linearize().solve(b) ...)) failed inside
+    JAX with "mutable array references cannot be returned", and the product's case ran unrefused.)"""
     fun, params, x = make_case("r2c", N)
     flat, unravel = ravel_pytree(params)
     f = lambda p, x: fun(unravel(p), x)
     S = vmcgrad.QGT(f, flat, x, chunk_size=CHUNK, diag_shift=SHIFT)
     lin = S.linearize()
     b = random_like(jax.random.key(3), flat.shape, flat.dtype)
+    stack = jnp.stack([b, random_like(jax.random.key(4), flat.shape, flat.dtype)])
     for transform in (
         lambda A: jax.grad(lambda v: jnp.sum(jnp.sin(A @ v)))(b),
         lambda A: jax.jvp(lambda v: A @ v, (b,), (b,)),
     ):
         assert_tree_allclose(transform(lin), transform(S), rtol=1e-10, atol=1e-12)
+    dense = dense_qgt(f, flat, x, SHIFT)
+    solve = lambda v: lin.solve(v, tol=1e-13)[0]
+    x_b = jnp.linalg.solve(dense, b)
+    np.testing.assert_allclose(
+        jax.grad(lambda v: jnp.sum(jnp.sin(solve(v))))(b), jnp.linalg.solve(dense.T, jnp.cos(x_b)), rtol=1e-8
+    )
+    np.testing.assert_allclose(
+        jax.jvp(solve, (b,), (stack[1],))[1], jnp.linalg.solve(dense, stack[1]), rtol=1e-8
+    )
+    np.testing.assert_allclose(jax.jit(jax.vmap(solve))(stack), jnp.linalg.solve(dense, stack.T).T, rtol=1e-8)
+
+    kept = lambda p: vmcgrad.QGT(f, p, x, chunk_size=CHUNK, diag_shift=SHIFT).linearize()
     refused = (
-        lambda: jax.grad(lambda v: jnp.sum(lin.solve(v)[0]))(b),
-        lambda: jax.jvp(lambda v: lin.solve(v)[0], (b,), (b,)),
-        lambda: jax.grad(lambda p: jnp.sum(vmcgrad.QGT(f, p, x, chunk_size=CHUNK).linearize() @ b))(flat),
+        lambda: jax.grad(lambda p: jnp.sum(kept(p) @ b))(flat),
+        lambda: jax.grad(jax.jit(lambda p: jnp.sum(kept(p) @ b)))(flat),
+        lambda: jax.grad(jax.jit(lambda p: jnp.sum(kept(p).solve(b)[0])))(flat),
+        lambda: jax.jvp(jax.jit(lambda p: kept(p).solve(b)[0]), (flat,), (b,)),
+        lambda: jax.jacfwd(lambda p: kept(p) @ b)(flat),
     )
     for transform in refused:
         with pytest.raises(TypeError, match=r"LinearizedQGT cannot be differentiated.*Fix: .*vmcgrad\.QGT"):
             transform()
-    fix = jax.grad(lambda v: jnp.sum(S.solve(v, tol=1e-13)[0]))(b)
-    expected = jnp.linalg.solve(dense_qgt(f, flat, x, SHIFT).T, jnp.ones_like(b))
+    fix = jax.grad(jax.jit(lambda p: jnp.sum(vmcgrad.QGT(f, p, x, chunk_size=CHUNK, diag_shift=SHIFT) @ b)))(
+        flat
+    )
+    expected = jax.grad(lambda p: jnp.sum(dense_qgt(f, p, x, SHIFT) @ b))(flat)
     np.testing.assert_allclose(fix, expected, rtol=1e-8)

@@ -14,6 +14,16 @@ mask here: True for a row that counts in this chunk). The contract on ``g``: its
 not depend on rows of weight False (it masks its per-row factors with ``w``); its per-sample
 outputs of those rows are dropped.
 
+**Per-chunk values.** ``g`` may also read *per-chunk* operands ``c`` (leading axis: every device's
+chunks, ``devices * chunks``, split like the devices; chunk ``k`` reads slot ``k``) and write
+per-chunk outputs (chunk ``k`` writes slot ``k``; nothing is reduced, nothing leaves its device).
+This is how :class:`vmcgrad.LinearizedQGT` keeps each chunk's ``jax.linearize`` residuals in one
+pass and reads them back in every product, inside the same one loop. Per-chunk values are batched
+like the rest (batch axis 1, the chunk axis stays first) but never differentiated: they are
+residuals of one parameter point, and a nonzero tangent into or out of them is refused by the jvp
+and transpose rules with a TypeError, which holds under ``jax.jit`` as well (the rules run wherever
+the equation is transformed).
+
 It is a :class:`jax.extend.core.Primitive`, ``vmcgrad_chunked_map_reduce``, whose lowering is the
 one runner (:func:`vmcgrad._runner.run_on`: padding to the device count, ``shard_map`` with
 parameter-sharded leaves all-gathered once, one ``lax.while_loop`` over the chunks with the sums in
@@ -30,8 +40,8 @@ every transformed estimator is again one chunked pass with one reduction:
   of per-sample ones per sample. The transpose of ``batched_vjp`` in its cotangent is a
   ``batched_jvp``. With the jvp rule: ``jax.grad``, ``jax.vjp``, ``jax.linearize``, any order.
 * **vmap**: ``CMR_{vmap g}``, the batch axis inside the chunk (replicated operands batched on
-  axis 0, per-sample ones on axis 1 so the sample axis stays first). K vectors cost one walk over
-  the samples, K wide.
+  axis 0, per-sample and per-chunk ones on axis 1 so the sample / chunk axis stays first). K vectors
+  cost one walk over the samples, K wide.
 * **checkpoint**: the primitive's equation holds no refs (they live only in its lowering), so
   ``jax.checkpoint`` sees an ordinary effect-free equation.
 
@@ -57,7 +67,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ._chunking import Space, acc_dtype, plan_chunks
-from ._runner import SAMPLES, Laid, run_on
+from ._runner import CHUNKS, SAMPLES, Laid, run_on
 
 chunked_p = Primitive("vmcgrad_chunked_map_reduce")
 chunked_p.multiple_results = True
@@ -91,10 +101,13 @@ class Pullback(NamedTuple):
         return out
 
 
-# Operands: (*replicated, *per_sample). Params:
-#   body:       ClosedJaxpr of g(*replicated, *per_sample_chunk, w) -> (*sums, *maps_chunk)
+# Operands: (*replicated, *per_sample, *per_chunk). Params:
+#   body:       ClosedJaxpr of g(*replicated, *per_sample_chunk, *per_chunk_slot, w)
+#               -> (*sums, *maps_chunk, *slots)
 #   n_rep:      how many operands are replicated
+#   n_pc:       how many operands are per chunk (leading axis: devices x chunks, read at the chunk)
 #   n_sum:      how many outputs are summed
+#   n_slot:     how many outputs are per chunk (each chunk writes its own slot; nothing is reduced)
 #   rep_layout: per replicated operand, the dimension split over the sample axis, or None
 #   sum_layout: per summed output, the same (split sums are reduce-scattered)
 #   space:      the rows: sample axis, N, rows per device, chunk size (vmcgrad._chunking.Space)
@@ -107,13 +120,28 @@ def _chunk_rows(space: Space) -> int:
     return plan_chunks(space.n_local, space.chunk_size).size
 
 
+def _slots(space: Space) -> int:
+    """The length of a per-chunk operand's or output's leading axis: every device's chunks, in
+    device order."""
+    devices = 1 if space.where is None else space.where.size
+    return devices * plan_chunks(space.n_local, space.chunk_size).count
+
+
+def _counts(body: ClosedJaxpr, n_rep: int, n_pc: int, n_sum: int, n_slot: int) -> tuple[int, int]:
+    """``(n_ps, n_map)``: how many operands are per sample and how many outputs are per sample."""
+    return len(body.in_avals) - 1 - n_rep - n_pc, len(body.out_avals) - n_sum - n_slot
+
+
 def _explicit(space: Space) -> bool:
     return space.where is not None and AxisType.Explicit in space.where.mesh.axis_types
 
 
-def _abstract_eval(*args, body, n_rep, n_sum, rep_layout, sum_layout, space, pullback, jvp_split):
-    del args, n_rep, rep_layout, pullback, jvp_split
+def _abstract_eval(
+    *args, body, n_rep, n_pc, n_sum, n_slot, rep_layout, sum_layout, space, pullback, jvp_split
+):
+    del args, n_rep, n_pc, rep_layout, pullback, jvp_split
     outs = body.out_avals
+    n_map = len(outs) - n_sum - n_slot
     explicit = _explicit(space)
     mesh = space.where.mesh.abstract_mesh if explicit else None
 
@@ -127,8 +155,11 @@ def _abstract_eval(*args, body, n_rep, n_sum, rep_layout, sum_layout, space, pul
     # divide N (the runner cuts the padded rows off after gathering them: vmcgrad._runner._cut).
     split = explicit and space.n % space.where.size == 0
     row_spec = P(space.where.axis) if split else P()
-    maps = [typed((space.n, *a.shape[1:]), a.dtype, row_spec) for a in outs[n_sum:]]
-    return sums + maps, body.effects
+    maps = [typed((space.n, *a.shape[1:]), a.dtype, row_spec) for a in outs[n_sum : n_sum + n_map]]
+    # Per-chunk outputs: every device's chunks in device order, split like the devices.
+    slot_spec = P(space.where.axis) if explicit else P()
+    slots = [typed((_slots(space), *a.shape), a.dtype, slot_spec) for a in outs[n_sum + n_map :]]
+    return sums + maps + slots, body.effects
 
 
 def _dim_spec(d: int | None, ndim: int, space: Space) -> P:
@@ -142,30 +173,38 @@ def _loop(
     g: Callable,
     rep: list,
     per_sample: list,
+    per_chunk: list,
     chunks: Any,
     sum_avals: Sequence,
     map_avals: Sequence,
+    slot_avals: Sequence,
     pullback: tuple | None = None,
 ):
-    """One device's pass: a ``while_loop`` over chunks; sums into ref accumulators, rows into a carry.
+    """One device's pass: a ``while_loop`` over chunks; sums into ref accumulators, rows and
+    per-chunk slots into the carry.
 
     A ``while_loop`` over an int32 counter, not a ``scan``: a scan's index array costs temp memory,
     and the loop is never differentiated (the primitive's rules act instead). Rows of weight False
     keep the buffer's earlier value (an earlier chunk's, or zeros for padded rows, which are cut).
-    Sums given as a :class:`Pullback` are written by ``f_vjp.with_refs(*accumulators)``, every
-    leaf a whole ref (jax#32468, and a ref view under ``jit`` accumulates nothing: CONTEXT.md);
-    other sums by ``acc[...] += part``.
+    Per-chunk operands are read at the chunk's index ``k`` on their leading axis, and chunk ``k``
+    writes slot ``k`` of each per-chunk output. Sums given as a :class:`Pullback` are written by
+    ``f_vjp.with_refs(*accumulators)``, every leaf a whole ref (jax#32468, and a ref view under
+    ``jit`` accumulates nothing: CONTEXT.md); other sums by ``acc[...] += part``.
     """
     accs = [jax.new_ref(jnp.zeros(a.shape, acc_dtype(a.dtype))) for a in sum_avals]
     bufs = [jnp.zeros((chunks.plan.n, *a.shape[1:]), a.dtype) for a in map_avals]
+    slots = [jnp.zeros((chunks.plan.count, *a.shape), a.dtype) for a in slot_avals]
     size = chunks.plan.size
+    n_acc, n_map = len(accs), len(bufs)
+    assert pullback is None or not per_chunk, "the pullback form reads no per-chunk operands"
 
     def step(carry):
-        k, bufs = carry
+        k, bufs, slots = carry
         *chunk, w = chunks.take(k, *per_sample, dtype=jnp.bool_)
+        own = [jax.lax.dynamic_index_in_dim(a, k, keepdims=False) for a in per_chunk]
         if pullback is None:
-            outs = g(*rep, *chunk, w)
-            for acc, part in zip(accs, outs[: len(accs)]):
+            outs = g(*rep, *chunk, *own, w)
+            for acc, part in zip(accs, outs[:n_acc]):
                 acc[...] += part.astype(acc.dtype)
         else:
             if not _has_uncounted_rows(chunks):
@@ -173,17 +212,21 @@ def _loop(
             else:  # rows of weight 0 must add an exact zero (see _finite_stand_ins)
                 chunk = _finite_stand_ins(pullback, rep, per_sample, chunks, k, w)
                 jax.lax.cond(jnp.any(w), lambda: _pull_into(accs, pullback, rep, chunk, w), lambda: None)
-            outs = g(*rep, *chunk, w) if bufs else [None] * len(accs)  # only the rows are used
+            outs = g(*rep, *chunk, w) if bufs or slots else [None] * n_acc  # only the rest is used
         start = chunks.start(k)
         new = []
-        for buf, rows in zip(bufs, outs[len(accs) :]):
+        for buf, rows in zip(bufs, outs[n_acc : n_acc + n_map]):
             old = jax.lax.dynamic_slice_in_dim(buf, start, size)
             keep = w.reshape((size,) + (1,) * (rows.ndim - 1))
             new.append(jax.lax.dynamic_update_slice_in_dim(buf, jnp.where(keep, rows, old), start, 0))
-        return k + 1, new
+        new_slots = [
+            jax.lax.dynamic_update_index_in_dim(slot, out.astype(slot.dtype), k, 0)
+            for slot, out in zip(slots, outs[n_acc + n_map :])
+        ]
+        return k + 1, new, new_slots
 
-    _, bufs = jax.lax.while_loop(lambda c: c[0] < chunks.plan.count, step, (jnp.int32(0), bufs))
-    return [jax.ref.freeze(a) for a in accs], bufs
+    _, bufs, slots = jax.lax.while_loop(lambda c: c[0] < chunks.plan.count, step, (jnp.int32(0), bufs, slots))
+    return [jax.ref.freeze(a) for a in accs], bufs, slots
 
 
 def _has_uncounted_rows(chunks: Any) -> bool:
@@ -245,29 +288,42 @@ def _pull_into(accs: list, pullback: tuple, rep: list, chunk: list, w: Any) -> N
     f_vjp.with_refs(*accs)(ct)
 
 
-def _impl(*args, body, n_rep, n_sum, rep_layout, sum_layout, space, pullback, jvp_split):
+def _impl(*args, body, n_rep, n_pc, n_sum, n_slot, rep_layout, sum_layout, space, pullback, jvp_split):
     del jvp_split  # the combined body computes both parts in one pass
-    rep, per_sample = list(args[:n_rep]), list(args[n_rep:])
+    n_ps, n_map = _counts(body, n_rep, n_pc, n_sum, n_slot)
+    rep, per_sample, per_chunk = _split(args, [n_rep, n_ps])
     g = jaxpr_as_fun(body)
-    sum_avals, map_avals = body.out_avals[:n_sum], body.out_avals[n_sum:]
+    sum_avals, map_avals, slot_avals = _split(body.out_avals, [n_sum, n_map])
 
-    def local(chunks, rep, per_sample):
-        return _loop(g, rep, per_sample, chunks, sum_avals, map_avals, pullback)
+    def local(chunks, rep, per_sample, per_chunk):
+        return _loop(g, rep, per_sample, per_chunk, chunks, sum_avals, map_avals, slot_avals, pullback)
 
     like = [jax.ShapeDtypeStruct(a.shape, acc_dtype(a.dtype)) for a in sum_avals]
-    sums, maps = run_on(
+    sums, maps, slots = run_on(
         space,
         local,
         (rep, tuple(rep_layout)),
         (per_sample, SAMPLES),
-        out=(Laid(like, tuple(sum_layout)), SAMPLES),
+        (per_chunk, CHUNKS),
+        out=(Laid(like, tuple(sum_layout)), SAMPLES, CHUNKS),
     )
-    return [s.astype(a.dtype) for s, a in zip(sums, sum_avals)] + list(maps)
+    return [s.astype(a.dtype) for s, a in zip(sums, sum_avals)] + list(maps) + list(slots)
 
 
 _impl_jit = jax.jit(
     _impl,
-    static_argnames=("body", "n_rep", "n_sum", "rep_layout", "sum_layout", "space", "pullback", "jvp_split"),
+    static_argnames=(
+        "body",
+        "n_rep",
+        "n_pc",
+        "n_sum",
+        "n_slot",
+        "rep_layout",
+        "sum_layout",
+        "space",
+        "pullback",
+        "jvp_split",
+    ),
 )
 chunked_p.def_impl(_impl_jit)
 mlir.register_lowering(chunked_p, mlir.lower_fun(_impl, multiple_results=True))
@@ -282,7 +338,9 @@ def _trace(fn: Callable, avals: Sequence[Any]) -> ClosedJaxpr:
         return jax.make_jaxpr(fn)(*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals))
 
 
-def _place(rep: list, rep_layout: Sequence, per_sample: list, space: Space) -> tuple[list, list]:
+def _place(
+    rep: list, rep_layout: Sequence, per_sample: list, per_chunk: list, space: Space
+) -> tuple[list, list, list]:
     """Places the operands on the sample mesh *in the jaxpr*, at bind time.
 
     The runner's ``shard_map`` exists only in the primitive's lowering, so a ``jax.jit`` whose
@@ -290,11 +348,11 @@ def _place(rep: list, rep_layout: Sequence, per_sample: list, space: Space) -> t
     spans the mesh and would compile for one device. A sharding constraint (Auto axes) or a
     ``reshard`` (Explicit axes, where it also types operands that transformations create, e.g.
     jacfwd's basis) on a concrete mesh tells it. Per-sample operands the devices do not divide are
-    left to the runner, which pads them first.
+    left to the runner, which pads them first. Per-chunk operands are split like the devices.
     """
     where = space.where
     if where is None or not isinstance(where.mesh, jax.sharding.Mesh):
-        return rep, per_sample
+        return rep, per_sample, per_chunk
     put = jax.sharding.reshard if _explicit(space) else jax.lax.with_sharding_constraint
     mesh = where.mesh
     rep = [put(a, NamedSharding(mesh, _dim_spec(d, a.ndim, space))) for a, d in zip(rep, rep_layout)]
@@ -302,17 +360,34 @@ def _place(rep: list, rep_layout: Sequence, per_sample: list, space: Space) -> t
     per_sample = [
         put(a, NamedSharding(mesh, rows)) if a.shape[0] % where.size == 0 else a for a in per_sample
     ]
-    return rep, per_sample
+    per_chunk = [put(a, NamedSharding(mesh, rows)) for a in per_chunk]
+    return rep, per_sample, per_chunk
 
 
-def _bind(rep, per_sample, *, body, rep_layout, n_sum, sum_layout, space, pullback=None, jvp_split=None):
-    rep, per_sample = _place(list(rep), rep_layout, list(per_sample), space)
+def _bind(
+    rep,
+    per_sample,
+    per_chunk=(),
+    *,
+    body,
+    rep_layout,
+    n_sum,
+    sum_layout,
+    space,
+    n_slot=0,
+    pullback=None,
+    jvp_split=None,
+):
+    rep, per_sample, per_chunk = _place(list(rep), rep_layout, list(per_sample), list(per_chunk), space)
     return chunked_p.bind(
         *rep,
         *per_sample,
+        *per_chunk,
         body=body,
         n_rep=len(rep),
+        n_pc=len(per_chunk),
         n_sum=n_sum,
+        n_slot=n_slot,
         rep_layout=tuple(rep_layout),
         sum_layout=tuple(sum_layout),
         space=space,
@@ -333,27 +408,47 @@ def _split(seq: Sequence, sizes: Sequence[int]) -> list:
 # --- jvp: tangent = CMR of the chunk's jvp, tangents as extra (replicated / per-sample) operands ---
 
 
-def _jvp_rule(primals, tangents, *, body, n_rep, n_sum, rep_layout, sum_layout, space, pullback, jvp_split):
+KEPT_NOT_DIFFERENTIABLE = (
+    "vmcgrad.LinearizedQGT cannot be differentiated in its kept linearisations (jax.grad / jax.jvp / "
+    "jax.jacfwd of S.linearize() in the parameters, or of a product or solve in the kept maps, with or "
+    "without jax.jit): the kept linear maps are constants of one parameter point. Products and solves "
+    "of a LinearizedQGT are differentiable in their vector, and jax.vmap works. Fix: differentiate the "
+    "operator that recomputes the forward pass, vmcgrad.QGT(...) @ v or vmcgrad.QGT(...).solve(b) "
+    "(every transformation works there), or wrap the parameters in jax.lax.stop_gradient."
+)
+
+
+def _jvp_rule(
+    primals, tangents, *, body, n_rep, n_pc, n_sum, n_slot, rep_layout, sum_layout, space, pullback, jvp_split
+):
     del jvp_split  # a combined equation differentiated again: its body is an ordinary one
-    params = dict(body=body, n_sum=n_sum, rep_layout=rep_layout, sum_layout=sum_layout, space=space)
+    params = dict(body=body, n_sum=n_sum, n_slot=n_slot, rep_layout=rep_layout, sum_layout=sum_layout)
+    params["space"] = space
+    n_ps, _ = _counts(body, n_rep, n_pc, n_sum, n_slot)
     nz = [type(t) is not ad.Zero for t in tangents]
     if not any(nz):
-        out = _bind(primals[:n_rep], primals[n_rep:], **params, pullback=pullback)
+        rep, ps, pc = _split(primals, [n_rep, n_ps])
+        out = _bind(rep, ps, pc, **params, pullback=pullback)
         return out, [ad.Zero(jax.typeof(o).to_tangent_aval()) for o in out]
+    # Per-chunk values (kept linearisations) are constants of one point: a pass that writes them, or
+    # one that reads them, is not differentiated in them (its derivative would need the derivative of
+    # JAX's linearisation residuals). Refused here, inside the rule, so that it holds under jax.jit.
+    if n_slot or any(nz[n_rep + n_ps :]):
+        raise TypeError(KEPT_NOT_DIFFERENTIABLE)
     # One bind for primal and tangent where the primal outputs are real. jax.checkpoint's partial
     # evaluation saves them (_partial_eval_custom_rule), and jax 0.10.2 cannot save a complex value
     # there (it inserts reduce_precision, which refuses complex dtypes): complex outputs take two
     # binds, the primal part then being recomputed as checkpoint asks.
     combine = all(jnp.issubdtype(a.dtype, jnp.floating) for a in body.out_avals)
-    in_avals = body.in_avals  # (*rep, *per_sample_chunk, w)
+    in_avals = body.in_avals  # (*rep, *per_sample_chunk, *per_chunk_slot, w)
     n_in = len(in_avals) - 1
     nz_rep = [i for i in range(n_rep) if nz[i]]
-    nz_ps = [i for i in range(n_rep, n_in) if nz[i]]
+    nz_ps = [i for i in range(n_rep, n_rep + n_ps) if nz[i]]
     moving = nz_rep + nz_ps
 
     def jvp_of_body(args):
-        rep, d_rep, ps, d_ps, (w,) = _split(args, [n_rep, len(nz_rep), n_in - n_rep, len(nz_ps)])
-        primal = rep + ps
+        rep, d_rep, ps, d_ps, pc, (w,) = _split(args, [n_rep, len(nz_rep), n_ps, len(nz_ps), n_pc])
+        primal = rep + ps + pc
 
         def h(*vals):
             full = list(primal)
@@ -373,29 +468,39 @@ def _jvp_rule(primals, tangents, *, body, n_rep, n_sum, rep_layout, sum_layout, 
     avals = (
         list(in_avals[:n_rep])
         + [in_avals[i] for i in nz_rep]
-        + list(in_avals[n_rep:n_in])
+        + list(in_avals[n_rep : n_rep + n_ps])
         + [in_avals[i] for i in nz_ps]
+        + list(in_avals[n_rep + n_ps : n_in])
         + [in_avals[-1]]
     )
     rep_in = list(primals[:n_rep]) + [tangents[i] for i in nz_rep]
-    ps_in = list(primals[n_rep:]) + [tangents[i] for i in nz_ps]
+    ps_in = list(primals[n_rep : n_rep + n_ps]) + [tangents[i] for i in nz_ps]
+    pc_in = list(primals[n_rep + n_ps :])
     tangent = dict(
         body=_trace(g_tangent, avals),
         n_rep=len(rep_in),
+        n_pc=n_pc,
         n_sum=n_sum,
+        n_slot=0,
         rep_layout=tuple(rep_layout) + tuple(rep_layout[i] for i in nz_rep),
         sum_layout=sum_layout,
         space=space,
         pullback=None,
         jvp_split=None,
     )
+    bind_tangent = {k: v for k, v in tangent.items() if k not in ("n_rep", "n_pc")}
     if not combine:
-        out = _bind(primals[:n_rep], primals[n_rep:], **params, pullback=pullback)
-        return out, _bind(rep_in, ps_in, **{k: v for k, v in tangent.items() if k != "n_rep"})
+        out = _bind(primals[:n_rep], primals[n_rep : n_rep + n_ps], pc_in, **params, pullback=pullback)
+        return out, _bind(rep_in, ps_in, pc_in, **bind_tangent)
     n_out = len(body.out_avals)
+    first_pc = len(rep_in) + len(ps_in)
     split = _JvpSplit(
-        primal_in=tuple(range(n_rep)) + tuple(range(len(rep_in), len(rep_in) + n_in - n_rep)),
-        primal=tuple(sorted({**params, "n_rep": n_rep, "pullback": pullback, "jvp_split": None}.items())),
+        primal_in=tuple(range(n_rep))
+        + tuple(range(len(rep_in), len(rep_in) + n_ps))
+        + tuple(range(first_pc, first_pc + n_pc)),
+        primal=tuple(
+            sorted({**params, "n_rep": n_rep, "n_pc": n_pc, "pullback": pullback, "jvp_split": None}.items())
+        ),
         tangent=tuple(sorted(tangent.items())),
         primal_out=tuple(range(n_sum)) + tuple(range(2 * n_sum, n_sum + n_out)),
         tangent_out=tuple(range(n_sum, 2 * n_sum)) + tuple(range(n_sum + n_out, 2 * n_out)),
@@ -403,6 +508,7 @@ def _jvp_rule(primals, tangents, *, body, n_rep, n_sum, rep_layout, sum_layout, 
     both = _bind(
         rep_in,
         ps_in,
+        pc_in,
         body=_trace(g_both, avals),
         rep_layout=tangent["rep_layout"],
         n_sum=2 * n_sum,
@@ -502,26 +608,32 @@ pe.partial_eval_jaxpr_custom_rules[chunked_p] = _partial_eval_custom_rule
 # --- transpose: CMR of the chunk's linear transpose; per-sample cotangents masked by w -------------
 
 
-def _transpose_rule(cts, *args, body, n_rep, n_sum, rep_layout, sum_layout, space, pullback, jvp_split):
+def _transpose_rule(
+    cts, *args, body, n_rep, n_pc, n_sum, n_slot, rep_layout, sum_layout, space, pullback, jvp_split
+):
     del pullback, jvp_split  # the transposed body is the generic one
     lin = [ad.is_undefined_primal(a) for a in args]
     in_avals, out_avals = body.in_avals, body.out_avals
     n_in = len(in_avals) - 1
+    n_ps, n_map = _counts(body, n_rep, n_pc, n_sum, n_slot)
     ct_nz = [type(c) is not ad.Zero for c in cts]
+    if n_slot or any(lin[n_rep + n_ps :]):  # per-chunk values are never linear inputs (see the jvp rule)
+        raise TypeError(KEPT_NOT_DIFFERENTIABLE)
     lin_rep = [i for i in range(n_rep) if lin[i]]
-    lin_ps = [i for i in range(n_rep, n_in) if lin[i]]
+    lin_ps = [i for i in range(n_rep, n_rep + n_ps) if lin[i]]
     const_rep = [i for i in range(n_rep) if not lin[i]]
-    const_ps = [i for i in range(n_rep, n_in) if not lin[i]]
+    const_ps = [i for i in range(n_rep, n_rep + n_ps) if not lin[i]]
+    const_pc = list(range(n_rep + n_ps, n_in))
     ct_sum = [j for j in range(n_sum) if ct_nz[j]]
-    ct_map = [j for j in range(n_sum, len(out_avals)) if ct_nz[j]]
+    ct_map = [j for j in range(n_sum, n_sum + n_map) if ct_nz[j]]
     if not ct_sum and not ct_map:
         return [ad.Zero(a.aval.to_tangent_aval()) if is_lin else None for is_lin, a in zip(lin, args)]
 
     def g_transpose(*vals):
-        c_rep, c_sum, c_ps, c_map, (w,) = _split(
-            vals, [len(const_rep), len(ct_sum), len(const_ps), len(ct_map)]
+        c_rep, c_sum, c_ps, c_map, c_pc, (w,) = _split(
+            vals, [len(const_rep), len(ct_sum), len(const_ps), len(ct_map), len(const_pc)]
         )
-        consts = dict(zip(const_rep + const_ps, c_rep + c_ps))
+        consts = dict(zip(const_rep + const_ps + const_pc, c_rep + c_ps + c_pc))
 
         def linear(*xs):
             full = dict(consts)
@@ -542,11 +654,13 @@ def _transpose_rule(cts, *args, body, n_rep, n_sum, rep_layout, sum_layout, spac
         + [out_avals[j] for j in ct_sum]
         + [in_avals[i] for i in const_ps]
         + [out_avals[j] for j in ct_map]
+        + [in_avals[i] for i in const_pc]
         + [in_avals[-1]]
     )
     res = _bind(
         [args[i] for i in const_rep] + [cts[j] for j in ct_sum],
         [args[i] for i in const_ps] + [cts[j] for j in ct_map],
+        [args[i] for i in const_pc],
         body=_trace(g_transpose, avals),
         rep_layout=tuple(rep_layout[i] for i in const_rep) + tuple(sum_layout[j] for j in ct_sum),
         n_sum=len(lin_rep),
@@ -565,7 +679,9 @@ ad.primitive_transposes[chunked_p] = _transpose_rule
 # --- vmap: CMR of the vmapped chunk function (replicated batch axis 0, per-sample axis 1) ---------
 
 
-def _batch_rule(args, dims, *, body, n_rep, n_sum, rep_layout, sum_layout, space, pullback, jvp_split):
+def _batch_rule(
+    args, dims, *, body, n_rep, n_pc, n_sum, n_slot, rep_layout, sum_layout, space, pullback, jvp_split
+):
     del pullback  # the batched body is the generic one
     if jvp_split is not None and all(dims[i] is None for i in jvp_split.primal_in):
         # Batched tangents only (jax.jacfwd, jax.hessian): the primal part stays unbatched.
@@ -579,6 +695,12 @@ def _batch_rule(args, dims, *, body, n_rep, n_sum, rep_layout, sum_layout, space
         return out, out_dims
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     in_avals = body.in_avals
+    n_ps, n_map = _counts(body, n_rep, n_pc, n_sum, n_slot)
+    # Where the batch axis goes: replicated operands on axis 0 (axis 0 in the body); per-sample ones
+    # on axis 1 (axis 1 of the chunk: the sample axis stays first); per-chunk ones on axis 1 (axis 0
+    # of the slot the body reads: the chunk axis stays first).
+    outer = [0] * n_rep + [1] * n_ps + [1] * n_pc
+    inner = [0] * n_rep + [1] * n_ps + [0] * n_pc
     moved, in_axes, avals = [], [], []
     for i, (a, d) in enumerate(zip(args, dims)):
         aval = in_avals[i]
@@ -587,22 +709,24 @@ def _batch_rule(args, dims, *, body, n_rep, n_sum, rep_layout, sum_layout, space
             in_axes.append(None)
             avals.append(aval)
             continue
-        target = 0 if i < n_rep else 1
-        moved.append(jnp.moveaxis(a, d, target))
-        in_axes.append(target)
+        moved.append(jnp.moveaxis(a, d, outer[i]))
+        in_axes.append(inner[i])
         shape = list(aval.shape)
-        shape.insert(target, size)
+        shape.insert(inner[i], size)
         avals.append(jax.core.ShapedArray(tuple(shape), aval.dtype))
-    n_out = len(body.out_avals)
-    out_axes = [0] * n_sum + [1] * (n_out - n_sum)
-    batched = jax.vmap(jaxpr_as_fun(body), in_axes=(*in_axes, None), out_axes=out_axes)
+    body_out = [0] * n_sum + [1] * n_map + [0] * n_slot
+    out_axes = [0] * n_sum + [1] * n_map + [1] * n_slot
+    batched = jax.vmap(jaxpr_as_fun(body), in_axes=(*in_axes, None), out_axes=body_out)
     shift = lambda d, b: d if d is None or b is None else d + 1
+    rep, ps, pc = _split(moved, [n_rep, n_ps])
     outs = _bind(
-        moved[:n_rep],
-        moved[n_rep:],
+        rep,
+        ps,
+        pc,
         body=_trace(lambda *a: batched(*a), [*avals, in_avals[-1]]),
         rep_layout=tuple(shift(d, b) for d, b in zip(rep_layout, in_axes[:n_rep])),
         n_sum=n_sum,
+        n_slot=n_slot,
         sum_layout=tuple(d if d is None else d + 1 for d in sum_layout),
         space=space,
     )
@@ -644,7 +768,7 @@ def _pullback_jaxprs(chunk_fun: Callable, unpack: Callable, avals: list, sum_ava
     structure = []
 
     def point(*args):
-        rep, chunk, w = unpack(args)
+        rep, chunk, _, w = unpack(args)
         pull = chunk_fun(*rep, *chunk, w)[0]
         leaves, tree = jax.tree.flatten(pull.primals)
         structure.append(tree)
@@ -655,7 +779,7 @@ def _pullback_jaxprs(chunk_fun: Callable, unpack: Callable, avals: list, sum_ava
     n_y = []
 
     def fwd(*args):
-        rep, chunk, w = unpack(args[: len(avals)])
+        rep, chunk, _, w = unpack(args[: len(avals)])
         pull = chunk_fun(*rep, *chunk, w)[0]
         y, ct = pull.fun(jax.tree.unflatten(structure[0], args[len(avals) :]))
         y_leaves, ct_leaves = jax.tree.leaves(y), jax.tree.leaves(ct)
@@ -714,105 +838,144 @@ def _drop_frames(err: BaseException) -> None:
 
 def map_reduce(
     space: Space,
-    chunk_fun: Callable[..., tuple[Any, Any]],
+    chunk_fun: Callable[..., tuple],
     replicated: Sequence[tuple[Any, Any]],
     per_sample: Sequence[Any],
     *,
+    per_chunk: Sequence[Any] = (),
     sum_layout: tuple | None = None,
-) -> tuple[Any, Any]:
-    r"""Runs ``chunk_fun`` over the rows chunk by chunk: sums one part, concatenates the other.
+) -> tuple:
+    r"""Runs ``chunk_fun`` over the rows chunk by chunk: sums one part, concatenates another, and
+    keeps a third per chunk.
 
     .. math::
 
-        (\Sigma, M) = \Big(\sum_k \mathrm{sums}(r, s_{[k]}, w_{[k]}),\;
-                           \mathrm{concat}_k\, \mathrm{maps}(r, s_{[k]}, w_{[k]})\Big)
+        (\Sigma, M, K) = \Big(\sum_k \mathrm{sums}(r, s_{[k]}, c_k, w_{[k]}),\;
+                           \mathrm{concat}_k\, \mathrm{maps}(r, s_{[k]}, c_k, w_{[k]}),\;
+                           \mathrm{stack}_k\, \mathrm{slots}(r, s_{[k]}, c_k, w_{[k]})\Big)
 
-    Differentiable (forward and reverse, any order), vmappable and checkpointable in every input;
-    each transformed computation is again one chunked pass with one reduction (module docstring).
+    with ``c_k`` chunk ``k``'s slot of the per-chunk operands.
+
+    Differentiable (forward and reverse, any order), vmappable and checkpointable in the replicated
+    and per-sample inputs; each transformed computation is again one chunked pass with one reduction
+    (module docstring). Per-chunk values are batched by ``jax.vmap`` but not differentiated: a pass
+    that reads or writes them refuses a nonzero tangent with a TypeError (they are
+    :class:`vmcgrad.LinearizedQGT`'s kept linearisations, constants of one parameter point).
 
     Args:
         space: the rows (:class:`vmcgrad._chunking.Space`).
-        chunk_fun: ``chunk_fun(*replicated_trees, *chunk_trees, w) -> (sums, maps)`` with ``w`` the
-            ``(size,)`` bool row mask; ``sums`` (a pytree) must not depend on rows where ``w`` is
-            False; ``maps`` is a pytree of arrays with leading axis ``size``.
+        chunk_fun: ``chunk_fun(*replicated_trees, *chunk_trees, *slot_trees, w) -> (sums, maps)``
+            or ``-> (sums, maps, slots)``, with ``w`` the ``(size,)`` bool row mask; ``sums`` (a
+            pytree) must not depend on rows where ``w`` is False; ``maps`` is a pytree of arrays
+            with leading axis ``size``; ``slots`` a pytree of arrays, this chunk's own values.
         replicated: ``(tree, layout)`` pairs, ``layout`` one split dimension or None per leaf.
         per_sample: trees with the N rows on axis 0.
+        per_chunk: trees with every device's chunks on axis 0 (``devices * chunks``, in device
+            order: a ``slots`` output of a pass over the same ``space``); ``chunk_fun`` gets slot
+            ``k`` of each leaf for chunk ``k``.
         sum_layout: per leaf of the summed outputs, the split dimension or None (default: all
             replicated).
 
     Returns:
-        ``(sums, maps)``: the sums at the dtypes ``chunk_fun`` returns them (accumulated at float32
-        or better), the maps with leading axis N, split like the samples.
+        ``(sums, maps)``, or ``(sums, maps, slots)`` where ``chunk_fun`` returns three: the sums
+        at the dtypes ``chunk_fun`` returns them (accumulated at float32 or better), the maps with
+        leading axis N, split like the samples, the slots with leading axis ``devices * chunks``,
+        split like the devices.
     """
     rep_trees = [t for t, _ in replicated]
     rep_flat = [jax.tree.flatten(t) for t in rep_trees]
     ps_flat = [jax.tree.flatten(t) for t in per_sample]
+    pc_flat = [jax.tree.flatten(t) for t in per_chunk]
     rep_leaves = [x for leaves, _ in rep_flat for x in leaves]
     ps_leaves = [x for leaves, _ in ps_flat for x in leaves]
+    pc_leaves = [x for leaves, _ in pc_flat for x in leaves]
     rep_layout = tuple(d for _, layout in replicated for d in layout)
     size = _chunk_rows(space)
+    slots = _slots(space)
+    if any(x.ndim == 0 or x.shape[0] != slots for x in pc_leaves):
+        raise ValueError(
+            f"vmcgrad: per-chunk values must have leading axis {slots} (devices x chunks of this pass); "
+            f"got shapes {sorted({tuple(x.shape) for x in pc_leaves})}. They were kept at another chunk "
+            "plan. Fix: keep them (S.linearize()) and use them with the same operator."
+        )
     trees = []
 
     def unpack(args):
         it = iter(args)
         rep = [jax.tree.unflatten(td, [next(it) for _ in leaves]) for leaves, td in rep_flat]
         chunk = [jax.tree.unflatten(td, [next(it) for _ in leaves]) for leaves, td in ps_flat]
-        return rep, chunk, next(it)
+        own = [jax.tree.unflatten(td, [next(it) for _ in leaves]) for leaves, td in pc_flat]
+        return rep, chunk, own, next(it)
 
     def flat(*args):
-        rep, chunk, w = unpack(args)
-        sums, maps = chunk_fun(*rep, *chunk, w)
+        rep, chunk, own, w = unpack(args)
+        sums, maps, *rest = chunk_fun(*rep, *chunk, *own, w)
         pull = isinstance(sums, Pullback)
         if pull:
             sums = sums.value()
         s_leaves, s_tree = jax.tree.flatten(sums)
         m_leaves, m_tree = jax.tree.flatten(maps)
-        trees.append((s_tree, m_tree, len(s_leaves), pull))
-        return [*s_leaves, *m_leaves]
+        k_leaves, k_tree = jax.tree.flatten(rest[0] if rest else ())
+        trees.append((s_tree, m_tree, k_tree, len(s_leaves), len(k_leaves), pull, bool(rest)))
+        return [*s_leaves, *m_leaves, *k_leaves]
 
     avals = (
         [jax.typeof(x) for x in rep_leaves]
         + [jax.ShapeDtypeStruct((size, *x.shape[1:]), x.dtype) for x in ps_leaves]
+        + [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in pc_leaves]
         + [jax.ShapeDtypeStruct((size,), jnp.bool_)]
     )
     body, hoisted = _hoist(flat, avals)
-    s_tree, m_tree, n_sum, pull = trees[0]
+    s_tree, m_tree, k_tree, n_sum, n_slot, pull, three = trees[0]
+    pull = pull and not pc_leaves  # the pullback form reads no per-chunk operands
     pullback = _pullback_jaxprs(chunk_fun, unpack, avals, body.out_avals[:n_sum]) if pull else None
     layout = (None,) * n_sum if sum_layout is None else tuple(sum_layout)
     outs = _bind(
         [*hoisted, *rep_leaves],
         ps_leaves,
+        pc_leaves,
         body=body,
         rep_layout=(None,) * len(hoisted) + rep_layout,
         n_sum=n_sum,
+        n_slot=n_slot,
         sum_layout=layout,
         space=space,
         pullback=None if hoisted else pullback,
     )
-    return jax.tree.unflatten(s_tree, outs[:n_sum]), jax.tree.unflatten(m_tree, outs[n_sum:])
+    n_map = len(outs) - n_sum - n_slot
+    sums = jax.tree.unflatten(s_tree, outs[:n_sum])
+    maps = jax.tree.unflatten(m_tree, outs[n_sum : n_sum + n_map])
+    if not three:
+        return sums, maps
+    return sums, maps, jax.tree.unflatten(k_tree, outs[n_sum + n_map :])
 
 
 def map_reduce_problem(
     prob: Any,
     inputs: Any,
-    chunk_fun: Callable[..., tuple[Any, Any]],
+    chunk_fun: Callable[..., tuple],
     *extra: tuple[Any, Any],
     sum_layout=None,
-) -> tuple[Any, Any]:
-    """:func:`map_reduce` over a problem's rows: ``chunk_fun(fun, params, x, w, *extra) -> (sums, maps)``.
+) -> tuple:
+    """:func:`map_reduce` over a problem's rows: ``chunk_fun(fun, params, x, w, *extra) -> (sums, maps)``
+    (or ``(sums, maps, slots)``).
 
     ``fun`` is the user's function (its ``Partial`` arrays are replicated operands, so they are
     differentiated and batched too), ``params`` the full parameters, ``x`` the chunk of samples;
     ``extra`` are ``(value, placement)`` pairs, placement :data:`~vmcgrad._runner.SAMPLES`,
-    :data:`~vmcgrad._runner.REPLICATED` or a layout tuple, passed to ``chunk_fun`` in order (per-sample
-    ones chunked).
+    :data:`~vmcgrad._runner.CHUNKS` (one slot per chunk), :data:`~vmcgrad._runner.REPLICATED` or a
+    layout tuple, passed to ``chunk_fun`` in order (per-sample ones chunked, per-chunk ones at the
+    chunk's slot).
     """
     rep = [(inputs.fun_data, (None,) * len(inputs.fun_data)), (inputs.params, prob.layout)]
-    where_rep, where_ps, per_sample = [], [], [inputs.samples]
+    where_rep, where_ps, where_pc, per_sample, per_chunk = [], [], [], [inputs.samples], []
     for i, (value, kind) in enumerate(extra):
         if isinstance(kind, str) and kind == SAMPLES:
             where_ps.append(i)
             per_sample.append(value)
+        elif isinstance(kind, str) and kind == CHUNKS:
+            where_pc.append(i)
+            per_chunk.append(value)
         else:
             where_rep.append(i)
             layout = (None,) * len(jax.tree.leaves(value)) if isinstance(kind, str) else kind
@@ -820,12 +983,10 @@ def map_reduce_problem(
 
     def g(fun_data, params, *args):
         reps, rest = args[: len(where_rep)], args[len(where_rep) :]
-        x, chunks, w = rest[0], rest[1:-1], rest[-1]
+        x, chunks, own, w = rest[0], rest[1 : len(per_sample)], rest[len(per_sample) : -1], rest[-1]
         values = [None] * len(extra)
-        for i, v in zip(where_rep, reps):
-            values[i] = v
-        for i, v in zip(where_ps, chunks):
+        for i, v in zip(where_rep + where_ps + where_pc, [*reps, *chunks, *own]):
             values[i] = v
         return chunk_fun(prob.user_fun(fun_data), params, x, w, *values)
 
-    return map_reduce(prob.space, g, rep, per_sample, sum_layout=sum_layout)
+    return map_reduce(prob.space, g, rep, per_sample, per_chunk=per_chunk, sum_layout=sum_layout)

@@ -116,16 +116,6 @@ class Chunks(NamedTuple):
 # --- precision: what the sums over chunks are accumulated in -----------------------------------
 
 
-def accumulators(tree: Any) -> Any:
-    """Zero ref accumulators for ``tree``'s leaves, at float32 or better (see :func:`acc_dtype`)."""
-    return jax.tree.map(lambda p: jax.new_ref(jnp.zeros(p.shape, acc_dtype(p.dtype))), tree)
-
-
-def freeze(refs: Any) -> Any:
-    """The accumulated values of :func:`accumulators`."""
-    return jax.tree.map(jax.ref.freeze, refs)
-
-
 def acc_dtype(dtype: Any) -> Any:
     """The accumulation dtype of a leaf: its own, promoted to at least float32 (complex64).
 

@@ -12,8 +12,9 @@
 6. the chunk size, including ``"auto"`` and the memory budget.
 
 It returns a static, hashable :class:`Problem` and the traced :class:`Inputs`. An estimator's
-compiled program is ``program(problem, inputs, *args)`` (``problem`` static), which calls
-:func:`vmcgrad._runner.run` with its loop body; :func:`call` runs it, choosing ``"auto"`` chunks from
+compiled program is ``program(problem, inputs, *args)`` (``problem`` static), which binds the chunked
+primitive with its chunk function (:func:`vmcgrad._chunked.map_reduce_problem`); :func:`call` runs it,
+choosing ``"auto"`` chunks from
 the compiled program's memory and halving once after an out-of-memory error.
 """
 

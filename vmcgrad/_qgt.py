@@ -12,8 +12,8 @@ QGTJacobian regularisation, Becca & Sorella 2017). The matrix taken in each mode
 and imaginary parts split, holomorphic) is described in :mod:`vmcgrad._qgt_modes`; the kinds of
 vectors it takes in :mod:`vmcgrad._views`.
 
-The pieces: this module holds the operator and its builder; the loop bodies are in
-:mod:`vmcgrad._qgt_passes`, run by the one runner (:mod:`vmcgrad._runner`); the kept-linearisation
+The pieces: this module holds the operator and its builder; the chunk functions are in
+:mod:`vmcgrad._qgt_passes`, run by the chunked primitive (:mod:`vmcgrad._chunked`); the kept-linearisation
 operator is :class:`vmcgrad.LinearizedQGT` (:mod:`vmcgrad._qgt_linearized`); the solver is
 :mod:`vmcgrad._solve`. Every product is one pass over the samples: per chunk one linearisation, its
 jvp and its transpose; :math:`\bar O` is computed once, when the operator is built, so the centring is

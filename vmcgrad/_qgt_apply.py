@@ -53,10 +53,9 @@ def _solve_program(prob: Problem, A: Any, b: Any, x0: Any, tol: Any, atol: Any, 
     op, views = A.operator, A.operator.views
     b = views.to_rep(b, kind)
     x0 = None if x0 is None else views.to_rep(x0, kind)
-    # QGTOperator: differentiable implicitly. LinearizedQGT (A.operator is not A): its ref loop
-    # cannot be traced into custom_linear_solve's jaxprs, and is not differentiated anyway.
-    solver = differentiable_cg if A.operator is A else cg
-    x, info = solver(A._apply_rep, b, x0, tol=tol, atol=atol, maxiter=maxiter, M=_jacobi(op))
+    # Differentiable implicitly, both operators (a LinearizedQGT's product is the chunked primitive
+    # too; its rules refuse a tangent in the kept linearisations).
+    x, info = differentiable_cg(A._apply_rep, b, x0, tol=tol, atol=atol, maxiter=maxiter, M=_jacobi(op))
     return views.from_rep(x, kind), info
 
 

@@ -6,6 +6,14 @@ product afterwards — each conjugate-gradient iteration of :meth:`LinearizedQGT
 chunk jvps and their transposes from those residuals: no forward recomputation, still one reduction
 per product. The price is the residuals of all chunks at once (:attr:`LinearizedQGT.nbytes` per
 device), where :class:`vmcgrad.QGTOperator` holds one chunk's at a time.
+
+Both passes are the chunked primitive (:mod:`vmcgrad._chunked`): the linearising pass writes one
+slot per chunk (a per-chunk output, nothing reduced), and a product reads chunk ``k``'s slot as a
+per-chunk operand inside the one loop over the chunks. So the product is an ordinary operator
+application to JAX: ``jax.vmap`` batches it, it is differentiable in its vector, and
+``jax.scipy.sparse.linalg.cg`` or NetKet's solvers run on ``lambda v: L @ v``. Differentiating in
+the kept linearisations (in the parameters through ``S.linearize()``) is refused by the primitive's
+own rules, with or without ``jax.jit``.
 """
 
 from __future__ import annotations
@@ -17,10 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
+from ._chunked import map_reduce, map_reduce_problem
 from ._problem import Problem, call
 from ._qgt_apply import matmul_program, solve
-from ._qgt_passes import cached_product_body, linearize_body
-from ._runner import PER_DEVICE, Laid, run
+from ._qgt_passes import kept_product_chunk, linearize_chunk
 from ._solve import CGInfo
 
 if TYPE_CHECKING:  # annotations only: _qgt imports this module (in QGTOperator.linearize)
@@ -34,18 +42,19 @@ class LinearizedQGT:
 
     Same products and solves as the operator it came from (same ``diag_shift``/``diag_scale``,
     vectors of the same kinds), without a forward pass per product. A pytree: pass it into
-    ``jax.jit`` like the operator.
+    ``jax.jit`` like the operator. ``jax.vmap`` over vectors, derivatives of a product or solve in
+    its vector, and ``jax.scipy.sparse.linalg.cg(lambda v: L @ v, b)`` work; differentiating in the
+    kept linearisations (through ``S.linearize()`` in the parameters) raises a TypeError.
 
     Attributes:
-        op: the operator.
+        op: the operator, at the chunk size the linearisations were kept at.
         linear_maps: every chunk's linear map (``jax.linearize``'s ``Partial``), its residual leaves
-            stacked along a leading axis of chunks (each device's block).
-        weights: the chunks' row weights, ``(chunks, chunk_size)`` per device.
+            stacked along a leading axis of every device's chunks (``devices * chunks``, split over
+            the devices).
     """
 
     op: QGTOperator
     linear_maps: Any
-    weights: jax.Array
 
     @property
     def operator(self) -> QGTOperator:
@@ -65,20 +74,19 @@ class LinearizedQGT:
     def nbytes(self) -> int:
         """Bytes of kept residuals per device."""
         n_dev = 1 if self.problem.where is None else self.problem.where.size
-        leaves = jax.tree.leaves((self.linear_maps, self.weights))
+        leaves = jax.tree.leaves(self.linear_maps)
         return sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves) // n_dev
 
     def __matmul__(self, v: Any) -> Any:
         """:math:`S_\\text{eff} v` from the kept linearisations (as ``QGTOperator.__matmul__``)."""
         v, kind = self.op.views.kind("vmcgrad.LinearizedQGT (v)", "v", v)
-        _refuse_differentiation("vmcgrad.LinearizedQGT.__matmul__", self)
-        return matmul_program(self.problem, self, v, kind)
+        return call(matmul_program, self.problem, self, v, kind)
 
     def solve(
         self, b: Any, *, x0: Any = None, tol: float = 1e-5, atol: float = 0.0, maxiter: int | None = None
     ) -> tuple[Any, CGInfo]:
-        """As :meth:`vmcgrad.QGTOperator.solve`, each iteration's product from the kept linearisations."""
-        _refuse_differentiation("vmcgrad.LinearizedQGT.solve", (self, b, x0))
+        """As :meth:`vmcgrad.QGTOperator.solve`, each iteration's product from the kept linearisations
+        (differentiable implicitly in ``b``, as there)."""
         return solve(self, b, x0=x0, tol=tol, atol=atol, maxiter=maxiter)
 
     # --- traced pieces (the interface of vmcgrad._qgt_apply) -------------------
@@ -89,49 +97,33 @@ class LinearizedQGT:
     def _apply_rep(self, rep: Any) -> Any:
         op = self.op
         layout = op._rep_layout()
-        body = partial(cached_product_body, mode=op.mode)
-        total = run(
-            op.problem,
-            body,
-            op.inputs,
-            (op.obar, layout),
-            (rep, layout),
-            (self.linear_maps, PER_DEVICE),
-            (self.weights, PER_DEVICE),
-            out=Laid(op._rep_like(), layout),
+        # shapes and dtypes only: the body runs on one device's chunk, with no mesh
+        theta = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), op._rep_like())
+        chunk = partial(kept_product_chunk, theta=theta)
+        total, _ = map_reduce(
+            op.problem.space,
+            chunk,
+            [(op.obar, layout), (rep, layout)],
+            [],
+            per_chunk=[self.linear_maps],
+            sum_layout=layout,
         )
         return op._finish(total, rep)
 
 
 def linearize(op: QGTOperator) -> LinearizedQGT:
-    """``op.linearize()``: one pass keeping every chunk's linearisation."""
-    maps, weights = call(_linearize_program, op.problem, op)
-    return LinearizedQGT(op=op, linear_maps=maps, weights=weights)
+    """``op.linearize()``: one pass keeping every chunk's linearisation.
+
+    With ``chunk_size="auto"`` the chunk is fixed here (the product's automatic chunk), so that the
+    products walk the chunks the linearisations were kept for.
+    """
+    if op.problem.chunk_size == "auto":
+        op = op._at(op.problem.at_chunk(op.chunk_size))
+    _, _, maps = call(_linearize_program, op.problem, op)
+    return LinearizedQGT(op=op, linear_maps=maps)
 
 
 @partial(jax.jit, static_argnums=0)
-def _linearize_program(prob: Problem, op: QGTOperator) -> tuple[Any, jax.Array]:
-    body = partial(linearize_body, mode=op.mode)
-    return run(prob, body, op.inputs, out=PER_DEVICE)
-
-
-_DIFFERENTIATING = ("JVPTracer", "LinearizeTracer")  # jax.jvp / jax.grad's tracers (jax 0.10.2)
-
-
-def _refuse_differentiation(where: str, tree: Any) -> None:
-    """Refuses differentiating through kept linearisations, before tracing.
-
-    The kept linear maps are constants of one parameter point, and the CG loop carries refs, which
-    JAX can batch but not differentiate. Differentiating a *product* in its vector is allowed (the
-    product is linear in it; tested against ``QGT @ v``); this guards the parameters (the operator's
-    leaves) and the solve.
-    """
-    if any(type(x).__name__ in _DIFFERENTIATING for x in jax.tree.leaves(tree)):
-        raise TypeError(
-            f"{where}: a vmcgrad.LinearizedQGT cannot be differentiated here (jax.grad / jax.jvp / "
-            "jax.jacfwd through its kept linearisations or its solve): the kept linear maps are "
-            "constants of one parameter point, and the solve's loop carries refs. Fix: differentiate "
-            "the operator itself, vmcgrad.QGT(...) @ v or vmcgrad.QGT(...).solve(b) (every "
-            "transformation works there; the forward pass is recomputed), or wrap the inputs in "
-            "jax.lax.stop_gradient. jax.vmap works here."
-        )
+def _linearize_program(prob: Problem, op: QGTOperator) -> tuple[Any, Any, Any]:
+    op = op._at(prob)
+    return map_reduce_problem(prob, op.inputs, partial(linearize_chunk, mode=op.mode))

@@ -1,13 +1,13 @@
-r"""The loop bodies behind :class:`~vmcgrad.QGTOperator`, each run by :func:`vmcgrad._runner.run`.
+r"""The chunk functions behind :class:`~vmcgrad.QGTOperator` and :class:`~vmcgrad.LinearizedQGT`.
 
-The chunk functions (``*_chunk``) have the signature ``chunk(fun, params, x, w, *extra) -> (sums, ())``
-of :func:`vmcgrad._chunked.map_reduce_problem` and return one chunk's sums (``w`` the row mask); the
-primitive walks the chunks and adds the one reduction, and JAX's transformations act on them. The
-kept-linearisation bodies (``linearize_body``, ``cached_product_body``) have the runner's signature
-``body(fun, params, samples, chunks, *extra)`` and loop themselves. The bodies work on the
-representation :math:`\tilde\theta` of the parameters (:mod:`vmcgrad._qgt_modes`) through
-:math:`g(\tilde\theta, x) = f(\mathrm{from\_rep}(\tilde\theta), x)`. Rows carry the weights of
-:mod:`vmcgrad._chunking` (0 for padded rows and rows an earlier chunk covered).
+Each has the signature ``chunk(fun, params, x, w, *extra) -> (sums, maps)`` (or ``(sums, maps,
+slots)``) of :func:`vmcgrad._chunked.map_reduce_problem` (:func:`kept_product_chunk`, which needs no
+samples, that of :func:`vmcgrad._chunked.map_reduce`) and returns one chunk's sums (``w`` the row
+mask); the primitive walks the chunks and adds the one reduction, and JAX's transformations act on
+them. The bodies work on the representation :math:`\tilde\theta` of the parameters
+(:mod:`vmcgrad._qgt_modes`) through :math:`g(\tilde\theta, x) = f(\mathrm{from\_rep}(\tilde\theta),
+x)`. Rows carry the weights of :mod:`vmcgrad._chunking` (0 for padded rows and rows an earlier chunk
+covered).
 
 - :func:`mean_chunk`: :math:`\sum_i w_i O_i` (real and imaginary parts by two pullbacks of one
   linearisation when the output is complex and :math:`\tilde\theta` real).
@@ -19,8 +19,10 @@ representation :math:`\tilde\theta` of the parameters (:mod:`vmcgrad._qgt_modes`
 - :func:`jacobian_chunk`: per chunk, the chunk's rows of :math:`\Delta O` (one vmapped per-sample
   pullback) reduced to the diagonal :math:`\sum_i |\Delta O_{ik}|^2` or the full
   :math:`\Delta O^\dagger \Delta O` (for ``to_dense``).
-- :func:`linearize_body` / :func:`cached_product_body`: every chunk's linearisation kept, and the
-  product from them without a forward pass (:class:`vmcgrad.LinearizedQGT`).
+- :func:`linearize_chunk` / :func:`kept_product_chunk`: every chunk's linearisation kept (a per-chunk
+  output of the primitive: one slot per chunk, nothing reduced), and :func:`product_chunk`'s sums
+  from it without a forward pass (the kept linearisation a per-chunk operand, read at the chunk)
+  (:class:`vmcgrad.LinearizedQGT`).
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
 from ._chunked import Pullback
+from ._chunking import cast_like, promote
 from ._qgt_modes import from_rep, to_rep
-from ._runner import accumulators, cast_like, freeze, promote
 
 
 def _on_rep(fun: Callable, params: Any, mode: str) -> tuple[Callable, Any]:
@@ -133,44 +135,27 @@ def jacobian_chunk(fun, params, x, w, obar, *, mode: str, out_dtype, dense: bool
     return (s.real if _real_theta(theta) else s), ()
 
 
-def linearize_body(fun, params, samples, chunks, *, mode: str) -> tuple[Any, jax.Array]:
-    """Every chunk's linearisation, kept: ``(linear_maps, weights)`` stacked along a leading chunk axis.
+def linearize_chunk(fun, params, x, w, *, mode: str) -> tuple[tuple, tuple, Any]:
+    """One chunk's linearisation, kept: no sums, no rows, and as this chunk's slot the linear map
+    :math:`\\tilde v \\mapsto O_{[k]} \\tilde v` of ``jax.linearize``.
 
     ``jax.linearize`` returns its linear map as a pytree (a ``Partial`` whose array leaves are the
-    forward pass's residuals); the loop stacks those leaves chunk by chunk, so slicing the leaves at
-    chunk ``k`` gives chunk ``k``'s linear map back. The result stays on its device.
+    forward pass's residuals); the primitive stacks those leaves chunk by chunk along a leading axis
+    of every device's chunks, so slot ``k`` of the leaves is chunk ``k``'s linear map again.
     """
+    del w  # the rows that count are weighted in the product (kept_product_chunk)
     g, theta = _on_rep(fun, params, mode)
-    real = jnp.finfo(_dtype(theta)).dtype
-
-    def step(_, k):
-        x, w = chunks.take(k, samples, dtype=real)
-        _, f_jvp = jax.linearize(lambda p: g(p, x), theta)
-        return None, (f_jvp, w)
-
-    _, (linear_maps, weights) = jax.lax.scan(step, None, jnp.arange(chunks.plan.count))
-    return linear_maps, weights
+    _, f_jvp = jax.linearize(lambda p: g(p, x), theta)
+    return (), (), f_jvp
 
 
-def cached_product_body(fun, params, samples, chunks, obar, v, linear_maps, weights, *, mode: str) -> Any:
-    """:func:`product_chunk` from kept linearisations (:func:`linearize_body`'s output on this
-    device): the tangent and transpose only, no forward pass."""
-    del fun, samples, chunks  # everything comes from the kept linear maps
-    theta = to_rep(mode, params)
+def kept_product_chunk(obar, v, f_jvp, w, *, theta: Any) -> tuple[Any, tuple]:
+    r""":func:`product_chunk`'s sums from the chunk's kept linear map ``f_jvp``
+    (:func:`linearize_chunk`'s slot): :math:`\sum_i \overline{O_i}\, w_i (O_i v - \bar O\cdot v)`
+    by the tangent and its transpose only, no forward pass. ``theta`` gives the representation's
+    shapes and dtypes (the transpose's input)."""
     obar_v = _dot(obar, v)
-    acc = accumulators(theta)
-
-    def step(k, _):
-        f_jvp = jax.tree.map(lambda r: jax.lax.dynamic_index_in_dim(r, k, keepdims=False), linear_maps)
-        dw = (f_jvp(v) - obar_v) * jax.lax.dynamic_index_in_dim(weights, k, keepdims=False)
-        (ct,) = jax.linear_transpose(f_jvp, theta)(jnp.conj(dw))
-        for ref, val in zip(jax.tree.leaves(acc), jax.tree.leaves(ct)):
-            ref[...] += val.astype(ref.dtype)
-        return None
-
-    jax.lax.fori_loop(0, weights.shape[0], step, None)
-    return freeze(acc)
-
-
-def _dtype(tree: Any) -> Any:
-    return jnp.result_type(*jax.tree.leaves(tree))
+    real = jnp.finfo(obar_v.dtype).dtype
+    dw = (f_jvp(v) - obar_v) * w.astype(real)
+    (ct,) = jax.linear_transpose(f_jvp, theta)(jnp.conj(dw))
+    return ct, ()

@@ -1,18 +1,18 @@
-"""The one per-device runner: every estimator's loop body runs here, and its result is reduced once.
+"""The one per-device runner: the chunked primitive's lowering runs here, and its result is reduced once.
 
-``run(problem, body, inputs, *extra, out=...)`` does, for every estimator:
+:func:`run_on` (called by :mod:`vmcgrad._chunked`'s lowering, the only caller) does, for every
+estimator:
 
 1. pads the sample-shaped arguments to a multiple of the device count (copies of the last row);
-2. runs ``body`` inside ``jax.shard_map`` over the sample axis (or directly, on one device), after
+2. runs the loop inside ``jax.shard_map`` over the sample axis (or directly, on one device), after
    all-gathering parameter-sharded leaves once and casting replicated ones to device-varying;
-3. hands the body a :class:`~vmcgrad._chunking.Chunks` — the chunk plan of this device's rows and
+3. hands it a :class:`~vmcgrad._chunking.Chunks` — the chunk plan of this device's rows and
    the row weights rule (:mod:`vmcgrad._chunking`);
-4. reduces the body's result once after the loop (``psum``, or ``psum_scatter`` for split leaves),
-   or returns it split over the devices and cut to N rows for per-sample outputs.
+4. reduces the result once after the loop (``psum``, or ``psum_scatter`` for split leaves),
+   or returns it split over the devices (cut to N rows for per-sample outputs; one slot per chunk
+   for per-chunk outputs).
 
-The body has the signature ``body(fun, params, samples, chunks, *extra) -> result``: ``fun`` is the
-user's function, ``params`` the full parameters (varying), ``samples`` this device's rows. A feature
-added here (a layout, a precision rule, a placement) holds for every estimator.
+A feature added here (a layout, a precision rule, a placement) holds for every estimator.
 
 **Typing of the body.** The body is run with ``check_vma=False``: values inside are not typed by
 which mesh axes they vary over. Models that branch on data (``lax.cond`` in equinox's runtime checks,
@@ -31,53 +31,37 @@ import jax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-# accumulators, cast_like, freeze, promote: the precision policy, in vmcgrad._chunking; named here
-# for vmcgrad._qgt_passes, which imports them from this module.
-from ._chunking import Chunks, Space, accumulators, cast_like, freeze, plan_chunks, promote  # noqa: F401
+from ._chunking import Chunks, Space, plan_chunks
 from ._sharding import gather, pad_to_devices, reduce, specs
 
 #: Placements: one row per sample (padded, split, cut back to N on the way out); replicated; and
-#: per device (an output block per device, concatenated along axis 0; an input split the same way).
-SAMPLES, REPLICATED, PER_DEVICE = "samples", "replicated", "per_device"
-
-
-def run(problem: Any, body: Any, inputs: Any, *extra: tuple[Any, Any], out: Any) -> Any:
-    """Runs ``body`` on every device's rows and reduces its result once.
-
-    Args:
-        problem: the static :class:`vmcgrad._problem.Problem`.
-        body: ``body(fun, params, samples, chunks, *extra) -> result`` (this device's, unreduced).
-        inputs: the problem's :class:`~vmcgrad._problem.Inputs` (function data, params, samples).
-        *extra: ``(value, placement)`` pairs: placement :data:`SAMPLES` (one row per sample, padded
-            and split like the samples), :data:`PER_DEVICE` (split into equal blocks along axis 0),
-            :data:`REPLICATED`, or a layout tuple (one entry per leaf:
-            the split dimension or None; split leaves are all-gathered before the loop).
-        out: how the result leaves the devices: a :class:`Laid` (reduce-scatter split leaves, psum
-            the rest), :data:`REPLICATED` (psum everything) or :data:`SAMPLES` (no reduction: a
-            per-row result, split like the samples and cut to the N real rows) or
-            :data:`PER_DEVICE` (no reduction: each device's block, concatenated along axis 0); or a
-            tuple of these for a tuple result, one per element.
-
-    Returns:
-        The reduced result (or the per-sample one), outside ``shard_map``.
-    """
-
-    def local(chunks, fun_data, params, samples, *values):
-        return body(problem.user_fun(fun_data), params, samples, chunks, *values)
-
-    args = ((inputs.fun_data, REPLICATED), (inputs.params, problem.layout), (inputs.samples, SAMPLES))
-    return run_on(problem.space, local, *args, *extra, out=out)
+#: one slot per chunk (every device's chunks along axis 0, in device order: split like the devices,
+#: never padded, gathered, reduced or cut; how kept linearisations travel, see vmcgrad._chunked).
+SAMPLES, REPLICATED, CHUNKS = "samples", "replicated", "chunks"
 
 
 def run_on(space: Space, body: Any, *args: tuple[Any, Any], out: Any) -> Any:
-    """:func:`run` for any arguments: ``body(chunks, *values) -> result`` on every device's rows.
+    """Runs ``body(chunks, *values) -> result`` on every device's rows and reduces its result once.
 
-    ``args`` are ``(value, placement)`` pairs as :func:`run`'s ``extra`` (at least one of them
-    :data:`SAMPLES`: the rows); ``out`` as :func:`run`'s.
+    Args:
+        space: the rows and how each device walks them.
+        body: this device's pass; ``chunks`` is its :class:`~vmcgrad._chunking.Chunks`.
+        *args: ``(value, placement)`` pairs: placement :data:`SAMPLES` (one row per sample, padded
+            and split like the samples), :data:`CHUNKS` (one slot per chunk, split into equal
+            blocks along axis 0), :data:`REPLICATED`, or a layout tuple (one entry per leaf: the
+            split dimension or None; split leaves are all-gathered before the loop).
+        out: how the result leaves the devices: a :class:`Laid` (reduce-scatter split leaves, psum
+            the rest), :data:`REPLICATED` (psum everything), :data:`SAMPLES` (no reduction: a
+            per-row result, split like the samples and cut to the N real rows) or :data:`CHUNKS`
+            (no reduction: each device's slots, concatenated along axis 0); or a tuple of these for
+            a tuple result, one per element.
+
+    Returns:
+        The reduced result (or the per-sample / per-chunk one), outside ``shard_map``.
     """
     where = space.where
     kinds = [k for _, k in args]
-    values = [pad_to_devices(v, where) if k == SAMPLES else v for v, k in args]
+    values = [pad_to_devices(v, where) if k == SAMPLES and jax.tree.leaves(v) else v for v, k in args]
     multi = type(out) is tuple
     outs = out if multi else (out,)
 
@@ -114,8 +98,8 @@ def run_on(space: Space, body: Any, *args: tuple[Any, Any], out: Any) -> Any:
 
 
 def _leave(result: Any, out: Any, where: Any) -> Any:
-    """A body result leaving the devices: reduced once, or (per-sample, per-device) as it is."""
-    if isinstance(out, str) and out in (SAMPLES, PER_DEVICE):
+    """A body result leaving the devices: reduced once, or (per-sample, per-chunk) as it is."""
+    if isinstance(out, str) and out in (SAMPLES, CHUNKS):
         return result
     if not jax.tree.leaves(result):
         return result
@@ -124,14 +108,14 @@ def _leave(result: Any, out: Any, where: Any) -> Any:
 
 def _enter(value: Any, kind: Any, where: Any) -> Any:
     """An extra argument inside the body: split ones as they are, others gathered / cast varying."""
-    if isinstance(kind, str) and kind in (SAMPLES, PER_DEVICE):
+    if isinstance(kind, str) and kind in (SAMPLES, CHUNKS):
         return value
     layout = (None,) * len(jax.tree.leaves(value)) if kind == REPLICATED else kind
     return gather(value, layout, where)
 
 
 def _spec(value: Any, kind: Any, where: Any) -> Any:
-    if isinstance(kind, str) and kind in (SAMPLES, PER_DEVICE):
+    if isinstance(kind, str) and kind in (SAMPLES, CHUNKS):
         return P(where.axis)
     if kind == REPLICATED:
         return P()
@@ -147,7 +131,7 @@ class Laid(NamedTuple):
 
 
 def _out_spec(out: Any, where: Any) -> Any:
-    if isinstance(out, str) and out in (SAMPLES, PER_DEVICE):
+    if isinstance(out, str) and out in (SAMPLES, CHUNKS):
         return P(where.axis)
     if out == REPLICATED:
         return P()
