@@ -35,7 +35,7 @@ def test_jvp_vjp_design_against_dense_reference(case, dtype):
         close(S @ v, ref.apply(v, **shifts), dtype)
         rep = ref.to_flat(v)
         close(S @ rep, ref.matrix(**shifts) @ rep, dtype)
-        if jnp.dtype(dtype) == jnp.float64:
+        if case in ("r2c", "c2c_holo", "mixed") and jnp.dtype(dtype) == jnp.float64:  # a solve: 3 modes
             x, _ = S.solve(ref.apply(v, **shifts), tol=1e-13)
             close(x, v, dtype, scale=100)
 
