@@ -9,8 +9,9 @@ from helpers import make_case, setup
 from test_qgt import MODES, Dense, N, close, tree_like
 
 import vmcgrad
+from vmcgrad import _qgt
 from vmcgrad._auto_chunk import program_bytes
-from vmcgrad._qgt import CHUNK_ROWS, PASSES, choose_design
+from vmcgrad._qgt import PASSES, choose_design
 from vmcgrad._qgt_apply import matmul_program
 
 N_DEV = jax.device_count()
@@ -75,16 +76,17 @@ def _largest_fit(S, design, budget):
     return best
 
 
-def _expected(S, fits):
+def _expected(S, fits, rows):
     n = S.problem.n_local
-    cost = {d: PASSES[d] * (n + CHUNK_ROWS * -(-n // c)) for d, c in fits.items()}
+    cost = {d: PASSES[d] * (n + rows * -(-n // c)) for d, c in fits.items()}
     return min(cost, key=cost.get)
 
 
-def test_auto_chooses_design_and_chunk_from_the_budget():
-    """A tight budget: the jvp-then-vjp chunk fits twice the fused one, below CHUNK_ROWS, so it is the
-    faster choice; a loose one: both fit every row, and the fused design (three passes) is chosen. The
-    chosen program fits the budget and the next chunk of that design does not."""
+def test_auto_chooses_design_and_chunk_from_the_budget(monkeypatch):
+    """A tight budget, where the jvp-then-vjp chunk fits at least twice the fused one: with CPU's
+    measured per-chunk cost the fused design is the faster one and is chosen, with a costly chunk
+    the jvp-then-vjp design; a loose budget: both fit every row and the fused design (three
+    passes) is chosen. The chosen program fits the budget and the next chunk of that design does not."""
     fun, params, x = _rbm()
     with setup("netket") as place:
         x = place(x)
@@ -93,9 +95,18 @@ def test_auto_chooses_design_and_chunk_from_the_budget():
         budget = _bytes(probe, "jvp_vjp", 2 * c)
         assert _bytes(probe, "fused", 2 * c) > budget, "jvp then vjp should hold less"
         fits = {d: _largest_fit(probe, d, budget) for d in ("fused", "jvp_vjp")}
-        assert fits["jvp_vjp"] == 2 * fits["fused"] and fits["fused"] < CHUNK_ROWS, fits
+        assert fits["fused"] <= c < 2 * c == fits["jvp_vjp"], fits
+        rows = _qgt.CHUNK_ROWS["cpu"]
+        assert rows < fits["fused"]  # CPU's measured per-chunk cost: the fused design wins
         S = vmcgrad.QGT(fun, params, x, chunk_size="auto", memory_budget=budget)
-        assert (S.design, S.chunk_size) == ("jvp_vjp", fits["jvp_vjp"]) == (_expected(probe, fits), 2 * c)
+        assert (S.design, S.chunk_size) == ("fused", fits["fused"])
+        assert _expected(probe, fits, rows) == "fused"
+        assert _bytes(S, S.design, S.chunk_size) <= budget < _bytes(S, S.design, 2 * S.chunk_size)
+
+        monkeypatch.setitem(_qgt.CHUNK_ROWS, "cpu", 8 * c)  # a costly chunk (as on an accelerator)
+        S = vmcgrad.QGT(fun, params, x, chunk_size="auto", memory_budget=budget)
+        assert (S.design, S.chunk_size) == ("jvp_vjp", 2 * c)
+        assert _expected(probe, fits, 8 * c) == "jvp_vjp"
         assert "design='jvp_vjp'" in repr(S)
         assert _bytes(S, S.design, S.chunk_size) <= budget < _bytes(S, S.design, 2 * S.chunk_size)
         assert choose_design(S) == (S.design, S.chunk_size)

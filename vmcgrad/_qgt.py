@@ -56,11 +56,16 @@ DESIGNS = {"fused": product_chunk, "jvp_vjp": product_jvp_vjp_chunk}
 #: Linear passes over a chunk's rows per product, per design (forward, tangent, transpose; the
 #: jvp-then-vjp design runs the forward twice).
 PASSES = {"fused": 3, "jvp_vjp": 4}
-#: The fixed cost of one chunk of one pass, in rows: a loop step, its slices and a matrix product
-#: too thin to run at full speed. Fitted to the fused product's time at two chunks (RBM, L = 48,
-#: N = 8192, float64, CPU: chunk 512 took 1.18x chunk 1024, i.e. 225 rows per chunk); only its
-#: order matters (it decides where a design whose chunk fits twice as large wins, see choose_design).
-CHUNK_ROWS = 256
+#: The fixed cost of one chunk of one pass, in rows of work, per platform: a loop step, its slices,
+#: its kernel launches and a matrix product too thin to run at full speed. CPU: measured, process CPU
+#: time of ``S @ v`` (RBM, L = 48, N = 8192, float64, one device, 9 interleaved calls): the fused
+#: product at chunk 16 took 1.28x its time at chunk 64 (about 7 rows per chunk), and chunks from 32
+#: to 1024 were within the noise of each other. Elsewhere (GPU, TPU): an estimate, not measured
+#: (about 50 us of loop step and launches per chunk against about 10 ns per row of a small model);
+#: ``benchmarks/device.sh`` measures the designs there. Only its order matters: it decides when a
+#: design whose chunk fits twice as large wins (:func:`choose_design`).
+CHUNK_ROWS = {"cpu": 8}
+CHUNK_ROWS_ACCELERATOR = 4096
 
 
 @jax.tree_util.register_dataclass
@@ -289,11 +294,11 @@ def choose_design(op: QGTOperator) -> tuple[str, int]:
         t_d \propto P_d \,(n + r \lceil n / c_d \rceil),
 
     :math:`P_d` the linear passes per row (:data:`PASSES`: 3 fused, 4 jvp-then-vjp), :math:`n` the
-    rows per device and :math:`r` = :data:`CHUNK_ROWS` the cost of one chunk in rows. The smallest
-    :math:`t_d` wins, the fused design on a tie. Where the jvp-then-vjp chunk is twice the fused one
-    (its chunk holds fewer arrays alive), the fused design wins exactly when its chunk is at least
-    :math:`r`. The chunks are cached (:func:`vmcgrad._auto_chunk.choose_chunk`): a second choice
-    compiles nothing.
+    rows per device and :math:`r` the cost of one chunk in rows (:data:`CHUNK_ROWS`: 8 on CPU, else
+    :data:`CHUNK_ROWS_ACCELERATOR`). The smallest :math:`t_d` wins, the fused design on a tie. Where
+    the jvp-then-vjp chunk is twice the fused one (it holds about half the arrays per row), the fused
+    design wins exactly when its chunk is at least :math:`r`. The chunks are cached
+    (:func:`vmcgrad._auto_chunk.choose_chunk`): a second choice compiles nothing.
 
     Raises:
         MemoryError: when no design fits even one sample per chunk (the error of the smaller one).
@@ -309,8 +314,10 @@ def choose_design(op: QGTOperator) -> tuple[str, int]:
     if not fits:
         raise min(errors, key=lambda err: err.need)
 
+    rows = CHUNK_ROWS.get(jax.local_devices()[0].platform, CHUNK_ROWS_ACCELERATOR)
+
     def time(design: str) -> float:
-        return PASSES[design] * (n + CHUNK_ROWS * -(-n // fits[design]))
+        return PASSES[design] * (n + rows * -(-n // fits[design]))
 
     design = min(fits, key=time)  # dicts keep order: the fused design first, so it wins a tie
     return design, fits[design]

@@ -106,12 +106,14 @@ def product_jvp_vjp_chunk(fun, params, x, w, obar, v, *, mode: str) -> tuple[Pul
     :math:`\Delta w_i = w_i (O_i v - \bar O\cdot v)` by a jvp, then the pullback of a second forward
     pass with cotangent :math:`\overline{\Delta w}` (a :class:`~vmcgrad._chunked.Pullback`).
 
-    The jvp runs inside a ``lax.cond`` (on whether the chunk has a counted row), whose branch is a
-    computation of its own: XLA can neither merge the two forward passes back into the fused one
-    (it does across ``lax.optimization_barrier`` when XLA CPU's YNN fusion is on) nor keep the jvp's
-    residuals alive for the pullback. The chunk then holds about what one jvp holds (RBM, float64,
-    CPU: 4.1 chunk-sized arrays against the fused design's 6.0 and NetKet's jvp pass's 3.2), at the
-    price of a second forward pass. :class:`~vmcgrad.QGTOperator` takes it where the memory
+    Two things keep XLA from merging the two forward passes back into the fused one (it does so
+    across ``lax.optimization_barrier`` when XLA CPU's YNN fusion is on): the jvp runs inside a
+    ``lax.cond`` (on whether the chunk has a counted row), a computation of its own, and the second
+    pass reads the samples through a data dependency on :math:`\Delta w` (``x + 0·ΣRe Δw``). The
+    chunk then holds about what NetKet's jvp pass holds (RBM, float64, CPU, whole program: 3.1
+    chunk × L arrays with XLA's default flags and with the YNN fusion off, against the fused
+    design's 6.0 and 4.1, and NetKet's 3.2; either of the two alone leaves 4.1 or 5.0), at the price of
+    a second forward pass. :class:`~vmcgrad.QGTOperator` takes it where the memory
     budget makes it the faster choice (``design="jvp_vjp"``).
     """
     g, theta = _on_rep(fun, params, mode)
@@ -122,9 +124,11 @@ def product_jvp_vjp_chunk(fun, params, x, w, obar, v, *, mode: str) -> tuple[Pul
         return jnp.conj((ov - _dot(obar, v)) * w.astype(real))
 
     out = jax.eval_shape(tangent, x)
-    dw, x2 = jax.lax.cond(
-        jnp.any(w), lambda x: (tangent(x), x), lambda x: (jnp.zeros(out.shape, out.dtype), x), x
-    )
+    dw = jax.lax.cond(jnp.any(w), tangent, lambda x: jnp.zeros(out.shape, out.dtype), x)
+    # the second forward pass reads the samples through Δw (+ 0·ΣRe Δw: exact for finite Δw; a
+    # non-finite Δw makes the product non-finite either way), so it cannot start before the jvp ends
+    zero = 0 * jnp.sum(jnp.real(dw))
+    x2 = jax.tree.map(lambda a: a + zero.astype(a.dtype) if jnp.issubdtype(a.dtype, jnp.inexact) else a, x)
     return Pullback(lambda p: (g(p, x2), dw), theta), ()
 
 
