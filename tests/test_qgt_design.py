@@ -5,7 +5,8 @@ nothing timed)."""
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import make_case, setup
+from helpers import assert_tree_allclose, make_case, random_like, setup
+from jax.flatten_util import ravel_pytree
 from test_qgt import MODES, Dense, N, close, tree_like
 
 import vmcgrad
@@ -131,3 +132,29 @@ def test_explicit_design_and_bad_design():
     assert vmcgrad.QGT(fun, params, x, chunk_size=8).design == "fused"
     with pytest.raises(ValueError, match=r"`design` must be one of \('fused', 'jvp_vjp'\)"):
         vmcgrad.QGT(fun, params, x, design="jvp")
+
+
+@pytest.mark.parametrize("op", ["matvec", "solve"])
+@pytest.mark.parametrize("transform", ["dense_by_vmap", "grad_params", "grad_vector", "jvp_params"])
+def test_jvp_vjp_design_under_transformations(transform, op):
+    """The jvp-then-vjp design's product and solve under vmap, grad and jvp (in the parameters, the
+    QGT rebuilt inside, and in the vector): against the dense jacfwd QGT, as the fused design is
+    checked in ``test_transforms.py::test_qgt_transforms``."""
+    from test_transforms import CHUNK, QGT_TRANSFORMS, SHIFT, ref_matvec, ref_solve
+
+    fun, params, x = make_case("r2c", N)
+    flat, unravel = ravel_pytree(params)
+    f = lambda p, x: fun(unravel(p), x)
+    b = random_like(jax.random.key(3), flat.shape, flat.dtype)
+    basis = jnp.eye(flat.size, dtype=flat.dtype)[:4]
+
+    def build(p, x, b):
+        S = vmcgrad.QGT(f, p, x, chunk_size=CHUNK, diag_shift=SHIFT, design="jvp_vjp")
+        return S @ b if op == "matvec" else S.solve(b, tol=1e-14)[0]
+
+    t = QGT_TRANSFORMS[transform]
+    reference = jax.jit(t((ref_matvec if op == "matvec" else ref_solve)(f)))(flat, x, b, basis)
+    with setup("netket") as place:
+        actual = jax.jit(t(build))(flat, place(x), b, basis)
+    rtol, atol = (1e-10, 1e-10) if op == "matvec" else (1e-7, 1e-8)
+    assert_tree_allclose(jax.device_get(actual), jax.device_get(reference), rtol=rtol, atol=atol)

@@ -109,9 +109,9 @@ def product_jvp_vjp_chunk(fun, params, x, w, obar, v, *, mode: str) -> tuple[Pul
     Two things keep XLA from merging the two forward passes back into the fused one (it does so
     across ``lax.optimization_barrier`` when XLA CPU's YNN fusion is on): the jvp runs inside a
     ``lax.cond`` (on whether the chunk has a counted row), a computation of its own, and the second
-    pass reads the samples through a data dependency on :math:`\Delta w` (``x + 0·ΣRe Δw``). The
-    chunk then holds about what NetKet's jvp pass holds (RBM, float64, CPU, whole program: 3.1
-    chunk × L arrays with XLA's default flags and with the YNN fusion off, against the fused
+    pass reads the samples through a zero that the cond returns with :math:`\Delta w` (``x + 0·Σw``). The
+    chunk then holds about what NetKet's jvp pass holds (RBM, float64, CPU, whole program: 3.09
+    chunk × L arrays with XLA's default flags and 3.07 with the YNN fusion off, against the fused
     design's 6.0 and 4.1, and NetKet's 3.2; either of the two alone leaves 4.1 or 5.0), at the price of
     a second forward pass. :class:`~vmcgrad.QGTOperator` takes it where the memory
     budget makes it the faster choice (``design="jvp_vjp"``).
@@ -121,13 +121,15 @@ def product_jvp_vjp_chunk(fun, params, x, w, obar, v, *, mode: str) -> tuple[Pul
 
     def tangent(x):
         _, ov = jax.jvp(lambda p: g(p, x), (theta,), (v,))
-        return jnp.conj((ov - _dot(obar, v)) * w.astype(real))
+        return jnp.conj((ov - _dot(obar, v)) * w.astype(real)), 0 * jnp.sum(w.astype(real))
 
-    out = jax.eval_shape(tangent, x)
-    dw = jax.lax.cond(jnp.any(w), tangent, lambda x: jnp.zeros(out.shape, out.dtype), x)
-    # the second forward pass reads the samples through Δw (+ 0·ΣRe Δw: exact for finite Δw; a
-    # non-finite Δw makes the product non-finite either way), so it cannot start before the jvp ends
-    zero = 0 * jnp.sum(jnp.real(dw))
+    out, zero = jax.eval_shape(tangent, x)
+    dw, zero = jax.lax.cond(
+        jnp.any(w), tangent, lambda x: (jnp.zeros(out.shape, out.dtype), jnp.zeros((), zero.dtype)), x
+    )
+    # the second forward pass reads the samples through a zero that leaves the cond with Δw (0·Σw),
+    # so it cannot start before the jvp ends (a dependency on Δw itself, linear in v, would make the
+    # product nonlinear in v for JAX's transpose)
     x2 = jax.tree.map(lambda a: a + zero.astype(a.dtype) if jnp.issubdtype(a.dtype, jnp.inexact) else a, x)
     return Pullback(lambda p: (g(p, x2), dw), theta), ()
 
