@@ -444,10 +444,10 @@ def QGT(
         design=design or "fused",
     )
     op = dataclasses.replace(op, obar=call(_mean_program, prob, op))
-    if design is None and prob.chunk_size == "auto":
-        op = dataclasses.replace(op, design=choose_design(op)[0])
     if diag_scale is not None:
         op = dataclasses.replace(op, diag_s=call(_diag_s_program, prob, op))
+    if design is None and prob.chunk_size == "auto":  # on the complete operator (what products get)
+        op = dataclasses.replace(op, design=choose_design(op)[0])
     return op
 
 
