@@ -5,10 +5,16 @@ Usage (with vmcgrad installed, ``pip install -e .``, or ``PYTHONPATH=.`` in a ch
     python benchmarks/bench_qgt.py --devices 1          # one process, one device count
     python benchmarks/bench_qgt.py --devices 1 4        # one subprocess per count, tables merged
     python benchmarks/bench_qgt.py --devices 1 --repeats 7 --json rows.json
+    python benchmarks/bench_qgt.py --devices 1 --only equal-memory   # the issue 18 rows alone
 
 The device count is fixed per process, so it is set here (``jax_num_cpu_devices`` and NetKet's
 ``NETKET_EXPERIMENTAL_SHARDING_CPU``) before JAX or NetKet is imported. Bars (issue 3): S @ v time
 <= 0.8x NetKet (goal 0.6x); 50-iteration solve goal <= 0.5x; temp memory flat in N and <= NetKet's.
+
+The ``*_eqmem`` rows (issue 18) compare at equal compiled memory: NetKet at ``--chunk-size`` against
+``vmcgrad.QGT(chunk_size="auto", memory_budget=B)``, B NetKet's temp bytes plus vmcgrad's arguments
+and outputs (``benchlib.qgt.equal_memory``); the picked design and chunk are in the row's name, next
+to each design forced at its own largest fitting chunk. Bars: S @ v <= 0.75x, 50-iteration CG <= 0.6x.
 """
 
 from __future__ import annotations
@@ -17,7 +23,14 @@ import argparse
 import statistics
 
 # bench -> (time bar, time goal, temp-memory bar) on vmcgrad/netket at the same chunk size (issue 13)
-BARS = {"qgt_matvec": (0.75, 0.6, 1.1), "qgt_solve50": (0.6, 0.5, None)}
+BARS = {
+    "qgt_matvec": (0.75, 0.6, 1.1),
+    "qgt_solve50": (0.6, 0.5, None),
+    # at equal compiled memory (issue 18): time bars only, memory <= 1.0 by construction
+    "qgt_matvec_eqmem": (0.75, 0.6, 1.0),
+    "qgt_solve50_eqmem": (0.6, 0.5, None),
+}
+PARTS = ("same-chunk", "equal-memory", "memory")
 
 
 def parse() -> argparse.Namespace:
@@ -28,6 +41,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--chunk-size", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=5, help="interleaved timed calls per candidate")
     ap.add_argument("--memory-n", type=int, nargs="+", default=[8192, 32768], help="N for the memory rows")
+    ap.add_argument(
+        "--only", nargs="+", choices=PARTS, default=list(PARTS), help="parts to run (default all)"
+    )
     ap.add_argument("--json", metavar="PATH", help="write the rows as JSON here")
     ap.add_argument("--quiet", action="store_true", help="no tables (used for the per-count subprocesses)")
     return ap.parse_args()
@@ -39,14 +55,19 @@ def run_one(args: argparse.Namespace) -> list[dict]:
 
     use_cpu_devices(n)
 
-    from benchlib.qgt import run, temp_memory
+    from benchlib.qgt import equal_memory, run, temp_memory
 
-    rows = run(L=args.L, n_samples=args.n_samples, chunk_size=args.chunk_size, repeats=args.repeats)
+    sizes = {"L": args.L, "n_samples": args.n_samples, "chunk_size": args.chunk_size, "repeats": args.repeats}
+    rows = run(**sizes) if "same-chunk" in args.only else []
+    if "equal-memory" in args.only:
+        rows += equal_memory(**sizes)
     extra = {"L": args.L, "chunk": args.chunk_size}
     out = []
     for r in rows:
         cpu = r.cpu_times
         out.append({**r.as_dict(), **extra, "cpu_times_s": cpu, "cpu_median_s": statistics.median(cpu)})
+    if "memory" not in args.only:
+        return out
     for m in temp_memory(L=args.L, n_samples=tuple(args.memory_n), chunk_size=args.chunk_size):
         out.append({"bench": "qgt_memory", "devices": n, **m, **extra})
     return out
@@ -110,7 +131,7 @@ def main() -> None:
     from benchlib import format_table, rows_for_device_counts, write_json
 
     argv = ["--L", str(args.L), "--n-samples", str(args.n_samples), "--chunk-size", str(args.chunk_size)]
-    argv += ["--repeats", str(args.repeats), "--memory-n", *map(str, args.memory_n)]
+    argv += ["--repeats", str(args.repeats), "--memory-n", *map(str, args.memory_n), "--only", *args.only]
     rows = rows_for_device_counts(__file__, args.devices, lambda: run_one(args), argv)
 
     write_json(rows, args.json)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One accelerator (GPU/TPU), <= 8 minutes: the core, gradient, QGT and large-model benchmarks, each as
+# One accelerator (GPU/TPU), <= 10 minutes: the core, gradient, QGT and large-model benchmarks, each as
 # JSON, plus one table (summary.txt) in OUT. On a machine without an accelerator it runs on the CPU.
 #
 #   bash benchmarks/device.sh                  # full sizes, OUT=device-bench-<date>
@@ -7,9 +7,9 @@
 #   SMOKE=1 bash benchmarks/device.sh          # tiny sizes on CPU: a check of this script (minutes;
 #                                              # not part of the test suite)
 #
-# PYTHON defaults to `python`. Every step has its own timeout (seconds: core, grad and qgt 90 each,
-# large 200, so at most 470 s in all; SMOKE: 300, large 600, on a CPU) so one slow step cannot eat the
-# whole budget; a failed step is recorded and the others still run (the exit status is then 1).
+# PYTHON defaults to `python`. Every step has its own timeout (seconds: core, grad, qgt and qgt_eqmem
+# 90 each, large 200, so at most 560 s in all; SMOKE: 300, large 600, on a CPU) so one slow step
+# cannot eat the whole budget; a failed step is recorded and the others still run (the exit status is then 1).
 set -u
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
@@ -53,13 +53,15 @@ step() {  # step NAME TIMEOUT SCRIPT ARGS...
   >"$OUT/device.txt" 2>&1 || status=1
 step core "$T_SMALL" benchmarks/bench_core.py "${CORE[@]}"
 step grad "$T_SMALL" benchmarks/bench_grad.py "${GRAD[@]}"
-step qgt "$T_SMALL" benchmarks/bench_qgt.py "${QGT[@]}"
+step qgt "$T_SMALL" benchmarks/bench_qgt.py "${QGT[@]}" --only same-chunk memory
+# issue 18: at equal compiled memory, QGT(chunk_size="auto") picks its design and chunk
+step qgt_eqmem "$T_SMALL" benchmarks/bench_qgt.py "${QGT[@]}" --only equal-memory
 step large "$T_LARGE" benchmarks/bench_large.py "${LARGE[@]}"
 
 {
   echo "vmcgrad device benchmarks, $(date -u +%Y-%m-%dT%H:%MZ), device: $(tail -n 1 "$OUT/device.txt")"
   echo "smoke=$SMOKE; per-benchmark JSON and full output in $OUT/"
-  for name in core grad qgt large; do
+  for name in core grad qgt qgt_eqmem large; do
     echo
     echo "### $name"
     if [ "$name" = large ]; then  # its tables follow the last progress line

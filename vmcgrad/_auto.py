@@ -39,7 +39,8 @@ def auto_chunk_size(
         params: the parameter pytree.
         samples: the samples (array or pytree, N along axis 0), placed as they will be used.
         estimator: the program to size: ``"batched_vjp"``, ``"batched_jvp"``, ``"expect_grad"``
-            or ``"QGT"`` (one product ``S @ v``).
+            or ``"QGT"`` (one product ``S @ v``, in the design :func:`vmcgrad.QGT` picks with the
+            chunk: ``vmcgrad.QGT(..., chunk_size="auto").design`` says which).
         memory_budget: bytes per device (any positive real number); default half the free device
             memory where the backend reports it, else 2 GiB.
 

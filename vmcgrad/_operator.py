@@ -41,6 +41,8 @@ class AbstractOperator(abc.ABC):
     _shifts: ClassVar[tuple[str, ...]] = ("diag_shift",)
     #: The public builder, named in messages.
     _builder: ClassVar[str]
+    #: static fields the repr shows after the chunk size (e.g. the QGT's product design)
+    _described: ClassVar[tuple[str, ...]] = ()
 
     inputs: Inputs
     diag_shift: jax.Array
@@ -100,10 +102,11 @@ class AbstractOperator(abc.ABC):
         return dataclasses.replace(self, **{k: self._check_shift(where, k, v) for k, v in changes.items()})
 
     def __repr__(self) -> str:
+        described = "".join(f", {name}={getattr(self, name)!r}" for name in self._described)
         shifts = "".join(f", {name}={getattr(self, name)}" for name in self._shifts)
         return (
             f"{type(self).__name__}(mode={self.mode!r}, dim={self.dim}, n_samples={self.n_samples}, "
-            f"chunk_size={self.problem.chunk_size}{shifts})"
+            f"chunk_size={self.problem.chunk_size}{described}{shifts})"
         )
 
     # --- for subclasses and their compiled programs ------------------------------------------------

@@ -33,14 +33,40 @@ from jax.flatten_util import ravel_pytree
 from . import _validation as check
 from ._chunked import map_reduce_problem
 from ._operator import AbstractOperator
-from ._problem import Problem, call, problem
+from ._problem import Problem, auto_chunk, call, problem
 from ._qgt_apply import matmul_program, solve
 from ._qgt_modes import choose_mode, holomorphic_violation, to_rep
-from ._qgt_passes import jacobian_chunk, join_mean, mean_chunk, product_chunk, split_imag
+from ._qgt_passes import (
+    jacobian_chunk,
+    join_mean,
+    mean_chunk,
+    product_chunk,
+    product_jvp_vjp_chunk,
+    split_imag,
+)
 from ._solve import CGInfo
 from ._views import Views
 
 _NAME = "vmcgrad.QGT"
+
+#: The product's designs, by name: the chunk function of ``S @ v`` (:mod:`vmcgrad._qgt_passes`).
+#: ``"fused"``: one linearisation per chunk, its jvp and its transpose (three linear passes over the
+#: chunk); ``"jvp_vjp"``: a jvp, then the pullback of a second forward pass (four; a smaller chunk
+#: footprint where XLA keeps the two apart).
+DESIGNS = {"fused": product_chunk, "jvp_vjp": product_jvp_vjp_chunk}
+#: Linear passes over a chunk's rows per product, per design (forward, tangent, transpose; the
+#: jvp-then-vjp design runs the forward twice).
+PASSES = {"fused": 3, "jvp_vjp": 4}
+#: The fixed cost of one chunk of one pass, in rows of work, per platform: a loop step, its slices,
+#: its kernel launches and a matrix product too thin to run at full speed. CPU: measured, process CPU
+#: time of ``S @ v`` (RBM, L = 48, N = 8192, float64, one device, 9 interleaved calls): the fused
+#: product at chunk 16 took 1.28x its time at chunk 64 (about 7 rows per chunk), and chunks from 32
+#: to 1024 were within the noise of each other. Elsewhere (GPU, TPU): an estimate, not measured
+#: (about 50 us of loop step and launches per chunk against about 10 ns per row of a small model);
+#: ``benchmarks/device.sh`` measures the designs there. Only its order matters: it decides when a
+#: design whose chunk fits twice as large wins (:func:`choose_design`).
+CHUNK_ROWS = {"cpu": 8}
+CHUNK_ROWS_ACCELERATOR = 4096
 
 
 @jax.tree_util.register_dataclass
@@ -61,10 +87,12 @@ class QGTOperator(AbstractOperator):
 
     _shifts = ("diag_shift", "diag_scale")
     _builder = _NAME
+    _described = ("design",)
 
     obar: Any  # the mean O, shaped like the representation of params (complex where O is)
     diag_scale: jax.Array | None
     diag_s: Any  # diag of S (no shifts), shaped like the representation of params, or None
+    design: str = dataclasses.field(default="fused", metadata={"static": True})  # see DESIGNS
 
     # --- shapes --------------------------------------------------------------------------------
 
@@ -186,7 +214,7 @@ class QGTOperator(AbstractOperator):
     def _apply_rep(self, rep: Any) -> Any:
         """:math:`S_\\text{eff} \\tilde v` for a representation pytree: one pass, one reduction."""
         layout = self._rep_layout()
-        chunk = partial(product_chunk, mode=self.mode)
+        chunk = partial(DESIGNS[self.design], mode=self.mode)
         total, _ = map_reduce_problem(
             self.problem, self.inputs, chunk, (self.obar, layout), (rep, layout), sum_layout=layout
         )
@@ -225,6 +253,47 @@ def _diag_scale(where: str, x: Any, real_dtype: Any) -> jax.Array | None:
     return None if not isinstance(x, jax.core.Tracer) and float(x) == 0 else x
 
 
+def choose_design(op: QGTOperator) -> tuple[str, int]:
+    r"""The product's design and chunk that ``chunk_size="auto"`` picks: the fastest within the budget.
+
+    Per design :math:`d`, the chunk :math:`c_d` is the largest power of two whose compiled ``S @ v``
+    fits the memory budget (:func:`vmcgrad._problem.auto_chunk`: compiled, not run); the time is
+    modelled as
+
+    .. math::
+
+        t_d \propto P_d \,(n + r \lceil n / c_d \rceil),
+
+    :math:`P_d` the linear passes per row (:data:`PASSES`: 3 fused, 4 jvp-then-vjp), :math:`n` the
+    rows per device and :math:`r` the cost of one chunk in rows (:data:`CHUNK_ROWS`: 8 on CPU, else
+    :data:`CHUNK_ROWS_ACCELERATOR`). The smallest :math:`t_d` wins, the fused design on a tie. Where
+    the jvp-then-vjp chunk is twice the fused one (it holds about half the arrays per row), the fused
+    design wins exactly when its chunk is at least :math:`r`. The chunks are cached
+    (:func:`vmcgrad._auto_chunk.choose_chunk`): a second choice compiles nothing.
+
+    Raises:
+        MemoryError: when no design fits even one sample per chunk (the error of the smaller one).
+    """
+    n, fits, errors = op.problem.n_local, {}, []
+    for design in DESIGNS:
+        try:
+            fits[design] = auto_chunk(
+                matmul_program, op.problem, dataclasses.replace(op, design=design), op.params, "tree"
+            )
+        except MemoryError as err:
+            errors.append(err)
+    if not fits:
+        raise min(errors, key=lambda err: err.need)
+
+    rows = CHUNK_ROWS.get(jax.local_devices()[0].platform, CHUNK_ROWS_ACCELERATOR)
+
+    def time(design: str) -> float:
+        return PASSES[design] * (n + rows * -(-n // fits[design]))
+
+    design = min(fits, key=time)  # dicts keep order: the fused design first, so it wins a tie
+    return design, fits[design]
+
+
 def QGT(
     logpsi: Any,
     params: Any,
@@ -236,6 +305,7 @@ def QGT(
     mode: str | None = None,
     holomorphic: bool | None = None,
     memory_budget: float | None = None,
+    design: str | None = None,
 ) -> QGTOperator:
     r"""Builds the quantum geometric tensor of ``logpsi`` at ``params`` over ``samples``.
 
@@ -262,7 +332,8 @@ def QGT(
             devices or not; any N.
         chunk_size: samples per chunk on each device (any positive int, or None for one chunk),
             or ``"auto"``: the largest power of two whose ``S @ v`` program fits the memory budget
-            (:func:`vmcgrad.auto_chunk_size`'s rule, applied to the product).
+            (:func:`vmcgrad.auto_chunk_size`'s rule, applied to the product), for the design that
+            is then fastest (:func:`choose_design`; the operator's ``design`` says which).
         diag_shift: :math:`\epsilon_2`, added to the diagonal.
         diag_scale: :math:`\epsilon_1`, or None: the diagonal is also scaled by
             :math:`1 + \epsilon_1` and :meth:`~QGTOperator.solve` is Jacobi-rescaled (NetKet's
@@ -278,6 +349,13 @@ def QGT(
             equations are tested on the first 8 samples (needs concrete inputs: outside
             ``jax.jit``, or once before, as a pass is remembered). A non-holomorphic ``logpsi`` is
             refused (the holomorphic matrix would be wrong); use ``mode='complex'`` for it.
+        memory_budget: bytes per device for ``chunk_size="auto"`` (compiled ``memory_analysis()``:
+            temporaries, arguments and outputs), or None for :func:`vmcgrad.auto_chunk_size`'s default.
+        design: how each chunk's :math:`\Delta O^\dagger \Delta O v` is computed: ``"fused"`` (one
+            linearisation: its jvp and its transpose), ``"jvp_vjp"`` (a jvp, then the pullback of a
+            second forward pass: a smaller footprint per row, a fourth pass), or None: with
+            ``chunk_size="auto"`` the pair (design, chunk) that is fastest within ``memory_budget``
+            (:func:`choose_design`), else ``"fused"``. Both give the same matrix.
 
     Returns:
         A :class:`QGTOperator` (a pytree).
@@ -301,6 +379,11 @@ def QGT(
         >>> bool(jnp.allclose(x_sol, w, rtol=1e-4)), int(info.iterations) <= 3
         (True, True)
     """
+    if design is not None and (not isinstance(design, str) or design not in DESIGNS):
+        raise ValueError(
+            f"{_NAME}: `design` must be one of {tuple(DESIGNS)} or None; got {design!r}. Fix: pass "
+            "design=None to let chunk_size='auto' choose from the memory budget, or design='fused'."
+        )
     prob, inputs, _ = problem(
         _NAME, logpsi, params, samples, chunk_size=chunk_size, memory_budget=memory_budget, arg="logpsi"
     )
@@ -329,10 +412,13 @@ def QGT(
         diag_s=None,
         problem=prob,
         mode=mode,
+        design=design or "fused",
     )
     op = dataclasses.replace(op, obar=call(_mean_program, prob, op))
     if diag_scale is not None:
         op = dataclasses.replace(op, diag_s=call(_diag_s_program, prob, op))
+    if design is None and prob.chunk_size == "auto":  # on the complete operator (what products get)
+        op = dataclasses.replace(op, design=choose_design(op)[0])
     return op
 
 

@@ -146,3 +146,67 @@ def temp_memory(
             compiled = mv[name].lower(*a).compile()
             out.append({"N": n, "name": name, "temp_bytes": compiled.memory_analysis().temp_size_in_bytes})
     return out
+
+
+def equal_memory(
+    *,
+    L: int = 48,
+    n_samples: int = 8192,
+    chunk_size: int = 1024,
+    diag_shift: float = 0.01,
+    repeats: int = 5,
+    log: Any = print,
+) -> list[Row]:
+    r"""The product and the 50-iteration CG solve at equal compiled memory: NetKet's
+    ``QGTOnTheFly`` at ``chunk_size`` against ``vmcgrad.QGT(chunk_size="auto", memory_budget=B)``.
+
+    :math:`B` is NetKet's compiled temp bytes of ``S @ v`` plus vmcgrad's own arguments and outputs
+    (``memory_analysis()``; the rule of ``chunk_size="auto"`` counts all three), so vmcgrad's
+    temp bytes are at most NetKet's. Candidates (all at that budget): ``vmcgrad auto`` (the design
+    and chunk :func:`vmcgrad.QGT` picks; named with them), and each design forced at its own largest
+    fitting chunk (``vmcgrad fused``, ``vmcgrad jvp_vjp``). The solve builds the operator inside the
+    timed call, at the picked design and chunk, as the ``solve`` rows of :func:`run` do.
+    """
+    import vmcgrad
+
+    s = _setup(L, n_samples)
+    fns = _functions(s["model"], s["model_state"], chunk_size, diag_shift)
+    w, x, v = s["params"], s["samples"], s["v"]
+    logpsi = log_psi(s["model"].apply, s["model_state"])
+    nk_temp = fns["matvec"]["netket"].lower(w, x, v).compile().memory_analysis().temp_size_in_bytes
+    matvec = jax.jit(lambda S, v: S @ v)
+    m = matvec.lower(fns["build"](w, x), v).compile().memory_analysis()
+    budget = nk_temp + m.argument_size_in_bytes + m.output_size_in_bytes
+    auto = vmcgrad.QGT(logpsi, w, x, chunk_size="auto", memory_budget=budget, diag_shift=diag_shift)
+    picked = f"vmcgrad auto ({auto.design}, {auto.chunk_size})"
+    chosen = {picked: (auto.design, auto.chunk_size)}
+    for design in ("fused", "jvp_vjp"):
+        op = vmcgrad.QGT(
+            logpsi, w, x, chunk_size="auto", memory_budget=budget, diag_shift=diag_shift, design=design
+        )
+        chosen[f"vmcgrad {design} ({op.chunk_size})"] = (design, op.chunk_size)
+    log(
+        f"[devices={jax.device_count()}] equal memory: NetKet chunk {chunk_size}, temp {nk_temp} B; "
+        f"budget {budget} B per device; picked {auto.design} at chunk {auto.chunk_size}"
+    )
+    # the operators at the chosen chunks, fixed (nothing left to choose inside the timed calls)
+    ops = {
+        name: vmcgrad.QGT(logpsi, w, x, chunk_size=c, diag_shift=diag_shift, design=d)
+        for name, (d, c) in chosen.items()
+    }
+    setting = {"devices": jax.device_count(), "N": n_samples}
+    mv = {"netket": fns["matvec"]["netket"], **{name: matvec for name in ops}}
+    args = {"netket": (w, x, v), **{name: (op, v) for name, op in ops.items()}}
+    cands, errs, _ = checked_candidates(mv, args, reference="netket", rtol=1e-10)
+    log(f"[devices={jax.device_count()}] S@v agree at equal memory; max rel. error vs netket: {errs}")
+    rows = measure("qgt_matvec_eqmem", setting, cands, repeats=repeats)
+
+    def ours(w, x, b):
+        S = vmcgrad.QGT(logpsi, w, x, chunk_size=auto.chunk_size, diag_shift=diag_shift, design=auto.design)
+        return S.solve(b, tol=0.0, maxiter=50)[0]
+
+    solve = {"netket": fns["solve"]["netket"], picked: jax.jit(ours)}
+    cands, errs, _ = checked_candidates(solve, (w, x, v), reference="netket", rtol=1e-6)
+    log(f"[devices={jax.device_count()}] 50-iteration CG at equal memory agree; max rel. error: {errs}")
+    rows += measure("qgt_solve50_eqmem", setting, cands, repeats=max(3, repeats // 2))
+    return rows

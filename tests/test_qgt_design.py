@@ -1,0 +1,167 @@
+"""The QGT product's two designs (fused; jvp then vjp) against the dense Jacobian reference, and the
+choice of (design, chunk) that ``chunk_size="auto"`` makes from the memory budget (compiled bytes,
+nothing timed)."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import assert_tree_allclose, make_case, random_like, setup
+from jax.flatten_util import ravel_pytree
+from test_qgt import MODES, Dense, N, close, tree_like
+
+import vmcgrad
+from vmcgrad import _qgt
+from vmcgrad._auto_chunk import program_bytes
+from vmcgrad._qgt import PASSES, choose_design
+from vmcgrad._qgt_apply import matmul_program
+
+N_DEV = jax.device_count()
+CASES = [(c, jnp.float64) for c in MODES] + [(c, jnp.float32) for c in ("r2c", "c2c_holo", "c2c_nonholo")]
+#: In the quick tier: each mode once (real-to-complex and holomorphic in float64, with solves; the
+#: non-holomorphic complex mode in float32); the other cases run in the rest tier (tests/conftest.py).
+QUICK = {("r2c", jnp.float64), ("c2c_holo", jnp.float64), ("c2c_nonholo", jnp.float32)}
+
+
+@pytest.mark.parametrize(
+    "case, dtype",
+    [pytest.param(*c, marks=() if c in QUICK else pytest.mark.slow) for c in CASES],
+    ids=[f"{c}-{jnp.dtype(d).name}" for c, d in CASES],
+)
+def test_jvp_vjp_design_against_dense_reference(case, dtype):
+    """The jvp-then-vjp design gives the dense S's products (chunk 5 of 37 rows per device: a
+    shifted last chunk) and solves. The fused design, the default, is checked the same way in
+    ``test_qgt.py::test_against_dense_reference``."""
+    design = "jvp_vjp"
+    fun, params, samples = make_case(case, N, dtype)
+    mode = MODES[case]
+    ref = Dense(fun, params, samples, mode)
+    shifts = {"diag_shift": 0.03, "diag_scale": 0.2}
+    v = tree_like(params, 1)
+    with setup("netket") as place:
+        forced = "holomorphic" if case == "c2c_holo" else None
+        S = vmcgrad.QGT(fun, params, place(samples), chunk_size=5, mode=forced, design=design, **shifts)
+        assert S.design == design and f"design={design!r}" in repr(S)
+        close(S @ v, ref.apply(v, **shifts), dtype)
+        rep = ref.to_flat(v)
+        close(S @ rep, ref.matrix(**shifts) @ rep, dtype)
+        if case in ("r2c", "c2c_holo", "mixed") and jnp.dtype(dtype) == jnp.float64:  # a solve: 3 modes
+            x, _ = S.solve(ref.apply(v, **shifts), tol=1e-13)
+            close(x, v, dtype, scale=100)
+
+
+def _rbm(L=16, alpha=1, per_device=512):
+    """NetKet's RBM written out (float64): the model whose designs hold different chunk footprints."""
+    k = jax.random.split(jax.random.key(0), 4)
+    params = {
+        "W": jax.random.normal(k[0], (L, alpha * L)) / L,
+        "b": jax.random.normal(k[1], (alpha * L,)) / 10,
+        "a": jax.random.normal(k[2], (L,)) / 10,
+    }
+    x = jax.random.rademacher(k[3], (per_device * N_DEV, L), jnp.float64)
+
+    def fun(p, x):
+        return jnp.sum(jnp.log(jnp.cosh(x @ p["W"] + p["b"])), -1) + x @ p["a"]
+
+    return fun, params, x
+
+
+def _bytes(S, design, chunk):
+    """Compiled bytes (temporaries, arguments, outputs) of ``S @ v`` for one design and chunk."""
+    import dataclasses
+
+    op = dataclasses.replace(S, design=design)
+    return program_bytes(matmul_program.lower(S.problem.at_chunk(chunk), op, S.params, "tree").compile())
+
+
+def _largest_fit(S, design, budget):
+    """The largest power-of-two chunk whose program fits ``budget`` (a plain scan, independent of the
+    binary search in vmcgrad._auto_chunk)."""
+    best, c = None, 1
+    while c <= S.problem.n_local:
+        if _bytes(S, design, c) <= budget:
+            best = c
+        c *= 2
+    return best
+
+
+def _expected(S, fits, rows):
+    n = S.problem.n_local
+    cost = {d: PASSES[d] * (n + rows * -(-n // c)) for d, c in fits.items()}
+    return min(cost, key=cost.get)
+
+
+def test_auto_chooses_design_and_chunk_from_the_budget(monkeypatch):
+    """A tight budget, where the jvp-then-vjp chunk fits at least twice the fused one: with CPU's
+    measured per-chunk cost the fused design is the faster one and is chosen, with a costly chunk
+    the jvp-then-vjp design; a loose budget: both fit every row and the fused design (three
+    passes) is chosen. The chosen program fits the budget and the next chunk of that design does not."""
+    fun, params, x = _rbm()
+    with setup("netket") as place:
+        x = place(x)
+        probe = vmcgrad.QGT(fun, params, x, chunk_size=64)
+        c = 64
+        budget = _bytes(probe, "jvp_vjp", 2 * c)
+        assert _bytes(probe, "fused", 2 * c) > budget, "jvp then vjp should hold less"
+        fits = {d: _largest_fit(probe, d, budget) for d in ("fused", "jvp_vjp")}
+        assert fits["fused"] <= c < 2 * c == fits["jvp_vjp"], fits
+        rows = _qgt.CHUNK_ROWS["cpu"]
+        assert rows < fits["fused"]  # CPU's measured per-chunk cost: the fused design wins
+        S = vmcgrad.QGT(fun, params, x, chunk_size="auto", memory_budget=budget)
+        assert (S.design, S.chunk_size) == ("fused", fits["fused"])
+        assert _expected(probe, fits, rows) == "fused"
+        assert _bytes(S, S.design, S.chunk_size) <= budget < _bytes(S, S.design, 2 * S.chunk_size)
+
+        monkeypatch.setitem(_qgt.CHUNK_ROWS, "cpu", 8 * c)  # a costly chunk (as on an accelerator)
+        S = vmcgrad.QGT(fun, params, x, chunk_size="auto", memory_budget=budget)
+        assert (S.design, S.chunk_size) == ("jvp_vjp", 2 * c)
+        assert _expected(probe, fits, 8 * c) == "jvp_vjp"
+        assert "design='jvp_vjp'" in repr(S)
+        assert _bytes(S, S.design, S.chunk_size) <= budget < _bytes(S, S.design, 2 * S.chunk_size)
+        assert choose_design(S) == (S.design, S.chunk_size)
+        # the chosen design's program: the jvp in a conditional of its own
+        hlo = jax.jit(lambda S, v: S @ v).lower(S, params).compile().as_text()
+        assert "conditional" in hlo
+
+        loose = vmcgrad.QGT(fun, params, x, chunk_size="auto", memory_budget=2**34)
+        assert (loose.design, loose.chunk_size) == ("fused", loose.problem.n_local)
+        hlo = jax.jit(lambda S, v: S @ v).lower(loose, params).compile().as_text()
+        assert "conditional" not in hlo
+        # the products agree (and with a fixed chunk)
+        ref = probe @ params
+        close(S @ params, ref, jnp.float64)
+        close(loose @ params, ref, jnp.float64)
+
+
+def test_explicit_design_and_bad_design():
+    fun, params, x = _rbm(per_device=64)
+    S = vmcgrad.QGT(fun, params, x, chunk_size="auto", memory_budget=2**34, design="jvp_vjp")
+    assert S.design == "jvp_vjp" and S.chunk_size == S.problem.n_local
+    assert vmcgrad.QGT(fun, params, x, chunk_size=8).design == "fused"
+    with pytest.raises(ValueError, match=r"`design` must be one of \('fused', 'jvp_vjp'\)"):
+        vmcgrad.QGT(fun, params, x, design="jvp")
+
+
+@pytest.mark.parametrize("op", ["matvec", "solve"])
+@pytest.mark.parametrize("transform", ["dense_by_vmap", "grad_params", "grad_vector", "jvp_params"])
+def test_jvp_vjp_design_under_transformations(transform, op):
+    """The jvp-then-vjp design's product and solve under vmap, grad and jvp (in the parameters, the
+    QGT rebuilt inside, and in the vector): against the dense jacfwd QGT, as the fused design is
+    checked in ``test_transforms.py::test_qgt_transforms``."""
+    from test_transforms import CHUNK, QGT_TRANSFORMS, SHIFT, ref_matvec, ref_solve
+
+    fun, params, x = make_case("r2c", N)
+    flat, unravel = ravel_pytree(params)
+    f = lambda p, x: fun(unravel(p), x)
+    b = random_like(jax.random.key(3), flat.shape, flat.dtype)
+    basis = jnp.eye(flat.size, dtype=flat.dtype)[:4]
+
+    def build(p, x, b):
+        S = vmcgrad.QGT(f, p, x, chunk_size=CHUNK, diag_shift=SHIFT, design="jvp_vjp")
+        return S @ b if op == "matvec" else S.solve(b, tol=1e-14)[0]
+
+    t = QGT_TRANSFORMS[transform]
+    reference = jax.jit(t((ref_matvec if op == "matvec" else ref_solve)(f)))(flat, x, b, basis)
+    with setup("netket") as place:
+        actual = jax.jit(t(build))(flat, place(x), b, basis)
+    rtol, atol = (1e-10, 1e-10) if op == "matvec" else (1e-7, 1e-8)
+    assert_tree_allclose(jax.device_get(actual), jax.device_get(reference), rtol=rtol, atol=atol)
