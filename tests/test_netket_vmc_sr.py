@@ -4,7 +4,9 @@ Equal to ``nk.driver.VMC_SR`` over three steps (same seeds, same samples, parame
 with the NTK dense and on the fly, SPRING momentum, real and complex modes, at a chunk size that
 divides nothing (N = 30 per device; the other modes are compared with NetKet's update functions in
 test_ntk.py); route-tested: vmcgrad's chunked primitive is bound and NetKet's ``srt`` /
-``srt_onthefly`` are never called.
+``srt_onthefly`` are never called. The default tier runs the real, dense-NTK, SPRING driver (route
+and equality in one test: every program here is small, the cost is compilation); the ``slow`` tier adds
+the complex on-the-fly driver, ``chunk_size_bwd="auto"`` and the matrix-free CG driver.
 """
 
 import jax
@@ -54,29 +56,41 @@ def _drivers(dtype, **kw):
     return a, b
 
 
-@pytest.mark.parametrize(
-    "dtype,kw",
-    [
-        (np.float64, dict(on_the_fly=False, momentum=0.8, proj_reg=1.0)),
-        (np.complex128, dict(on_the_fly=True)),
-    ],
-    ids=["real-dense-spring", "complex-onthefly"],
-)
-def test_equals_netket_vmc_sr_over_steps(dtype, kw):
-    ref, ours = _drivers(dtype, **kw)
-    ref.run(3, out=None, show_progress=False)
-    ours.run(3, out=None, show_progress=False)
-    assert_tree_allclose(ours.state.parameters, ref.state.parameters, rtol=0, atol=1e-10)
-    np.testing.assert_allclose(ours._loss_stats.mean, ref._loss_stats.mean, rtol=1e-12)
-
-
-@pytest.mark.parametrize("chunk", [CHUNK, "auto"])
-def test_routed_through_vmcgrad_not_netket(monkeypatch, chunk):
+def _refuse_netket_kernels(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("NetKet's sample-space SR kernel was called")
 
     for name in ("srt", "srt_onthefly", "sr"):
         monkeypatch.setattr(nk_vmc_sr, name, refuse)
+
+
+@pytest.mark.parametrize(
+    "dtype,kw",
+    [
+        (np.float64, dict(on_the_fly=False, momentum=0.8, proj_reg=1.0)),
+        pytest.param(np.complex128, dict(on_the_fly=True), marks=pytest.mark.slow),
+    ],
+    ids=["real-dense-spring", "complex-onthefly"],
+)
+def test_equals_netket_vmc_sr_over_steps(monkeypatch, dtype, kw):
+    """vmcgrad's driver first, with NetKet's kernels refused and vmcgrad's passes recorded (the route),
+    then NetKet's own driver on the same seeds."""
+    ref, ours = _drivers(dtype, **kw)
+    _refuse_netket_kernels(monkeypatch)
+    with vmcgrad_passes() as passes:
+        ours.run(3, out=None, show_progress=False)
+    assert passes, "vmcgrad's chunked primitive was not bound"
+    assert all(p.n == N_SAMPLES for p in passes)
+    monkeypatch.undo()
+    ref.run(3, out=None, show_progress=False)
+    assert_tree_allclose(ours.state.parameters, ref.state.parameters, rtol=0, atol=1e-10)
+    np.testing.assert_allclose(ours._loss_stats.mean, ref._loss_stats.mean, rtol=1e-12)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chunk", [CHUNK, "auto"])
+def test_routed_through_vmcgrad_not_netket(monkeypatch, chunk):
+    _refuse_netket_kernels(monkeypatch)
     H, _, ours = _states(np.float64)
     drv = vnk.VMC_SR(
         H, optax.sgd(0.02), diag_shift=1e-3, variational_state=ours, use_ntk=True, chunk_size_bwd=chunk
@@ -89,6 +103,7 @@ def test_routed_through_vmcgrad_not_netket(monkeypatch, chunk):
         assert all(isinstance(p.chunk_size, int) for p in passes)
 
 
+@pytest.mark.slow
 def test_matrix_free_cg_equals_dense():
     H, ref_state, ours = _states(np.float64)
     del ref_state

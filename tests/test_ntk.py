@@ -4,6 +4,11 @@ References: the kernel against ΔJ ΔJ†/N from ``jax.jacrev``; the update agai
 SR functions (``netket._src.ngd``), the ones ``nk.driver.VMC_SR`` calls, at float64 and 1e-10.
 N = 18 divides neither the 4 devices nor the chunk 5 (NetKet's dense ``srt`` takes it); NetKet's
 ``srt_onthefly`` needs a per-device divisor, so it is compared at N = 20 (5 per device, vmcgrad at chunk 3).
+
+The default tier covers every mode (real, complex, holomorphic) for the kernel and the update, the
+NetKet equality with SPRING momentum and ``proj_reg`` in one call each (a given ``old_updates``), dense
+and CG; the ``slow`` tier adds the other model/mode pairs and the two-step momentum chains. Every
+program here is tiny: the cost is compilation, so the default tier keeps the number of programs low.
 """
 
 import jax
@@ -114,18 +119,22 @@ def _dense_reference(apply, params, x, mode):
     return dj @ dj.conj().T / n
 
 
+slow = pytest.mark.slow
+
+#: (model, mode, chunk, transformations): the three modes in the default tier (one block, and a chunk
+#: dividing neither N = 18 nor its 4 device shards); vmap/jit of ``T @ v`` checked once.
 KERNELS = [
-    ("real", "real", None),
-    ("r2c", "complex", 5),
-    ("r2c", "real", 5),
-    ("nonholo", "complex", 5),
-    ("holo", "holomorphic", 5),
-    ("nonholo", "real", 40),
+    ("real", "real", None, False),
+    ("nonholo", "complex", 5, True),
+    ("holo", "holomorphic", 5, False),
+    pytest.param("r2c", "complex", 5, False, marks=slow),
+    pytest.param("r2c", "real", 5, False, marks=slow),
+    pytest.param("nonholo", "real", 40, False, marks=slow),
 ]
 
 
-@pytest.mark.parametrize("model,mode,chunk", KERNELS)
-def test_kernel_dense_and_matvec(model, mode, chunk):
+@pytest.mark.parametrize("model,mode,chunk,transforms", KERNELS)
+def test_kernel_dense_and_matvec(model, mode, chunk, transforms):
     apply, cplx = MODELS[model]
     params = _params(cplx)
     x, _ = _data(18)
@@ -136,57 +145,69 @@ def test_kernel_dense_and_matvec(model, mode, chunk):
     np.testing.assert_allclose(dense, ref, rtol=0, atol=1e-12)
     v = jax.random.normal(jax.random.key(3), (T.dim,)).astype(T.dtype)
     np.testing.assert_allclose(T @ v, ref @ v, rtol=0, atol=1e-12)
-    # vmap over right-hand sides, jit with the operator as an argument
-    V = jax.random.normal(jax.random.key(4), (3, T.dim)).astype(T.dtype)
-    np.testing.assert_allclose(jax.vmap(lambda v: T @ v)(V), V @ ref.T, rtol=0, atol=1e-12)
-    np.testing.assert_allclose(jax.jit(lambda T, v: T @ v)(T, v), ref @ v, rtol=0, atol=1e-12)
+    if transforms:  # vmap over right-hand sides, jit with the operator as an argument
+        V = jax.random.normal(jax.random.key(4), (3, T.dim)).astype(T.dtype)
+        np.testing.assert_allclose(jax.vmap(lambda v: T @ v)(V), V @ ref.T, rtol=0, atol=1e-12)
+        np.testing.assert_allclose(jax.jit(lambda T, v: T @ v)(T, v), ref @ v, rtol=0, atol=1e-12)
 
 
 def _netket(fn, apply, params, x, e, mode, **kw):
     return fn(apply, e, params, {}, x, diag_shift=DIAG, solver_fn=solve, mode=mode, **kw)
 
 
-CASES = [("real", "real"), ("r2c", "complex"), ("r2c", "real"), ("nonholo", "complex"), ("holo", "complex")]
+#: (model, mode, solver, steps): the first ``steps`` calls of a SPRING chain (momentum 0.8 and proj_reg
+#: 0.5 from ``old_updates=None``; the second call, with the first's ``old_updates``, is a second program).
+SRT_CASES = [
+    ("real", "real", "dense", 2),
+    ("nonholo", "complex", "dense", 1),
+    ("r2c", "complex", "cg", 1),
+    pytest.param("r2c", "complex", "dense", 2, marks=slow),
+    pytest.param("r2c", "real", "dense", 2, marks=slow),
+    pytest.param("nonholo", "complex", "dense", 2, marks=slow),
+    pytest.param("holo", "complex", "dense", 2, marks=slow),
+    pytest.param("holo", "complex", "cg", 2, marks=slow),
+]
 
 
-SRT_CASES = [(m, mode, "dense") for m, mode in CASES] + [("r2c", "complex", "cg"), ("holo", "complex", "cg")]
-
-
-@pytest.mark.parametrize("model,mode,solver", SRT_CASES)
-def test_update_equals_netket_srt(model, mode, solver):
-    """N = 18 (no divisor of the devices or the chunk 5), momentum and proj_reg over two steps."""
+def _compare_steps(fn, model, mode, n, steps, ours, atol):
+    """vmcgrad's update against NetKet's ``fn`` (``srt`` or ``srt_onthefly``) with momentum 0.8 and
+    proj_reg 0.5, over the first ``steps`` calls of the chain (NetKet's ``old_updates`` is its flat vector,
+    vmcgrad's a pytree like the parameters: each is fed back to its own)."""
     apply, cplx = MODELS[model]
     params = _params(cplx)
-    x, e = _data(18)
-    x2, e2 = _data(18, seed=7)
     kw = dict(proj_reg=0.5, momentum=0.8)
-    ref1, old_nk, _ = _netket(srt, apply, params, x, e, mode, **kw)
-    ref2, _, _ = _netket(srt, apply, params, x2, e2, mode, old_updates=old_nk, **kw)
+    old_nk = old = None
+    for seed in (2, 7)[:steps]:
+        x, e = _data(n, seed=seed)
+        ref, old_nk, _ = _netket(fn, apply, params, x, e, mode, old_updates=old_nk, **kw)
+        u, old, _ = vmcgrad.minsr_update(_logpsi(apply), params, x, e, old_updates=old, **ours, **kw)
+        assert_tree_allclose(u, ref, rtol=0, atol=atol)
+        assert_tree_allclose(old, u, rtol=0, atol=0)  # SPRING's buffer is the update
+
+
+@pytest.mark.parametrize("model,mode,solver,steps", SRT_CASES)
+def test_update_equals_netket_srt(model, mode, solver, steps):
+    """N = 18 (no divisor of the devices or the chunk 5), momentum and proj_reg."""
     mine_solver = solve if solver == "dense" else "cg"
-    ours = dict(diag_shift=DIAG, mode=mode, solver=mine_solver, chunk_size=5, tol=1e-14, **kw)
-    u1, old, _ = vmcgrad.minsr_update(_logpsi(apply), params, x, e, **ours)
-    u2, _, _ = vmcgrad.minsr_update(_logpsi(apply), params, x2, e2, old_updates=old, **ours)
+    ours = dict(diag_shift=DIAG, mode=mode, solver=mine_solver, chunk_size=5, tol=1e-14)
     # CG stops at a relative residual 1e-14; the error is at most cond(T + λ) ≤ (‖T‖ + λ)/λ ≈ 1e4 times it
     atol = 1e-10 if solver == "dense" else 1e-8
-    assert_tree_allclose(u1, ref1, rtol=0, atol=atol)
-    assert_tree_allclose(u2, ref2, rtol=0, atol=atol)
+    _compare_steps(srt, model, mode, 18, steps, ours, atol)
 
 
-@pytest.mark.parametrize("model,mode", [("real", "real"), ("nonholo", "complex"), ("nonholo", "real")])
-def test_update_equals_netket_srt_onthefly(model, mode):
+@pytest.mark.parametrize(
+    "model,mode,steps",
+    [
+        ("real", "real", 1),
+        pytest.param("real", "real", 2, marks=slow),
+        pytest.param("nonholo", "complex", 2, marks=slow),
+        pytest.param("nonholo", "real", 2, marks=slow),
+    ],
+)
+def test_update_equals_netket_srt_onthefly(model, mode, steps):
     """N = 20: 5 per device on 4 (NetKet's shard_map needs it); vmcgrad at chunk 3, a divisor of nothing."""
-    apply, cplx = MODELS[model]
-    params = _params(cplx)
-    x, e = _data(20)
-    x2, e2 = _data(20, seed=7)
-    kw = dict(proj_reg=0.5, momentum=0.8)
-    ref1, old_nk, _ = _netket(srt_onthefly, apply, params, x, e, mode, **kw)
-    ref2, _, _ = _netket(srt_onthefly, apply, params, x2, e2, mode, old_updates=old_nk, **kw)
-    ours = dict(diag_shift=DIAG, mode=mode, solver=solve, chunk_size=3, **kw)
-    u1, old, _ = vmcgrad.minsr_update(_logpsi(apply), params, x, e, **ours)
-    u2, _, _ = vmcgrad.minsr_update(_logpsi(apply), params, x2, e2, old_updates=old, **ours)
-    assert_tree_allclose(u1, ref1, rtol=0, atol=1e-10)
-    assert_tree_allclose(u2, ref2, rtol=0, atol=1e-10)
+    ours = dict(diag_shift=DIAG, mode=mode, solver=solve, chunk_size=3)
+    _compare_steps(srt_onthefly, model, mode, 20, steps, ours, 1e-10)
 
 
 def test_holomorphic_mode_equals_complex_mode():
@@ -232,13 +253,12 @@ def test_solve_dense_cg_and_vmap():
     T = vmcgrad.NTK(_logpsi(apply), params, x, chunk_size=5, diag_shift=1e-2)
     A = T.to_dense()
     B = jax.random.normal(jax.random.key(5), (2, T.dim))
-    xd, _ = T.solve(B[0])
-    np.testing.assert_allclose(A @ xd, B[0], rtol=0, atol=1e-10)
+    xs = jax.vmap(lambda b: T.solve(b)[0])(B)  # the dense solve, vmapped over right-hand sides
+    np.testing.assert_allclose(xs, jnp.linalg.solve(A, B.T).T, rtol=0, atol=1e-10)
+    np.testing.assert_allclose(A @ xs[0], B[0], rtol=0, atol=1e-10)
     xc, info = T.solve(B[0], solver="cg", tol=1e-13)
     assert bool(info.converged)
-    np.testing.assert_allclose(xc, xd, rtol=0, atol=1e-9)
-    xs = jax.vmap(lambda b: T.solve(b)[0])(B)
-    np.testing.assert_allclose(xs, jnp.linalg.solve(A, B.T).T, rtol=0, atol=1e-10)
+    np.testing.assert_allclose(xc, xs[0], rtol=0, atol=1e-9)
 
 
 def test_bad_input_before_tracing():
