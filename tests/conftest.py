@@ -56,11 +56,13 @@ def _no_mesh_left_behind(request):
 
 
 # --- tiers ---------------------------------------------------------------------------------------
-# The README's command runs the quick tier: every test, each value of each of its parameters at
-# least once (a covering subset of its parameter matrix, chosen in collection order), and no test
-# marked `slow`; on 1 device, also nothing marked `device_independent` (run by the 4-device pass).
-# `--tier=rest` runs exactly what the quick tier leaves out (the rest of each matrix and the slow
-# tests); .ci/run runs both on 4 devices, so CI covers the whole matrix. `--tier=all` runs everything.
+# The README's command runs the quick tier: each test function's first instance, plus, for the
+# parameters a test names in `@pytest.mark.quick_cover(...)` (the estimator, the mode, the model),
+# an instance for each of their values (a covering subset, chosen in collection order); no test
+# marked `slow`. On 1 device it is a smoke pass: each test's first instance only, and nothing marked
+# `device_independent` (the 4-device pass runs those). `--tier=rest` runs exactly what the quick
+# tier leaves out (the rest of each parameter matrix and the slow tests); .ci/run runs both on 4
+# devices, so CI covers every case. `--tier=all` runs everything.
 TIERS = ("quick", "rest", "all")
 
 
@@ -81,9 +83,10 @@ def _param_key(name, value):
     return (name, type(value).__name__, value)
 
 
-def quick_items(items):
-    """The quick tier of ``items``: per test function, the first instance that covers a parameter value
-    no earlier instance covered; no instance of a test marked ``slow``."""
+def quick_items(items, *, cover=True):
+    """The quick tier of ``items``: per test function, its first instance and each instance that
+    covers a value, not yet covered, of a parameter its ``quick_cover`` marker names (``cover=False``:
+    the first instance only); no instance of a test marked ``slow``."""
     covered, quick = {}, []
     for item in items:
         if item.get_closest_marker("slow") is not None:
@@ -92,10 +95,12 @@ def quick_items(items):
         if callspec is None:
             quick.append(item)
             continue
-        seen = covered.setdefault((item.module.__name__, item.originalname), set())
-        keys = {_param_key(n, v) for n, v in callspec.params.items()}
-        if not keys <= seen:
-            seen |= keys
+        function = (item.module.__name__, item.originalname)
+        marker = item.get_closest_marker("quick_cover")
+        names = set(marker.args) if marker is not None and cover else set()
+        keys = {_param_key(n, v) for n, v in callspec.params.items() if n in names}
+        if function not in covered or not keys <= covered[function]:
+            covered.setdefault(function, set()).update(keys)
             quick.append(item)
     return quick
 
@@ -104,8 +109,8 @@ def pytest_collection_modifyitems(config, items):
     tier = config.getoption("--tier")
     if tier == "all":
         return
-    quick = {id(item) for item in quick_items(items)}
-    if N_DEVICES == 1:  # the quick tier's 1-device pass: only what depends on the device count
+    quick = {id(item) for item in quick_items(items, cover=N_DEVICES > 1)}
+    if N_DEVICES == 1:
         quick -= {id(item) for item in items if item.get_closest_marker("device_independent")}
     keep = [item for item in items if (id(item) in quick) == (tier == "quick")]
     dropped = [item for item in items if (id(item) in quick) != (tier == "quick")]

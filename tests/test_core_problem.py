@@ -76,6 +76,7 @@ def test_parameter_sharded_equals_replicated_for_every_estimator():
             assert got[name]["phase"].sharding.spec == P("S"), name
 
 
+@pytest.mark.quick_cover("name")
 @multi
 @pytest.mark.parametrize("name", ["batched_vjp", "batched_jvp", "expect_grad", "QGT @", "QGT.solve"])
 def test_parameter_sharded_hlo_gathers_once_before_and_reduce_scatters_after_the_loop(name):
@@ -136,6 +137,7 @@ def one_estimator(name, fun, params, samples, ct, **kw):
     return getattr(vmcgrad, name)(fun, params, samples, arg, **kw)
 
 
+@pytest.mark.quick_cover("name")
 @pytest.mark.parametrize("name", ["batched_vjp", "batched_jvp", "expect_grad", "QGT @", "QGT.solve"])
 def test_auto_chunk_halves_once_after_out_of_memory_in_every_estimator(name):
     """16 samples, a budget that fits them all: "auto" picks 16, the run fails, 8 is retried and works.
@@ -175,6 +177,7 @@ def test_memory_budget_is_accepted_by_every_entry_point():
             vmcgrad.expect_grad(fun, params, samples, ct, chunk_size="auto", memory_budget=bad)
 
 
+@pytest.mark.quick_cover("name")
 @pytest.mark.parametrize("name", ["batched_vjp", "expect_grad", "QGT"])
 def test_memory_error_suggests_a_fix_that_works(name):
     fun, params, samples = make_case("r2c", N)

@@ -122,6 +122,7 @@ def assert_stats_equal(got, expected):
         )
 
 
+@pytest.mark.quick_cover("model_name")
 @pytest.mark.parametrize(("model_name", "system_name"), CASES)
 def test_expect_and_grad_matches_netket(model_name, system_name):
     H, vs = make_state(model_name, system_name)

@@ -122,33 +122,31 @@ def assert_stats_equal(got, expected):
     np.testing.assert_allclose(np.asarray(got.variance), np.asarray(expected.variance), rtol=RTOL, atol=ATOL)
 
 
+QUANTITIES = ("expect_and_grad", "expect_and_forces", "qgt_matmul")
+#: Every model with every quantity, listed so that the quick tier's covering subset (tests/conftest.py:
+#: each parameter value once, in collection order) takes each model once, the quantities in turn;
+#: the rest tier runs the other pairs.
+PAIRS = [
+    (m, QUANTITIES[(i + k) % len(QUANTITIES)]) for k in range(len(QUANTITIES)) for i, m in enumerate(MODELS)
+]
+
+
+@pytest.mark.quick_cover("name", "quantity")
 @pytest.mark.filterwarnings("ignore::UserWarning")
-@pytest.mark.parametrize("name", MODELS)
-def test_expect_and_grad(name):
+@pytest.mark.parametrize("name, quantity", PAIRS, ids=[f"{m}-{q}" for m, q in PAIRS])
+def test_switch_matches_netket(name, quantity):
+    """The switched state's expect_and_grad, expect_and_forces, or QGTOnTheFly @ v (against
+    QGTJacobianDense), equal to NetKet's unchunked state's on the same samples."""
     ham, ref, ours = states(name)
-    stats_ref, grad_ref = ref.expect_and_grad(ham)
-    stats, grad = ours.expect_and_grad(ham)
+    if quantity == "qgt_matmul":
+        v = jax.tree.map(
+            lambda p: jnp.cos(jnp.arange(p.size).reshape(p.shape) + 0.5).astype(p.dtype), ref.parameters
+        )
+        expected = nk.optimizer.qgt.QGTJacobianDense(ref, diag_shift=0.01) @ v
+        got = vnk.QGTOnTheFly(ours, diag_shift=0.01) @ v
+        assert_tree_allclose(got, expected, rtol=1e-9, atol=1e-11)
+        return
+    stats_ref, value_ref = getattr(ref, quantity)(ham)
+    stats, value = getattr(ours, quantity)(ham)
     assert_stats_equal(stats, stats_ref)
-    assert_tree_allclose(grad, grad_ref, rtol=RTOL, atol=ATOL)
-
-
-@pytest.mark.filterwarnings("ignore::UserWarning")
-@pytest.mark.parametrize("name", MODELS)
-def test_expect_and_forces(name):
-    ham, ref, ours = states(name)
-    stats_ref, force_ref = ref.expect_and_forces(ham)
-    stats, force = ours.expect_and_forces(ham)
-    assert_stats_equal(stats, stats_ref)
-    assert_tree_allclose(force, force_ref, rtol=RTOL, atol=ATOL)
-
-
-@pytest.mark.filterwarnings("ignore::UserWarning")
-@pytest.mark.parametrize("name", MODELS)
-def test_qgt_matmul(name):
-    _, ref, ours = states(name)
-    v = jax.tree.map(
-        lambda p: jnp.cos(jnp.arange(p.size).reshape(p.shape) + 0.5).astype(p.dtype), ref.parameters
-    )
-    expected = nk.optimizer.qgt.QGTJacobianDense(ref, diag_shift=0.01) @ v
-    got = vnk.QGTOnTheFly(ours, diag_shift=0.01) @ v
-    assert_tree_allclose(got, expected, rtol=1e-9, atol=1e-11)
+    assert_tree_allclose(value, value_ref, rtol=RTOL, atol=ATOL)

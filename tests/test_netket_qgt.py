@@ -127,6 +127,7 @@ def random_tree(vs, seed=0):
 # --- @ and to_dense ----------------------------------------------------------------------------
 
 
+@pytest.mark.quick_cover("config")
 @pytest.mark.parametrize("config", list(QGT_CONFIGS))
 @pytest.mark.parametrize("chunk_size", CHUNKS, ids=lambda c: f"chunk={c}")
 def test_qgt_matmul(vstate, config, chunk_size):

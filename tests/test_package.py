@@ -337,3 +337,23 @@ def test_pytest_turns_an_unasserted_vmcgrad_warning_into_an_error():
         warnings.warn("an unasserted notice", vmcgrad.VmcgradWarning, stacklevel=1)
     with pytest.warns(vmcgrad.VmcgradWarning):
         warnings.warn("an asserted notice", vmcgrad.VmcgradWarning, stacklevel=1)
+
+
+# --- the README's test command --------------------------------------------------------------------
+
+
+def _readme_test_command() -> str:
+    """The ``python -m pytest ...`` part of the README's test command (the line after ``pip install``)."""
+    text = (ROOT / "README.md").read_text()
+    found = re.findall(r'^pip install -e "\.\[test\]" && (python -m pytest.*)$', text, flags=re.M)
+    assert len(found) == 1, found  # one test command in the README
+    return found[0]
+
+
+def test_ci_runs_the_readme_test_command():
+    """``.ci/run`` runs the README's test command verbatim, so a green CI means a newcomer's run of
+    that command is green too; and docs/getting_started.md gives the same command."""
+    command = _readme_test_command()
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert command in ci, (command, [line for line in ci if "pytest" in line])
+    assert f'pip install -e ".[test]" && {command}' in (ROOT / "docs" / "getting_started.md").read_text()

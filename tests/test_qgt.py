@@ -107,6 +107,7 @@ DTYPE_CASES = [(c, jnp.float64) for c in MODES] + [
 ]
 
 
+@pytest.mark.quick_cover("case", "dtype")
 @pytest.mark.parametrize("case, dtype", DTYPE_CASES, ids=[f"{c}-{jnp.dtype(d).name}" for c, d in DTYPE_CASES])
 def test_against_dense_reference(case, dtype):
     fun, params, samples = make_case(case, N, dtype)
@@ -176,6 +177,7 @@ SHIFT, SCALE = {"diag_shift": 0.05}, {"diag_shift": 0.01, "diag_scale": 0.1}
 SOLVES = [("r2r", SHIFT), ("c2c_holo", SHIFT), ("mixed", SHIFT), ("r2c", SCALE), ("c2c_nonholo", SCALE)]
 
 
+@pytest.mark.quick_cover("case")
 @pytest.mark.parametrize("case, shifts", SOLVES)
 def test_solve_recovers_known_x(case, shifts):
     fun, params, samples = make_case(case, N)

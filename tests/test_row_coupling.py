@@ -53,6 +53,7 @@ ESTIMATORS = {
 }
 
 
+@pytest.mark.quick_cover("estimator")
 @pytest.mark.parametrize("estimator", list(ESTIMATORS))
 @pytest.mark.parametrize("case", list(COUPLED))
 def test_coupled_rows_refused(case, estimator):

@@ -210,6 +210,7 @@ JVP_TRANSFORMS = [
 MATRIX = [("vjp", t) for t in TRANSFORMS] + [("jvp", t) for t in JVP_TRANSFORMS]
 
 
+@pytest.mark.quick_cover("est_kind", "transform")
 @pytest.mark.parametrize(("est_kind", "transform"), MATRIX)
 def test_transform_under_mesh(est_kind, transform):
     """NetKet's set-up (Auto-axis mesh "S" in context, samples sharded): every transformation (the
@@ -243,6 +244,7 @@ def test_transform_explicit_mesh(est_kind, case, transform):
     run_case(est_kind, case, transform, "explicit")
 
 
+@pytest.mark.quick_cover("transform")
 @pytest.mark.parametrize("transform", ["value", "grad_params", "grad_arg", "jvp_all", "vmap_arg"])
 @pytest.mark.parametrize("case", CASES)
 def test_expect_grad_transforms(case, transform):
@@ -316,6 +318,7 @@ QGT_TRANSFORMS = {
 }
 
 
+@pytest.mark.quick_cover("op", "transform")
 @pytest.mark.parametrize("transform", list(QGT_TRANSFORMS))
 @pytest.mark.parametrize("op", ["matvec", "solve"])
 @pytest.mark.parametrize(("case", "setup"), [("r2r", "netket"), ("r2c", "netket"), ("r2c", "none")])

@@ -31,6 +31,7 @@ def tangent_for(params, seed=2):
     return jax.tree.unflatten(tdef, [random_like(k, p.shape, p.dtype) for k, p in zip(keys, leaves)])
 
 
+@pytest.mark.quick_cover("case", "chunk_size")
 @pytest.mark.parametrize("chunk_size", CHUNKS)
 @pytest.mark.parametrize("case", CASES)
 def test_vjp_matches_jax_vjp(case, chunk_size):
@@ -42,6 +43,7 @@ def test_vjp_matches_jax_vjp(case, chunk_size):
     assert_tree_allclose(got, expected, rtol=1e-11, atol=1e-12)
 
 
+@pytest.mark.quick_cover("case")
 @pytest.mark.parametrize("chunk_size", CHUNKS)
 @pytest.mark.parametrize("case", CASES)
 def test_jvp_matches_jax_jvp(case, chunk_size):
@@ -53,6 +55,7 @@ def test_jvp_matches_jax_jvp(case, chunk_size):
     assert_tree_allclose(got, expected, rtol=1e-11, atol=1e-12)
 
 
+@pytest.mark.quick_cover("kind")
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("kind", ["netket", "explicit", "none"])
 @pytest.mark.parametrize("case", ["r2r", "r2c", "c2c_nonholo", "mixed", "layered"])
