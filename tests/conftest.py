@@ -8,11 +8,11 @@ import os
 
 # XLA's CPU collectives abort the process ("Fatal Python error") when a device's thread waits over 40 s
 # at a rendezvous. Four fake devices share two cores with the other test process, so a loaded machine
-# stalls a rendezvous that long without any deadlock; 600 s still ends a real one. Set before JAX
-# starts its backend (subprocesses inherit it).
+# can stall a rendezvous for a while; 120 s still ends a real deadlock soon. Set before JAX starts
+# its backend (subprocesses inherit it).
 _STALL = "--xla_cpu_collective_call_terminate_timeout_seconds"
 if _STALL not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_STALL}=600".strip()
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_STALL}=120".strip()
 
 import jax
 import pytest
@@ -20,6 +20,11 @@ import pytest
 N_DEVICES = int(os.environ.get("VMCGRAD_TEST_DEVICES", "4"))
 jax.config.update("jax_num_cpu_devices", N_DEVICES)
 jax.config.update("jax_enable_x64", True)
+# NetKet's TDVP driver dispatches program after program without waiting; with asynchronous dispatch on
+# 4 fake CPU devices, an all-reduce then waited for ever for its fourth device (XLA's log: "Expected 4
+# threads to join the rendezvous, but not all of them arrived"), and XLA aborted the process. The
+# suite runs each program to its end before the next starts (what vmcgrad computes is unchanged).
+jax.config.update("jax_cpu_enable_async_dispatch", False)
 # NetKet fakes its own CPU devices from this variable at import; keep it in step.
 os.environ.setdefault("NETKET_EXPERIMENTAL_SHARDING_CPU", str(N_DEVICES))
 # With that variable NetKet's import sets a global mesh. Import it here, with the mesh undone, so that

@@ -113,7 +113,7 @@ def assert_same_history(ours, ref):
         np.testing.assert_allclose(e, e_ref, rtol=1e-10)
 
 
-_ISOLATED = "VMCGRAD_TEST_TDVP_ISOLATED"  # set in the child process of the 4-device complex case
+_ISOLATED = "VMCGRAD_TEST_TDVP_ISOLATED"  # set in the child process of each 4-device case
 
 CASES = [  # (propagation, model, solver, holomorphic): each solver once, both propagations
     ("real", "RBMModPhase[float64]", "pinv_smooth", None),
@@ -130,22 +130,27 @@ def test_tdvp_matches_jacobian_dense(propagation_type, model_name, solver_name, 
     QGT and not the amplification of rounding by a near-singular S (with diag_shift=0 and
     pinv_smooth the runs agree to ~2e-8 relative).
     """
-    if N_DEV > 1 and model_name == "RBM[complex128]" and not os.environ.get(_ISOLATED):
-        # Once, in a loaded full run, this case aborted the whole process on 4 fake CPU devices
-        # (XLA ending a stalled collective in NetKet's QGTJacobianDense reference run); it has
-        # not recurred since (alone, after the NetKet files, under load). It runs in its own
-        # process, so that an abort or a hang is this test's failure with its output, not the
-        # end of the suite.
+    if N_DEV > 1 and not os.environ.get(_ISOLATED):
+        # On 4 fake CPU devices under load, a TDVP run has aborted the whole process (SIGABRT inside
+        # XLA's CPU runtime, in NetKet's reference run and in ours, in different cases; never alone
+        # or on one device). Each case runs in its own process, so that an abort is not the end of the
+        # suite; the child's native log reaches its stderr (--capture=sys), and an abort (a signal,
+        # not a failed assertion) is retried once, with the first attempt's log printed here.
         test_id = f"{__file__}::test_tdvp_matches_jacobian_dense"
         case = f"{propagation_type}-{model_name}-{solver_name}-{holomorphic}"
-        out = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{test_id}[{case}]"],
-            env={**os.environ, _ISOLATED: "1"},
-            cwd=os.path.dirname(__file__),
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--capture=sys"]
+        for attempt in range(2):
+            out = subprocess.run(
+                [*command, "--tier=all", f"{test_id}[{case}]"],
+                env={**os.environ, _ISOLATED: "1"},
+                cwd=os.path.dirname(__file__),
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+            if out.returncode >= 0 or attempt == 1:
+                break
+            print(f"attempt {attempt + 1} ended by signal {-out.returncode}:\n{out.stderr[-4000:]}")
         assert out.returncode == 0 and " passed" in out.stdout, out.stdout[-4000:] + out.stderr[-4000:]
         return
     kw = {"diag_shift": 1e-3} if holomorphic is None else {"diag_shift": 1e-3, "holomorphic": holomorphic}

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_tree_allclose, make_case
+from helpers import assert_tree_allclose, make_case, traced_without_mesh
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -123,7 +123,7 @@ def test_errors_are_raised_before_tracing():
     def user(params, samples):
         return vmcgrad.batched_vjp(FUN, params, samples, jnp.ones(7, jnp.complex128), chunk_size=2)
 
-    with pytest.raises(TypeError, match="`cotangent` must match the output of `fun`"):
+    with pytest.raises(TypeError, match="`cotangent` must match the output of `fun`"), traced_without_mesh():
         user(PARAMS, SAMPLES)
 
 
