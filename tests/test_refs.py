@@ -8,6 +8,7 @@ back to ``+=``.
 """
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -97,7 +98,7 @@ def bound_pullbacks(fn, *args):
         for eqn in jaxpr.eqns:
             if eqn.primitive is _chunked.chunked_p:
                 found.append(eqn.params["pullback"])
-            for sub in jax.core.jaxprs_in_params(eqn.params):
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
                 walk(sub)
 
     walk(jax.make_jaxpr(fn)(*args).jaxpr)
