@@ -20,10 +20,10 @@ import pytest
 N_DEVICES = int(os.environ.get("VMCGRAD_TEST_DEVICES", "4"))
 jax.config.update("jax_num_cpu_devices", N_DEVICES)
 jax.config.update("jax_enable_x64", True)
-# NetKet's TDVP driver dispatches program after program without waiting; with asynchronous dispatch on
-# 4 fake CPU devices, an all-reduce then waited for ever for its fourth device (XLA's log: "Expected 4
-# threads to join the rendezvous, but not all of them arrived"), and XLA aborted the process. The
-# suite runs each program to its end before the next starts (what vmcgrad computes is unchanged).
+# In NetKet's TDVP driver on 4 fake CPU devices an all-reduce once waited for ever for its fourth
+# device (XLA's log: "Expected 4 threads to join the rendezvous, but not all of them arrived"), and XLA
+# aborted the process. The suspect, not proven, is programs overlapping under asynchronous dispatch:
+# the suite runs each program to its end before the next starts (what vmcgrad computes is unchanged).
 jax.config.update("jax_cpu_enable_async_dispatch", False)
 # NetKet fakes its own CPU devices from this variable at import; keep it in step.
 os.environ.setdefault("NETKET_EXPERIMENTAL_SHARDING_CPU", str(N_DEVICES))
