@@ -25,6 +25,7 @@ with jax.set_mesh(None):
     import netket as nk
     from netket.optimizer import qgt as nkqgt
 
+    import vmcgrad
     import vmcgrad.netket as vnk
 
 N_DEV = jax.device_count()
@@ -526,3 +527,118 @@ def test_mode_matches_netkets_jacobian_dense(vstate, mode):
 def test_mode_and_holomorphic_are_exclusive():
     with pytest.raises(ValueError, match="pass `mode` or `holomorphic`, not both"):
         vnk.QGTOnTheFly(_state("RBM[complex128]"), mode="complex", holomorphic=True)
+
+
+# --- the product's design and the memory budget (vmcgrad.QGT's `design` and `memory_budget`) ------
+
+DESIGN_CASES = {  # model, holomorphic: the modes NetKet's QGTOnTheFly has
+    "real": ("RBM[float64]", None),
+    "real params, complex output": ("RBMModPhase[float64]", None),
+    "holomorphic": ("RBM[complex128]", True),
+}
+
+
+@pytest.mark.quick_cover("design")
+@pytest.mark.parametrize("design", ["fused", "jvp_vjp"])
+@pytest.mark.parametrize("case", list(DESIGN_CASES))
+def test_design_reaches_the_operator(case, design):
+    """``design=`` is the wrapped operator's (static) design, at a fixed chunk and at ``"auto"`` (an
+    explicit design is kept there), and ``S @ v`` equals NetKet's unchunked ``QGTOnTheFly``'s dense
+    matrix times ``v`` to 1e-12 (float64) in either design."""
+    model_name, holomorphic = DESIGN_CASES[case]
+    vs = _state(model_name)
+    kw = {"diag_shift": 0.01} if holomorphic is None else {"diag_shift": 0.01, "holomorphic": holomorphic}
+    S = vnk.QGTOnTheFly(vs, chunk_size=37, design=design, **kw)
+    assert S.qgt.design == design
+    assert vnk.QGTOnTheFly(vs, chunk_size="auto", design=design, **kw).qgt.design == design
+    v = random_tree(vs)
+    expected = nkqgt.QGTOnTheFly(vs, **kw).to_dense() @ ravel_pytree(v)[0]
+    np.testing.assert_allclose(ravel_pytree(S @ v)[0], expected, rtol=1e-12, atol=1e-12)
+
+
+def _budget_state(memory_budget=None):
+    """An RBM of 16 spins, 256 samples per device, chunk_size="auto": big enough for the designs' bytes
+    per row to differ (the jvp-then-vjp program of all 256 rows is smaller than the fused one)."""
+    hi = nk.hilbert.Spin(0.5, 16)
+    vs = vnk.MCState(
+        nk.sampler.MetropolisLocal(hi, n_chains=N_CHAINS),
+        RBM(alpha=1, param_dtype=np.float64),
+        n_samples=256 * N_DEV,
+        seed=7,
+        chunk_size="auto",
+        memory_budget=memory_budget,
+    )
+    vs.sample()
+    return vs
+
+
+def test_memory_budget_changes_the_pick(monkeypatch):
+    """A tight ``memory_budget`` (the jvp-then-vjp program of all rows fits, the fused one does not)
+    changes the (design, chunk) pair from the loose budget's, to the pair ``vmcgrad.QGT(...,
+    chunk_size="auto", memory_budget=...)`` picks on the same inputs: with CPU's per-chunk cost the
+    fused design at half the rows, with a costly chunk the jvp-then-vjp design at all rows. Without
+    the argument the state's ``memory_budget`` is used; an explicit one overrides it."""
+    from test_qgt_design import _bytes
+
+    from vmcgrad import _qgt
+    from vmcgrad.netket import _nk_private as nkp
+    from vmcgrad.netket._expect_grad import log_psi
+
+    vs = _budget_state()
+    flat = vs.samples.reshape(-1, vs.samples.shape[-1])
+    logpsi = log_psi(nkp.apply_fun(vs), vs.model_state)
+
+    def core_pick(budget):
+        S = vmcgrad.QGT(logpsi, vs.parameters, flat, chunk_size="auto", memory_budget=budget)
+        return S.design, S.chunk_size
+
+    def pick(S):
+        return S.qgt.design, S.qgt.chunk_size
+
+    probe = vnk.QGTOnTheFly(vs, chunk_size=64).qgt
+    n = probe.problem.n_local
+    budget = _bytes(probe, "jvp_vjp", n)
+    assert _bytes(probe, "fused", n) > budget, "jvp then vjp should hold less at all rows"
+    assert pick(vnk.QGTOnTheFly(vs, memory_budget=2**34)) == ("fused", n)
+    tight = pick(vnk.QGTOnTheFly(vs, memory_budget=budget))
+    assert tight == core_pick(budget) == ("fused", n // 2)
+    on_state = _budget_state(memory_budget=budget)  # the state's budget is the default
+    assert pick(vnk.QGTOnTheFly(on_state)) == tight
+    assert pick(vnk.QGTOnTheFly(on_state, memory_budget=2**34)) == ("fused", n)
+
+    monkeypatch.setitem(_qgt.CHUNK_ROWS, "cpu", 8 * n)  # a costly chunk (as on an accelerator)
+    costly = pick(vnk.QGTOnTheFly(vs, memory_budget=budget))
+    assert costly == core_pick(budget) == ("jvp_vjp", n)
+    S = vnk.QGTOnTheFly(vs, memory_budget=budget, diag_shift=0.01)
+    np.testing.assert_allclose(  # the picked design's product, against NetKet's
+        ravel_pytree(S @ vs.parameters)[0],
+        nkqgt.QGTOnTheFly(vs, diag_shift=0.01).to_dense() @ ravel_pytree(vs.parameters)[0],
+        rtol=1e-12,
+        atol=1e-12,
+    )
+
+
+BAD_DESIGN_OR_BUDGET = {
+    "unknown design": ({"design": "jvp"}, ValueError, r"`design` must be one of \('fused', 'jvp_vjp'\)"),
+    "design not a string": ({"design": 1}, ValueError, "`design` must be one of"),
+    "zero budget": ({"memory_budget": 0}, ValueError, "`memory_budget` must be a positive number"),
+    "nan budget": ({"memory_budget": float("nan")}, ValueError, "`memory_budget` must be a positive"),
+    "string budget": ({"memory_budget": "1GB"}, TypeError, "`memory_budget` must be a positive number"),
+    "bool budget": ({"memory_budget": True}, TypeError, "`memory_budget` must be a positive number"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_DESIGN_OR_BUDGET))
+def test_bad_design_or_memory_budget_refused_before_tracing(case, monkeypatch):
+    """vmcgrad's errors, naming the adapter, before the core operator is built (nothing traced)."""
+    kw, err, match = BAD_DESIGN_OR_BUDGET[case]
+    vs = _state("RBM[float64]")
+
+    def not_reached(*args, **kwargs):
+        raise AssertionError("vmcgrad.QGT was called: the argument was not checked first")
+
+    monkeypatch.setattr(vmcgrad, "QGT", not_reached)
+    with pytest.raises(err, match=rf"^vmcgrad\.netket\.QGTOnTheFly: {match}"):
+        vnk.QGTOnTheFly(vs, chunk_size="auto", **kw)
+    with pytest.raises(err, match=match):
+        vnk.QGTOnTheFly(**kw)(vs)  # the partial SR calls

@@ -48,6 +48,7 @@ from netket.utils.api_utils import partial_from_kwargs
 import vmcgrad
 
 from .. import _validation as check
+from .._qgt import check_design
 from .._qgt_modes import holomorphic_violation, to_rep
 from .._views import Views
 from .._warnings import VmcgradWarning
@@ -66,6 +67,8 @@ def QGTOnTheFly(
     diag_scale: float | None = None,
     holomorphic: bool | None = None,
     mode: str | None = None,
+    design: str | None = None,
+    memory_budget: float | None = None,
 ) -> QGTOnTheFlyT:
     r"""The quantum geometric tensor of ``vstate`` as a NetKet linear operator, computed by vmcgrad.
 
@@ -108,13 +111,24 @@ def QGTOnTheFly(
             ('real' takes :math:`\operatorname{Re}\log\psi`, as NetKet's does), or None (or
             'auto') to choose from ``holomorphic`` and the parameter dtypes as NetKet does;
             exclusive with ``holomorphic``. See :func:`vmcgrad.QGT`.
+        design: how each chunk's product is computed, as for :func:`vmcgrad.QGT`: ``"fused"``
+            (one linearisation per chunk), ``"jvp_vjp"`` (a jvp, then the pullback of a second
+            forward pass: fewer bytes per row, one more pass), or None: at ``chunk_size="auto"``
+            the (design, chunk) pair that is fastest within ``memory_budget``
+            (:func:`vmcgrad._qgt.choose_design`), else ``"fused"``. Both give the same matrix; the
+            operator's ``qgt.design`` says which one it uses.
+        memory_budget: bytes per device for ``chunk_size="auto"`` (compiled ``memory_analysis()``
+            of one product), or None: ``vstate.vmcgrad_memory_budget`` on a
+            :class:`vmcgrad.netket.MCState`, else :func:`vmcgrad.auto_chunk_size`'s default.
+            Unused with an integer ``chunk_size``.
 
     Returns:
         A :class:`QGTOnTheFlyT`.
 
     Raises:
         TypeError: ``vstate`` is not an ``MCState``; a shift of the wrong kind.
-        ValueError: a negative, NaN or infinite shift or scale; a bad ``chunk_size``.
+        ValueError: a negative, NaN or infinite shift or scale; a bad ``chunk_size``, ``design``
+            or ``memory_budget`` (a TypeError for a budget that is not a number).
         netket.errors.IllegalHolomorphicDeclarationForRealParametersError: ``holomorphic=True``
             with real parameters (as NetKet).
     """
@@ -126,6 +140,10 @@ def QGTOnTheFly(
     chunk_size = check.check_chunk_size(NAME, chunk_size)
     if chunk_size is None:
         chunk_size = getattr(vstate, "vmcgrad_chunk_size", None) or vstate.chunk_size
+    check_design(NAME, design)
+    memory_budget = check.check_memory_budget(NAME, memory_budget)
+    if memory_budget is None:
+        memory_budget = getattr(vstate, "vmcgrad_memory_budget", None)
     params = vstate.parameters
     if holomorphic is not None and not isinstance(holomorphic, bool):
         raise TypeError(
@@ -168,6 +186,8 @@ def QGTOnTheFly(
         diag_scale=diag_scale,
         mode=mode,
         holomorphic=holomorphic,
+        design=design,
+        memory_budget=memory_budget,
     )
     return QGTOnTheFlyT(diag_shift=diag_shift, qgt=qgt)
 
