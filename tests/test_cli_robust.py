@@ -68,7 +68,8 @@ def test_json_log_writes_nonfinite_numbers_as_null_with_the_reason(tmp_path):
 @pytest.mark.slow
 def test_few_samples_auto_chunk_and_a_stale_lock_in_a_real_run(tmp_path):
     """16 samples in 16 chains: NetKet's error of the mean is NaN. The log must still be strict JSON;
-    ``--chunk-size auto`` prints what it picked; a lock file left by a dead process is taken over."""
+    ``--chunk-size auto`` prints what it picked (the QGT's design too); a lock file left by a dead
+    process is taken over."""
     out = tmp_path / "run"
     out.mkdir()
     stale = _dead_pid()
@@ -80,14 +81,46 @@ def test_few_samples_auto_chunk_and_a_stale_lock_in_a_real_run(tmp_path):
     assert log["energy_error"] == [None, None]
     assert set(log["nonfinite"]["values"]) == {"energy_error[0]", "energy_error[1]"}
     assert all(np.isfinite(log["energy_mean"])) and log["status"] == "finished"
-    picked = re.search(r"chunk size auto: picked (\d+) for the gradient and (\d+) for the QGT", stdout)
+    picked = re.search(
+        r"chunk size auto: picked (\d+) for the gradient and (\d+) \((fused|jvp_vjp) design\) for the QGT",
+        stdout,
+    )
     assert picked, stdout
     chunks = {"gradient": int(picked.group(1)), "qgt": int(picked.group(2))}
-    assert log["info"]["chunk_size"] == chunks
+    assert log["info"]["chunk_size"] == chunks and log["info"]["qgt_design"] == picked.group(3)
     per_device = 16 // N_DEVICES
     assert all(c & (c - 1) == 0 and 1 <= c <= per_device for c in chunks.values()), chunks
     assert f"took over the lock file {out / _lock.LOCK_NAME} of process {stale}" in stderr
     assert sorted(p.name for p in out.iterdir()) == ["energy.png", "log.json"]  # lock released
+
+
+@pytest.mark.slow
+def test_auto_chunk_reports_the_qgt_design_the_run_uses(tmp_path, monkeypatch, capsys):
+    """``--chunk-size auto`` prints the QGT design that ``vmcgrad.QGT(..., chunk_size="auto")`` picks,
+    and every QGT operator of the run (the SR's, one per step) has that design and chunk. The time
+    model is patched so that the jvp-then-vjp design wins (the fused one by default)."""
+    import vmcgrad
+    from vmcgrad import _qgt
+
+    monkeypatch.setitem(_qgt.PASSES, "fused", 2 * _qgt.PASSES["jvp_vjp"])
+    built, qgt = [], vmcgrad.QGT
+
+    def spy(*args, **kwargs):
+        op = qgt(*args, **kwargs)
+        built.append((op.design, op.chunk_size))
+        return op
+
+    monkeypatch.setattr(vmcgrad, "QGT", spy)
+    rc, stdout, stderr = _in_process_run(
+        ["--chunk-size", "auto", "--steps", "2", "--out", str(tmp_path)], capsys
+    )
+    assert rc == 0, stderr
+    picked = re.search(r"and (\d+) \((fused|jvp_vjp) design\) for the QGT", stdout)
+    assert picked, stdout
+    assert picked.group(2) == "jvp_vjp"
+    assert len(built) == 3, built  # the pick, then the SR's operator at each of the 2 steps
+    assert set(built) == {("jvp_vjp", int(picked.group(1)))}, built
+    assert _strict((tmp_path / "log.json").read_text())["info"]["qgt_design"] == "jvp_vjp"
 
 
 # --- two runs into one --out ----------------------------------------------------------------------

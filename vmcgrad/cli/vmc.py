@@ -16,7 +16,8 @@ interrupted run keeps every completed step; ``DIR/energy.png`` follows every few
 after the step in progress; a second one ends the process at once, even during a compilation, keeping
 the log (:mod:`._interrupt`). A file that cannot be written (full disk, ...) stops the run after the
 step with a one-line error and status 1; the log then holds every step written before.
-With ``--chunk-size auto`` the chunks are picked once, before the first step, and printed.
+With ``--chunk-size auto`` the chunks (and the QGT product's design) are picked once, before the first
+step, and printed.
 """
 
 from __future__ import annotations
@@ -209,7 +210,7 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
         seed=args.seed,
         sampler_seed=args.seed + 1,
     )
-    chunks = _chunk_sizes(args.chunk_size, vstate)
+    chunks, qgt_design = _chunk_sizes(args.chunk_size, vstate)
     vstate.vmcgrad_chunk_size = chunks["gradient"]
     exact, exact_source = _systems.exact_energy(args.system, args.L, system) if main else (None, None)
 
@@ -222,6 +223,7 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
         "n_devices": n_devices,
         "n_processes": jax.process_count(),
         "chunk_size": chunks,
+        "qgt_design": qgt_design,
         "exact_energy_source": exact_source,
         "versions": {"vmcgrad": _version(), "netket": nk.__version__, "jax": jax.__version__},
     }
@@ -233,7 +235,7 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
         nk.optimizer.Sgd(learning_rate=args.lr),
         variational_state=vstate,
         preconditioner=nk.optimizer.SR(
-            qgt=vnk.QGTOnTheFly(chunk_size=chunks["qgt"]), diag_shift=args.diag_shift
+            qgt=vnk.QGTOnTheFly(chunk_size=chunks["qgt"], design=qgt_design), diag_shift=args.diag_shift
         ),
     )
 
@@ -280,14 +282,17 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
     return 0
 
 
-def _chunk_sizes(chunk_size: int | str, vstate) -> dict[str, int]:
-    """The chunk of the gradient and of the QGT products: ``--chunk-size``, or for ``auto`` the
-    largest power of two whose compiled program fits the memory budget, for each of the two programs
-    (:func:`vmcgrad.auto_chunk_size` with ``estimator="expect_grad"`` and ``"QGT"``, on this state's
-    parameters and samples as they are sharded). The shapes do not change during the run, so neither
-    does the choice."""
+def _chunk_sizes(chunk_size: int | str, vstate) -> tuple[dict[str, int], str]:
+    """The chunk of the gradient and of the QGT products, and the QGT product's design:
+    ``--chunk-size`` and ``"fused"`` (:func:`vmcgrad.QGT`'s design at a given chunk), or for ``auto``
+    the largest power of two whose compiled program fits the memory budget, for each of the two
+    programs (:func:`vmcgrad.auto_chunk_size` with ``estimator="expect_grad"``; for the QGT the
+    ``chunk_size`` and ``design`` of ``vmcgrad.QGT(..., chunk_size="auto")``, which picks the pair
+    that is fastest within the budget), on this state's parameters and samples as they are sharded.
+    The run's QGT is built with this chunk and design. The shapes do not change during the run, so
+    neither does the choice."""
     if chunk_size != "auto":
-        return {"gradient": chunk_size, "qgt": chunk_size}
+        return {"gradient": chunk_size, "qgt": chunk_size}, "fused"
     import jax
 
     import vmcgrad
@@ -295,10 +300,9 @@ def _chunk_sizes(chunk_size: int | str, vstate) -> dict[str, int]:
     apply, model_state = vstate.model.apply, vstate.model_state
     logpsi = jax.tree_util.Partial(lambda ms, w, x: apply({"params": w, **ms}, x), model_state)
     samples = jax.jit(lambda s: s.reshape(-1, s.shape[-1]))(vstate.samples)
-    return {
-        name: vmcgrad.auto_chunk_size(logpsi, vstate.parameters, samples, estimator=estimator)
-        for name, estimator in (("gradient", "expect_grad"), ("qgt", "QGT"))
-    }
+    gradient = vmcgrad.auto_chunk_size(logpsi, vstate.parameters, samples, estimator="expect_grad")
+    qgt = vmcgrad.QGT(logpsi, vstate.parameters, samples, chunk_size="auto")  # builds O-bar once
+    return {"gradient": gradient, "qgt": qgt.chunk_size}, qgt.design
 
 
 def _print_header(args, info: dict, exact: float | None, exact_source: str | None) -> None:
@@ -320,8 +324,9 @@ def _print_header(args, info: dict, exact: float | None, exact_source: str | Non
     )
     if args.chunk_size == "auto":
         print(
-            f"chunk size auto: picked {chunks['gradient']} for the gradient and {chunks['qgt']} for the "
-            "QGT products (the largest powers of two whose compiled programs fit the memory budget)"
+            f"chunk size auto: picked {chunks['gradient']} for the gradient and {chunks['qgt']} "
+            f"({info['qgt_design']} design) for the QGT products (the largest powers of two whose "
+            "compiled programs fit the memory budget; the QGT's design is the faster one within it)"
         )
     if exact is None:
         print(
