@@ -64,10 +64,11 @@ def _no_mesh_left_behind(request):
 # The README's command runs the quick tier: each test function's first instance, plus, for the
 # parameters a test names in `@pytest.mark.quick_cover(...)` (the estimator, the mode, the model),
 # an instance for each of their values (a covering subset, chosen in collection order); no test
-# marked `slow`. On 1 device it is a smoke pass: each test's first instance only, and nothing marked
-# `device_independent` (the 4-device pass runs those). `--tier=rest` runs exactly what the quick
-# tier leaves out (the rest of each parameter matrix and the slow tests); .ci/run runs both on 4
-# devices, so CI covers every case. `--tier=all` runs everything.
+# marked `slow`. On 1 device it is a smoke pass: each test's first instance, in the modules marked
+# `one_device_smoke` only (every estimator: vjp/jvp, expect_grad, the QGT and its solve, the NTK and
+# MinSR; the NetKet switch; the HLO structure and with_refs checks). `--tier=rest` runs exactly what
+# the quick tier leaves out (on 4 devices: the rest of each parameter matrix and the slow tests);
+# .ci/run runs both on 4 devices, so CI covers every case. `--tier=all` runs everything.
 TIERS = ("quick", "rest", "all")
 
 
@@ -116,7 +117,7 @@ def pytest_collection_modifyitems(config, items):
         return
     quick = {id(item) for item in quick_items(items, cover=N_DEVICES > 1)}
     if N_DEVICES == 1:
-        quick -= {id(item) for item in items if item.get_closest_marker("device_independent")}
+        quick &= {id(item) for item in items if item.get_closest_marker("one_device_smoke")}
     keep = [item for item in items if (id(item) in quick) == (tier == "quick")]
     dropped = [item for item in items if (id(item) in quick) != (tier == "quick")]
     if dropped:

@@ -5,9 +5,6 @@ import math
 import pytest
 from benchlib.large import largest_n
 
-# Its outcome does not depend on the device count: the quick tier runs it in the 4-device pass only.
-pytestmark = pytest.mark.device_independent
-
 
 def brute(fits, granule, n_max):
     ok = [k * granule for k in range(1, n_max // granule + 1) if fits(k * granule)]

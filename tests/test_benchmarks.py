@@ -20,9 +20,6 @@ import pytest
 from benchlib import suite
 from test_cli import N_DEVICES, _env, _is_png
 
-# Its outcome does not depend on the device count: the quick tier runs it in the 4-device pass only.
-pytestmark = pytest.mark.device_independent
-
 ROOT = Path(__file__).resolve().parents[1]
 
 

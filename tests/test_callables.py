@@ -24,9 +24,6 @@ with jax.set_mesh(None):  # NetKet's import sets a global mesh: kept out of this
 
     import vmcgrad.netket as vnk
 
-# Its outcome does not depend on the device count: the quick tier runs it in the 4-device pass only.
-pytestmark = pytest.mark.device_independent
-
 N, CHUNK = 11, 4
 W = jnp.linspace(-0.5, 0.7, 3)
 X = jnp.cos(jnp.arange(3.0 * N)).reshape(N, 3)

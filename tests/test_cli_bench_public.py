@@ -10,9 +10,6 @@ from pathlib import Path
 
 import pytest
 
-# Its outcome does not depend on the device count: the quick tier runs it in the 4-device pass only.
-pytestmark = pytest.mark.device_independent
-
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = sorted((ROOT / "benchmarks" / "benchlib").glob("*.py"))
 SCRIPTS = sorted((ROOT / "benchmarks").glob("*.py"))

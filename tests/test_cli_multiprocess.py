@@ -24,9 +24,6 @@ from pathlib import Path
 
 import pytest
 
-# Its outcome does not depend on the device count: the quick tier runs it in the 4-device pass only.
-pytestmark = pytest.mark.device_independent
-
 ROOT = Path(__file__).resolve().parents[1]
 N_DEVICES = int(os.environ.get("VMCGRAD_TEST_DEVICES", "4"))  # as tests/conftest.py
 PER_PROCESS = max(1, N_DEVICES // 2)

@@ -24,9 +24,6 @@ from test_cli import N_DEVICES, TINY, _check_log, _finish, _start, _vmcgrad
 
 from vmcgrad.cli import _lock, _output, main, vmc
 
-# Its outcome does not depend on the device count: the quick tier runs it in the 4-device pass only.
-pytestmark = pytest.mark.device_independent
-
 
 def _strict(text):
     """``json.loads`` as a strict parser (or JavaScript's ``JSON.parse``) reads it: no NaN/Infinity."""

@@ -16,9 +16,6 @@ import pytest
 
 from vmcgrad.cli import _systems, build_parser, main
 
-# Its outcome does not depend on the device count: the quick tier runs it in the 4-device pass only.
-pytestmark = pytest.mark.device_independent
-
 ROOT = Path(__file__).resolve().parents[1]
 #: A step may sit above the first one by at most this many standard errors (both steps' errors combined).
 K_SIGMA = 3.0

@@ -21,6 +21,9 @@ from jax.sharding import PartitionSpec as P
 
 import vmcgrad
 
+# The README command's 1-device pass runs this module's first instances (tests/conftest.py).
+pytestmark = pytest.mark.one_device_smoke
+
 N_DEV = jax.device_count()
 N = 37 * N_DEV  # 37 samples per device: prime, so most chunk sizes leave a remainder
 CHUNKS = [None, 1, 5, 37, 1000]  # one chunk, 1, a non-divisor, = per-device N, > N

@@ -8,14 +8,10 @@ from pathlib import Path
 
 import jax
 import numpy as np
-import pytest
 from helpers import auto_mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from mp_cases import RTOL, computations
-
-# Its outcome does not depend on the device count: the quick tier runs it in the 4-device pass only.
-pytestmark = pytest.mark.device_independent
 
 HERE = Path(__file__).parent
 TIMEOUT = 240

@@ -17,6 +17,9 @@ import pytest
 from helpers import assert_tree_allclose, compile_count
 from jax.sharding import AxisType, Mesh
 
+# The README command's 1-device pass runs this module's first instances (tests/conftest.py).
+pytestmark = pytest.mark.one_device_smoke
+
 with jax.set_mesh(None):
     import netket as nk
 

@@ -124,14 +124,14 @@ def assert_stats_equal(got, expected):
 
 QUANTITIES = ("expect_and_grad", "expect_and_forces", "qgt_matmul")
 #: Every model with every quantity, listed so that the quick tier's covering subset (tests/conftest.py:
-#: each parameter value once, in collection order) takes each model once, the quantities in turn;
-#: the rest tier runs the other pairs.
+#: each value of `quantity` once, in collection order) takes each quantity on a different model (the
+#: first three); the rest tier runs the other pairs.
 PAIRS = [
     (m, QUANTITIES[(i + k) % len(QUANTITIES)]) for k in range(len(QUANTITIES)) for i, m in enumerate(MODELS)
 ]
 
 
-@pytest.mark.quick_cover("name", "quantity")
+@pytest.mark.quick_cover("quantity")
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("name, quantity", PAIRS, ids=[f"{m}-{q}" for m, q in PAIRS])
 def test_switch_matches_netket(name, quantity):

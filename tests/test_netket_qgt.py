@@ -572,6 +572,7 @@ def _budget_state(memory_budget=None):
     return vs
 
 
+@pytest.mark.slow  # about 25 s: a budget search per state
 def test_memory_budget_changes_the_pick(monkeypatch):
     """A tight ``memory_budget`` (the jvp-then-vjp program of all rows fits, the fused one does not)
     changes the (design, chunk) pair from the loose budget's, to the pair ``vmcgrad.QGT(...,

@@ -27,7 +27,9 @@ N_DEV = jax.device_count()
 N_SAMPLES = 30 * N_DEV
 CHUNK = 7  # divides neither the 30 samples per device nor N
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # NetKet's divisor notice, holomorphic checks
+# NetKet's divisor notice and holomorphic checks are expected; the README command's 1-device pass
+# runs this module's first instances (tests/conftest.py).
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.one_device_smoke]
 
 
 @pytest.fixture(autouse=True)

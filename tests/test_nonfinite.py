@@ -12,6 +12,9 @@ import pytest
 
 import vmcgrad
 
+# The README command's 1-device pass runs this module's first instances (tests/conftest.py).
+pytestmark = pytest.mark.one_device_smoke
+
 N = 10
 N_DEV = jax.device_count()
 

@@ -20,6 +20,9 @@ from jax.sharding import AxisType, Mesh
 
 import vmcgrad
 
+# The README command's 1-device pass runs this module's first instances (tests/conftest.py).
+pytestmark = pytest.mark.one_device_smoke
+
 with jax.set_mesh(None):
     import netket as nk  # noqa: F401  (sets NetKet's sharding up before its ngd modules)
     from netket._src.ngd.sr_srt_common import srt

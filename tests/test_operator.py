@@ -15,9 +15,6 @@ import pytest
 import vmcgrad
 from vmcgrad._operator import AbstractOperator
 
-# Its outcome does not depend on the device count: the quick tier runs it in the 4-device pass only.
-pytestmark = pytest.mark.device_independent
-
 N = 10
 
 

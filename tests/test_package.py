@@ -24,9 +24,6 @@ with jax.set_mesh(None):  # NetKet's import sets a global mesh that must not lea
     import vmcgrad.netket as vnk
     from vmcgrad.netket import _nk_private as nkp
 
-# Its outcome does not depend on the device count: the quick tier runs it in the 4-device pass only.
-pytestmark = pytest.mark.device_independent
-
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "vmcgrad"
 

@@ -11,6 +11,9 @@ import vmcgrad
 from vmcgrad import collective_report
 from vmcgrad._chunking import plan_chunks
 
+# The README command's 1-device pass runs this module's first instances (tests/conftest.py).
+pytestmark = pytest.mark.one_device_smoke
+
 N_DEV = jax.device_count()
 N = 37 * N_DEV  # prime per device: chunk sizes leave remainders
 multi = pytest.mark.skipif(N_DEV == 1, reason="collectives need more than one device")
@@ -177,7 +180,6 @@ SHIFT, SCALE = {"diag_shift": 0.05}, {"diag_shift": 0.01, "diag_scale": 0.1}
 SOLVES = [("r2r", SHIFT), ("c2c_holo", SHIFT), ("mixed", SHIFT), ("r2c", SCALE), ("c2c_nonholo", SCALE)]
 
 
-@pytest.mark.quick_cover("case")
 @pytest.mark.parametrize("case, shifts", SOLVES)
 def test_solve_recovers_known_x(case, shifts):
     fun, params, samples = make_case(case, N)

@@ -16,6 +16,9 @@ import pytest
 import vmcgrad
 from vmcgrad import _chunked
 
+# The README command's 1-device pass runs this module's first instances (tests/conftest.py).
+pytestmark = pytest.mark.one_device_smoke
+
 N, C, LAYERS, D = 512, 16, 6, 256
 
 

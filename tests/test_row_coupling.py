@@ -18,6 +18,9 @@ from helpers import assert_tree_allclose
 import vmcgrad
 from vmcgrad import _jaxpr_checks
 
+# The README command's 1-device pass runs this module's first instances (tests/conftest.py).
+pytestmark = pytest.mark.one_device_smoke
+
 N = 4 * jax.device_count()  # 16 on 4 devices
 W = jnp.linspace(-0.5, 0.5, 3)
 X = jax.random.normal(jax.random.key(0), (N, 3))

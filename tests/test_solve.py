@@ -11,6 +11,9 @@ from jax.flatten_util import ravel_pytree
 import vmcgrad
 from vmcgrad._solve import cg
 
+# The README command's 1-device pass runs this module's first instances (tests/conftest.py).
+pytestmark = pytest.mark.one_device_smoke
+
 N_DEV = jax.device_count()
 N = 11 * N_DEV
 

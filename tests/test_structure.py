@@ -10,6 +10,9 @@ from jax.sharding import AxisType
 import vmcgrad
 from vmcgrad import collective_report
 
+# The README command's 1-device pass runs this module's first instances (tests/conftest.py).
+pytestmark = pytest.mark.one_device_smoke
+
 N_DEV = jax.device_count()
 multi = pytest.mark.skipif(N_DEV == 1, reason="collectives need more than one device")
 

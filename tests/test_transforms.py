@@ -244,7 +244,6 @@ def test_transform_explicit_mesh(est_kind, case, transform):
     run_case(est_kind, case, transform, "explicit")
 
 
-@pytest.mark.quick_cover("transform")
 @pytest.mark.parametrize("transform", ["value", "grad_params", "grad_arg", "jvp_all", "vmap_arg"])
 @pytest.mark.parametrize("case", CASES)
 def test_expect_grad_transforms(case, transform):
@@ -318,7 +317,7 @@ QGT_TRANSFORMS = {
 }
 
 
-@pytest.mark.quick_cover("op", "transform")
+@pytest.mark.quick_cover("op")
 @pytest.mark.parametrize("transform", list(QGT_TRANSFORMS))
 @pytest.mark.parametrize("op", ["matvec", "solve"])
 @pytest.mark.parametrize(("case", "setup"), [("r2r", "netket"), ("r2c", "netket"), ("r2c", "none")])

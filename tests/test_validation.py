@@ -13,9 +13,6 @@ from jax.sharding import PartitionSpec as P
 import vmcgrad
 from vmcgrad._validation import check_memory_budget, describe
 
-# Its outcome does not depend on the device count: the quick tier runs it in the 4-device pass only.
-pytestmark = pytest.mark.device_independent
-
 FUN, PARAMS, SAMPLES = make_case("r2c", 8)
 CT = jnp.ones(8, jnp.complex128)
 T = jax.tree.map(jnp.ones_like, PARAMS)

@@ -9,6 +9,9 @@ from helpers import CASES, assert_tree_allclose, make_case, random_like, setup, 
 
 import vmcgrad
 
+# The README command's 1-device pass runs this module's first instances (tests/conftest.py).
+pytestmark = pytest.mark.one_device_smoke
+
 N_DEV = jax.device_count()
 N = 37 * N_DEV  # 37 samples per device: prime, so most chunk sizes leave a remainder
 CHUNKS = [None, 1, 5, 37, 1000]
