@@ -111,15 +111,21 @@ def quick_items(items, *, cover=True):
     return quick
 
 
-def pytest_collection_modifyitems(config, items):
-    tier = config.getoption("--tier")
+def tier_items(items, tier, n_devices):
+    """The items of ``tier`` on ``n_devices``: all of them, the quick tier (on 1 device: each test's
+    first instance in the modules marked ``one_device_smoke``), or the rest (its complement)."""
     if tier == "all":
-        return
-    quick = {id(item) for item in quick_items(items, cover=N_DEVICES > 1)}
-    if N_DEVICES == 1:
+        return list(items)
+    quick = {id(item) for item in quick_items(items, cover=n_devices > 1)}
+    if n_devices == 1:
         quick &= {id(item) for item in items if item.get_closest_marker("one_device_smoke")}
-    keep = [item for item in items if (id(item) in quick) == (tier == "quick")]
-    dropped = [item for item in items if (id(item) in quick) != (tier == "quick")]
+    return [item for item in items if (id(item) in quick) == (tier == "quick")]
+
+
+def pytest_collection_modifyitems(config, items):
+    keep = tier_items(items, config.getoption("--tier"), N_DEVICES)
+    kept = {id(item) for item in keep}
+    dropped = [item for item in items if id(item) not in kept]
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = keep

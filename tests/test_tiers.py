@@ -1,0 +1,71 @@
+"""The test tiers of tests/conftest.py (what the README command runs): the quick tier's covering
+subset, the 1-device smoke pass, and the rest tier as the exact complement."""
+
+from types import SimpleNamespace
+
+import pytest
+from conftest import tier_items
+
+
+class Item:
+    """The part of a pytest item the tiers read: module, function name, parameters, markers."""
+
+    def __init__(self, module, function, params=None, markers=()):
+        self.module = SimpleNamespace(__name__=module)
+        self.originalname = function
+        if params is not None:
+            self.callspec = SimpleNamespace(params=params)
+        self.markers = {m.name: m for m in markers}
+        self.name = f"{module}::{function}{sorted((params or {}).items())}"
+
+    def get_closest_marker(self, name):
+        return self.markers.get(name)
+
+    def __repr__(self):
+        return self.name
+
+
+def marker(name, *args):
+    return SimpleNamespace(name=name, args=args)
+
+
+def collection():
+    cover = marker("quick_cover", "mode")
+    smoke = marker("one_device_smoke")
+    return [
+        Item("test_a", "test_plain", markers=[smoke]),
+        *(
+            Item("test_a", "test_matrix", {"mode": m, "n": n}, [cover, smoke])
+            for m in ("real", "complex")
+            for n in (1, 2)
+        ),
+        Item("test_a", "test_long", {"n": 1}, [marker("slow"), smoke]),
+        Item("test_b", "test_other", {"n": 1}),
+        Item("test_b", "test_other", {"n": 2}),
+        Item("test_b", "test_static"),
+    ]
+
+
+def names(items):
+    return [item.name for item in items]
+
+
+def test_quick_tier_on_four_devices_covers_each_named_parameter_value_once():
+    items = collection()
+    quick = tier_items(items, "quick", 4)
+    assert names(quick) == names([items[0], items[1], items[3], items[6], items[8]])
+
+
+def test_one_device_pass_is_the_first_instance_of_each_smoke_module_test():
+    items = collection()
+    assert names(tier_items(items, "quick", 1)) == names([items[0], items[1]])
+
+
+@pytest.mark.parametrize("n_devices", [1, 4])
+def test_rest_is_the_exact_complement_and_all_is_everything(n_devices):
+    items = collection()
+    quick, rest = tier_items(items, "quick", n_devices), tier_items(items, "rest", n_devices)
+    assert sorted(names(quick) + names(rest)) == sorted(names(items))
+    assert not set(names(quick)) & set(names(rest))
+    assert names(tier_items(items, "all", n_devices)) == names(items)
+    assert "test_a::test_long[('n', 1)]" in names(rest)  # slow: never in the quick tier
