@@ -5,6 +5,7 @@ Usage (``PYTHONPATH=.`` in a checkout, or vmcgrad installed)::
     python benchmarks/bench_switch.py                                  # every row (minutes)
     python benchmarks/bench_switch.py --models rbm --drivers sr --configs equal-c
     python benchmarks/bench_switch.py --profile rbm:sr                 # cProfile of the switch's steps
+    python benchmarks/bench_switch.py --sampling excluded --before     # with the uncached before
 
 Systems and models as in NetKet's tutorials: the transverse-field Ising chain (L sites, h=1,
 ``nk.sampler.MetropolisLocal``) with ``Jastrow``, a one-hidden-layer real ``FFN`` (the tutorial's
@@ -29,12 +30,15 @@ Timing: for every row both drivers are built, compiled (``--warmup`` steps each)
 ``--repeats`` interleaved blocks of ``--steps`` steps (NetKet, switch, NetKet, ...); a block's time
 is blocked on the parameters. Sampling included: ``driver.advance(steps)``. Excluded: the same with
 ``vstate.reset`` replaced by a no-op after the warm-up (the samples stay; everything else runs).
-Reported: median seconds per step of each path and switch/NetKet.
+Reported: median seconds per step of each path and switch/NetKet. ``--before`` adds a third path,
+interleaved with the two: the switch with vmcgrad's per-signature validation cache off (every call
+validates its inputs again, as before issue 18 item 4), and its ratio to NetKet.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import pstats
 import statistics
@@ -61,6 +65,12 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=5, help="interleaved blocks per path")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--profile", metavar="MODEL:DRIVER", help="cProfile the switch's steps (config user)")
+    ap.add_argument(
+        "--before",
+        action="store_true",
+        help="also time the switch with its per-signature validation cache off (vmcgrad._problem: every "
+        "call validates its inputs again, as before issue 18), interleaved with the other two",
+    )
     return ap.parse_args()
 
 
@@ -128,17 +138,31 @@ def advance(driver, steps):
     jax.block_until_ready(driver.state.parameters)
 
 
+@contextlib.contextmanager
+def validation_cache(on):
+    """vmcgrad's per-signature validation cache as it is (``on``), or off: every call validates."""
+    from vmcgrad import _problem
+
+    kept = _problem._CHECKED_MAX
+    if not on:
+        _problem._CHECKED_MAX = 0
+        _problem._CHECKED.clear()
+    try:
+        yield
+    finally:
+        _problem._CHECKED_MAX = kept
+
+
 def time_row(args, model_name, driver_name, config):
     c = args.chunk_size
     chunks = {"unchunked": (None, None), "equal-c": (c, c), "user": (None, c)}[config]
-    built = {
-        p: build(args, model_name, driver_name, p == "switch", chunks[i])
-        for i, p in enumerate(["netket", "switch"])
-    }
+    paths = ["netket", "switch"] + (["uncached"] if args.before else [])
+    built = {p: build(args, model_name, driver_name, p != "netket", chunks[p != "netket"]) for p in paths}
     out = {}
     for sampling in args.sampling:
-        for d, vs in built.values():
-            advance(d, args.warmup)
+        for p, (d, vs) in built.items():
+            with validation_cache(p != "uncached"):
+                advance(d, args.warmup)
             if sampling == "excluded":
                 vs.reset = lambda: None  # keep the samples: every other part of the step runs
             elif "reset" in vs.__dict__:
@@ -146,9 +170,10 @@ def time_row(args, model_name, driver_name, config):
         times = {p: [] for p in built}
         for _ in range(args.repeats):
             for p, (d, _vs) in built.items():
-                t0 = time.perf_counter()
-                advance(d, args.steps)
-                times[p].append((time.perf_counter() - t0) / args.steps)
+                with validation_cache(p != "uncached"):
+                    t0 = time.perf_counter()
+                    advance(d, args.steps)
+                    times[p].append((time.perf_counter() - t0) / args.steps)
         out[sampling] = {p: statistics.median(t) for p, t in times.items()}
     return out
 
@@ -180,6 +205,8 @@ def main() -> None:
     head = (
         f"{'model':<9} {'driver':<7} {'config':<10} {'sampling':<9} {'netket':>9} {'switch':>9} {'ratio':>6}"
     )
+    if args.before:
+        head += f" {'uncached':>9} {'ratio':>6}"
     print(head)
     for model_name in args.models:
         for driver_name in args.drivers:
@@ -187,11 +214,13 @@ def main() -> None:
                 row = time_row(args, model_name, driver_name, config)
                 for sampling, t in row.items():
                     r = t["switch"] / t["netket"]
-                    print(
+                    line = (
                         f"{model_name:<9} {driver_name:<7} {config:<10} {sampling:<9} "
-                        f"{t['netket']:9.4f} {t['switch']:9.4f} {r:6.2f}",
-                        flush=True,
+                        f"{t['netket']:9.4f} {t['switch']:9.4f} {r:6.2f}"
                     )
+                    if args.before:
+                        line += f" {t['uncached']:9.4f} {t['uncached'] / t['netket']:6.2f}"
+                    print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -64,10 +64,12 @@ def _no_mesh_left_behind(request):
 # The README's command runs the quick tier: each test function's first instance, plus, for the
 # parameters a test names in `@pytest.mark.quick_cover(...)` (the estimator, the mode, the model),
 # an instance for each of their values (a covering subset, chosen in collection order); no test
-# marked `slow`. On 1 device it is a smoke pass: each test's first instance, in the modules marked
+# marked `slow` or `heavy` (one that compiles many programs: a budget search, every transform of a
+# dense QGT). On 1 device it is a smoke pass: each test's first instance, in the modules marked
 # `one_device_smoke` only (every estimator: vjp/jvp, expect_grad, the QGT and its solve, the NTK and
 # MinSR; the NetKet switch; the HLO structure and with_refs checks). `--tier=rest` runs exactly what
-# the quick tier leaves out (on 4 devices: the rest of each parameter matrix and the slow tests);
+# the quick tier leaves out (on 4 devices: the rest of each parameter matrix, the heavy and the slow
+# tests);
 # .ci/run runs both on 4 devices, so CI covers every case. `--tier=all` runs everything.
 TIERS = ("quick", "rest", "all")
 
@@ -92,10 +94,10 @@ def _param_key(name, value):
 def quick_items(items, *, cover=True):
     """The quick tier of ``items``: per test function, its first instance and each instance that
     covers a value, not yet covered, of a parameter its ``quick_cover`` marker names (``cover=False``:
-    the first instance only); no instance of a test marked ``slow``."""
+    the first instance only); no instance of a test marked ``slow`` or ``heavy``."""
     covered, quick = {}, []
     for item in items:
-        if item.get_closest_marker("slow") is not None:
+        if item.get_closest_marker("slow") is not None or item.get_closest_marker("heavy") is not None:
             continue
         callspec = getattr(item, "callspec", None)
         if callspec is None:

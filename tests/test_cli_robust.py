@@ -296,6 +296,7 @@ def test_full_disk_while_writing_the_log_stops_with_one_line_and_keeps_the_log(t
     assert full.opened == 5
 
 
+@pytest.mark.heavy
 def test_full_disk_while_writing_the_plot_ends_with_one_line(tmp_path, monkeypatch, capsys):
     import matplotlib.figure
 

@@ -160,6 +160,7 @@ def test_auto_chunk_halves_once_after_out_of_memory_in_every_estimator(name):
     assert len(retried) == (2 if name.startswith("QGT") else 1), texts
 
 
+@pytest.mark.heavy
 def test_memory_budget_is_accepted_by_every_entry_point():
     fun, params, samples = make_case("r2c", N)
     ct = jnp.ones(N, jnp.complex128)

@@ -125,7 +125,6 @@ def assert_stats_equal(got, expected):
         )
 
 
-@pytest.mark.quick_cover("model_name")
 @pytest.mark.parametrize(("model_name", "system_name"), CASES)
 def test_expect_and_grad_matches_netket(model_name, system_name):
     H, vs = make_state(model_name, system_name)
@@ -135,6 +134,7 @@ def test_expect_and_grad_matches_netket(model_name, system_name):
     assert_tree_allclose(grad, expected_grad, rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.heavy
 def test_numba_operator_and_chunk_sizes():
     """A non-jax (numba) operator goes through NetKet's numba kernel; chunk sizes 1..beyond N."""
     H, vs = make_state("rbm_modphase", "ising_chain")
@@ -222,6 +222,7 @@ def test_state_switch_matches_netket(model_name):
     assert_tree_allclose(g2, g2_ref, rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.heavy
 def test_chunk_size_auto():
     """chunk_size="auto" in the switch, the function and the QGT: NetKet's unchunked numbers."""
     H, ref = make_state("rbm_modphase", "heisenberg_chain")

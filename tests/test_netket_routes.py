@@ -439,6 +439,7 @@ def test_netkets_default_sr_on_the_switch_stays_netkets():
     assert_tree_allclose(got, expected, rtol=1e-9, atol=1e-11)
 
 
+@pytest.mark.heavy
 def test_qgt_auto_chooses_vmcgrads_on_mc_states_and_netkets_otherwise():
     """``vmcgrad.netket.QGTAuto``: vmcgrad's operator on an MCState (the switch or NetKet's),
     keyword arguments passed on; NetKet's QGTAuto on a FullSumState."""

@@ -194,7 +194,17 @@ class Spy(nn.Module):
 def in_one_device_subprocess(test_id):
     env = {**os.environ, "VMCGRAD_TEST_DEVICES": "1", "NETKET_EXPERIMENTAL_SHARDING_CPU": "1"}
     out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::{test_id}"],
+        # --tier=all: the test is named, whatever tier its 1-device run would put it in
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--tier=all",
+            f"{__file__}::{test_id}",
+        ],
         env=env,
         cwd=os.path.dirname(__file__),
         capture_output=True,
@@ -222,6 +232,7 @@ def spy_run(qgt, netket_chunk):
     return during_tdvp, max(RECORDED)
 
 
+@pytest.mark.heavy
 def test_forces_and_qgt_are_chunked():
     """With NetKet's forces chunked at c (its own MCState.chunk_size) and QGTOnTheFly at c, no
     model call during a TDVP run exceeds c x max_conn rows, and none of the QGT's exceeds c; the

@@ -110,7 +110,7 @@ DTYPE_CASES = [(c, jnp.float64) for c in MODES] + [
 ]
 
 
-@pytest.mark.quick_cover("case", "dtype")
+@pytest.mark.quick_cover("dtype")
 @pytest.mark.parametrize("case, dtype", DTYPE_CASES, ids=[f"{c}-{jnp.dtype(d).name}" for c, d in DTYPE_CASES])
 def test_against_dense_reference(case, dtype):
     fun, params, samples = make_case(case, N, dtype)

@@ -90,6 +90,7 @@ def _expected(S, fits, rows):
     return min(cost, key=cost.get)
 
 
+@pytest.mark.heavy
 def test_auto_chooses_design_and_chunk_from_the_budget(monkeypatch):
     """A tight budget, where the jvp-then-vjp chunk fits at least twice the fused one: with CPU's
     measured per-chunk cost the fused design is the faster one and is chosen, with a costly chunk

@@ -149,6 +149,7 @@ def count_binds(fn, *args):
     return len(bound_pullbacks(fn, *args))
 
 
+@pytest.mark.heavy
 def test_jvp_of_an_estimator_binds_the_primitive_once():
     """One forward pass for primal and tangent (issue 18 item 2); reverse mode and checkpoint still
     split it into a primal part and a linear part (one bind each) and give jax.vjp's derivatives."""

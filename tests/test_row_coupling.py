@@ -194,6 +194,7 @@ def test_no_false_alarm_on_models(name):
     assert _jaxpr_checks.row_coupling(jaxpr, 2 * len(jax.tree.leaves(params))) is not None
 
 
+@pytest.mark.heavy
 def test_rbm_end_to_end_matches_jax_vjp():
     hi, models = zoo()
     model = models["RBM"]

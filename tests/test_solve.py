@@ -160,6 +160,7 @@ def with_unused_leaf(fun, params):
     }
 
 
+@pytest.mark.heavy
 def test_diag_scale_zero_is_no_scaling():
     """diag_scale=0 is diag_scale=None (it returned x = 0 with converged=True)."""
     fun, params, samples = make_case("r2r", N)

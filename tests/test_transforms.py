@@ -210,7 +210,7 @@ JVP_TRANSFORMS = [
 MATRIX = [("vjp", t) for t in TRANSFORMS] + [("jvp", t) for t in JVP_TRANSFORMS]
 
 
-@pytest.mark.quick_cover("est_kind", "transform")
+@pytest.mark.quick_cover("est_kind")
 @pytest.mark.parametrize(("est_kind", "transform"), MATRIX)
 def test_transform_under_mesh(est_kind, transform):
     """NetKet's set-up (Auto-axis mesh "S" in context, samples sharded): every transformation (the
@@ -349,6 +349,7 @@ def test_qgt_transforms(setup, case, op, transform):
             assert innermost_loop_collectives(compiled.as_text()) == 0
 
 
+@pytest.mark.heavy
 def test_qgt_dense_and_diagonal_transform():
     """to_dense and diagonal (the Jacobian passes) under grad, jvp and vmap in the parameters."""
     fun, params, x = make_case("r2c", N)
@@ -412,6 +413,7 @@ def innermost_loop_collectives(text):
 # --- closures, refusals, the primitive's contract and the HLO detector ----------------------
 
 
+@pytest.mark.heavy
 def test_traced_closure_is_differentiated():
     """A fun closing over a traced value (here the outer grad's variable) is hoisted, not frozen:
     without the hoisting the closed-over tangent would be silently dropped."""
