@@ -116,7 +116,6 @@ def reference_netket_vjp(nk, fun, params, samples, lv):
 # --- numerics ---------------------------------------------------------------------------------
 
 
-@pytest.mark.quick_cover("name")
 @pytest.mark.parametrize("name", ALL_CASES)
 def test_matches_dense_jacobian_reference(name):
     fun, params, samples = case(name)

@@ -189,7 +189,6 @@ def _compare_steps(fn, model, mode, n, steps, ours, atol):
         assert_tree_allclose(old, u, rtol=0, atol=0)  # SPRING's buffer is the update
 
 
-@pytest.mark.quick_cover("mode")
 @pytest.mark.parametrize("model,mode,solver,steps", SRT_CASES)
 def test_update_equals_netket_srt(model, mode, solver, steps):
     """N = 18 (no divisor of the devices or the chunk 5), momentum and proj_reg."""

@@ -48,7 +48,6 @@ def test_vjp_matches_jax_vjp(case, chunk_size):
     assert_tree_allclose(got, expected, rtol=1e-11, atol=1e-12)
 
 
-@pytest.mark.quick_cover("case")
 @pytest.mark.parametrize("chunk_size", CHUNKS)
 @pytest.mark.parametrize("case", CASES)
 def test_jvp_matches_jax_jvp(case, chunk_size):
