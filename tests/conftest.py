@@ -69,8 +69,7 @@ def _no_mesh_left_behind(request):
 # `one_device_smoke` only (every estimator: vjp/jvp, expect_grad, the QGT and its solve, the NTK and
 # MinSR; the NetKet switch; the HLO structure and with_refs checks). `--tier=rest` runs exactly what
 # the quick tier leaves out (on 4 devices: the rest of each parameter matrix, the heavy and the slow
-# tests);
-# .ci/run runs both on 4 devices, so CI covers every case. `--tier=all` runs everything.
+# tests); .ci/run runs both on 4 devices, so CI covers every case. `--tier=all` runs everything.
 TIERS = ("quick", "rest", "all")
 
 
