@@ -258,3 +258,17 @@ def test_run_py_stopped_by_sigterm_keeps_the_summary_and_the_plot(tmp_path):
     assert "vmcgrad impl" in stdout and f"wrote {out / 'bench.json'} and {out / 'bench.png'}" in stdout
     assert _is_png(out / "bench.png")
     assert sorted(p.name for p in out.iterdir()) == ["bench.json", "bench.png"]  # no temporary
+
+
+def test_max_rel_err_is_relative_to_the_results_scale_not_each_leafs():
+    """A leaf that is exactly 0 in the reference and rounding-sized in the candidate (NetKet's ViT
+    update: the output bias) is not an error of 1e+286: the error is relative to the whole result."""
+    from benchlib._harness import max_rel_err
+
+    ref = {"w": np.array([1.0, -2.0]), "b": np.zeros(3)}
+    got = {"w": np.array([1.0, -2.0 + 4e-15]), "b": np.array([0.0, 3e-15, 0.0])}
+    assert max_rel_err(got, ref) == pytest.approx(2e-15, rel=1e-6)
+    # a real disagreement is still reported at its size, whichever leaf holds it
+    got["b"] = np.array([0.0, 0.5, 0.0])
+    assert max_rel_err(got, ref) == pytest.approx(0.25, rel=1e-12)
+    assert max_rel_err(ref, ref) == 0.0

@@ -294,15 +294,6 @@ def choose_design(op: QGTOperator) -> tuple[str, int]:
     return design, fits[design]
 
 
-def check_design(where: str, design: Any) -> None:
-    """``design``: None or a name in :data:`DESIGNS` (ValueError otherwise, before anything is traced)."""
-    if design is not None and (not isinstance(design, str) or design not in DESIGNS):
-        raise ValueError(
-            f"{where}: `design` must be one of {tuple(DESIGNS)} or None; got {design!r}. Fix: pass "
-            "design=None to let chunk_size='auto' choose from the memory budget, or design='fused'."
-        )
-
-
 def QGT(
     logpsi: Any,
     params: Any,
@@ -388,7 +379,7 @@ def QGT(
         >>> bool(jnp.allclose(x_sol, w, rtol=1e-4)), int(info.iterations) <= 3
         (True, True)
     """
-    check_design(_NAME, design)
+    check.check_design(_NAME, design, DESIGNS)
     prob, inputs, _ = problem(
         _NAME, logpsi, params, samples, chunk_size=chunk_size, memory_budget=memory_budget, arg="logpsi"
     )

@@ -401,3 +401,12 @@ def check_memory_budget(where: str, memory_budget: Any) -> int | float | None:
         f"{where}: `memory_budget` must be a positive number of bytes or None; got "
         f"{describe(memory_budget)}. {fix}"
     )
+
+
+def check_design(where: str, design: Any, designs: Any) -> None:
+    """``design``: None or one of the names ``designs`` (ValueError otherwise, before anything is traced)."""
+    if design is not None and (not isinstance(design, str) or design not in designs):
+        raise ValueError(
+            f"{where}: `design` must be one of {tuple(designs)} or None; got {design!r}. Fix: pass "
+            "design=None to let chunk_size='auto' choose from the memory budget, or design='fused'."
+        )

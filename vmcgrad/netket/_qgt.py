@@ -48,7 +48,7 @@ from netket.utils.api_utils import partial_from_kwargs
 import vmcgrad
 
 from .. import _validation as check
-from .._qgt import check_design
+from .._qgt import DESIGNS
 from .._qgt_modes import holomorphic_violation, to_rep
 from .._views import Views
 from .._warnings import VmcgradWarning
@@ -140,7 +140,7 @@ def QGTOnTheFly(
     chunk_size = check.check_chunk_size(NAME, chunk_size)
     if chunk_size is None:
         chunk_size = getattr(vstate, "vmcgrad_chunk_size", None) or vstate.chunk_size
-    check_design(NAME, design)
+    check.check_design(NAME, design, DESIGNS)
     memory_budget = check.check_memory_budget(NAME, memory_budget)
     if memory_budget is None:
         memory_budget = getattr(vstate, "vmcgrad_memory_budget", None)
