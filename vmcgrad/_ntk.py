@@ -418,24 +418,28 @@ def dense_chunk(
     blocks = n_pad // cols
     c = jax.tree.leaves(x)[0].shape[0]
     dtype = jax.tree.leaves(rows)[0].dtype
+    if blocks == 1:  # one chunk, one block (c == N): the chunk's rows are all the samples
+        return (), _contract(rows, rows, k)[:, :, :n, :]
     # The first block with a column >= the smallest counted row (none for a chunk without one).
-    first = 0 if blocks == 1 else jnp.min(jnp.where(w > 0, index, n_pad)) // cols
-
-    def columns(i):
-        if c == cols and blocks == 1:  # one chunk, one block: the chunk's rows are all the samples
-            return rows
-        xc = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, i * cols, cols), all_x)
-        col = lambda: jax.tree.map(lambda j, s: j - s, _jacobian(f, theta, xc, mode), shift)
-        if c != cols:
-            return col()
-        # A chunk starting at block i's first sample holds its samples (rows padded to the device
-        # count repeat the last sample, as all_x's padding does): its own Jacobians.
-        return jax.lax.cond(index[0] == i * cols, lambda: rows, col)
+    first = jnp.min(jnp.where(w > 0, index, n_pad)) // cols
 
     def block(i, out):
-        return jax.lax.dynamic_update_slice_in_dim(out, _contract(rows, columns(i), k), i * cols, axis=2)
+        def derived():
+            xc = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, i * cols, cols), all_x)
+            col = jax.tree.map(lambda j, s: j - s, _jacobian(f, theta, xc, mode), shift)
+            return _contract(rows, col, k)
 
-    out = jax.lax.fori_loop(first, blocks, block, jnp.zeros((c, k, n_pad, k), dtype))
+        # A chunk starting at block i's first sample holds its samples (rows padded to the device
+        # count repeat the last sample, as all_x's padding does): its own Jacobians.
+        own = (lambda: _contract(rows, rows, k)) if c == cols else derived
+        skip = lambda: jnp.zeros((c, k, cols, k), dtype)
+        which = jnp.where(i < first, 0, jnp.where(index[0] == i * cols, 1, 2))
+        return jax.lax.dynamic_update_slice_in_dim(
+            out, jax.lax.switch(which, (skip, own, derived)), i * cols, axis=2
+        )
+
+    # Static bounds (a scan, reverse-differentiable); the blocks before `first` are skipped.
+    out = jax.lax.fori_loop(0, blocks, block, jnp.zeros((c, k, n_pad, k), dtype))
     return (), out[:, :, :n, :]
 
 
@@ -452,7 +456,7 @@ def _dense_program(prob: Problem, op: NTKOperator) -> jax.Array:
     chunk = partial(dense_chunk, mode=mode, cols=cols, n=n)
     index = (jnp.arange(n), SAMPLES)
     _, t = map_reduce_problem(prob, op.inputs, chunk, index, (all_x, REPLICATED), (shift, REPLICATED))
-    if n_pad > cols:  # one column block: every chunk took all its columns
+    if n_pad > cols:  # (with one column block every chunk took all its columns)
         t = _hermitian_fill(t)
     # Centring without a dense centring matrix (NetKet's srt_onthefly): row and column means.
     col_means = t.mean(axis=0, keepdims=True)
