@@ -10,7 +10,8 @@ step δθ = ΔJ†(T + λ)⁻¹ε/√N with the local energies given; per device
 arguments + outputs (:func:`vmcgrad.program_bytes`), the figure a budget is compared with:
 
 - ``vmcgrad dense``: ``vmcgrad.minsr_update(..., chunk_size=c)``: the kernel built block by block
-  (c rows × c columns, per-chunk Jacobians), Cholesky solve of the N×N (2N×2N) kernel;
+  (c rows × c columns, per-chunk Jacobians, the blocks on and above the diagonal, the rest filled by
+  symmetry), Cholesky solve of the N×N (2N×2N) kernel;
 - ``vmcgrad cg``: the same with ``solver="cg"``, ``--cg-iters`` iterations of ``T @ v`` (one jvp and one
   vjp pass each; no N×N matrix);
 - ``VMC_SR dense``: NetKet's ``use_ntk=False`` kernel (the N×P Jacobian and the P×P matrix);

@@ -238,6 +238,57 @@ def test_dense_blocks_run_no_collective_in_a_loop():
         assert report.total_outside > 0, report  # the kernel really is split over the devices
 
 
+def _jacobians_derived(n, devices, chunk):
+    """Samples whose Jacobian ``to_dense`` derives: NetKet's mean-Jacobian subset, each row chunk's rows,
+    and, per row chunk, the column blocks (of the chunk's size) from the one holding its first counted
+    row to the last, except the block that is the chunk itself (its rows reused). The plan and the row
+    weights follow vmcgrad._chunking: balanced chunks, the last shifted back, padded and re-read rows
+    not counted. Also returns the cost of walking every column block for every chunk (before)."""
+    n_local = -(-n // devices)
+    count = -(-n_local // (chunk or n_local))
+    size = -(-n_local // count)
+    blocks = -(-n // size)
+    new = old = min(n, 32, size)
+    for d in range(devices):
+        for k in range(count):
+            start = min(k * size, n_local - size)
+            g0 = d * n_local + start
+            counted = [d * n_local + r for r in range(k * size, start + size) if d * n_local + r < n]
+            new += size + size * sum(b * size != g0 for b in range(min(counted, default=n) // size, blocks))
+            old += size + size * blocks
+    return new, old
+
+
+@pytest.mark.parametrize("chunk", [4, None])
+def test_dense_blocks_derive_each_pair_once(chunk):
+    """The kernel is Hermitian: each row chunk derives only the column blocks on or above the diagonal
+    (its own from its rows) and the rest is filled by symmetry. Counted at run time (the samples the
+    model is evaluated on); N = 18 with chunk 4 has a shifted last chunk on 1 device, and padded rows,
+    aligned and unaligned chunks on 4; the kernel and its gradient are checked against jax.jacrev."""
+    apply, _ = MODELS["r2c"]
+    seen = []
+
+    def counted(v, x):
+        jax.debug.callback(lambda x: seen.append(x.size // L), x)
+        return apply(v, x)
+
+    params = _params(False)
+    x, _ = _data(18)
+    T = vmcgrad.NTK(_logpsi(counted), params, x, chunk_size=chunk, mode="complex")
+    dense = jax.block_until_ready(T.to_dense())
+    new, old = _jacobians_derived(18, jax.device_count(), chunk)
+    assert sum(seen) == new < old, (sum(seen), new, old)
+    np.testing.assert_allclose(dense, _dense_reference(apply, params, x, "complex"), rtol=0, atol=1e-12)
+    if chunk is not None:  # the skipped blocks keep the kernel reverse-differentiable (static loop bounds)
+        g = lambda p, dense: jax.grad(lambda p: jnp.sum(jnp.sin(dense(p))))(p)
+        ours = g(
+            params, lambda p: vmcgrad.NTK(_logpsi(apply), p, x, chunk_size=chunk, mode="complex").to_dense()
+        )
+        assert_tree_allclose(
+            ours, g(params, lambda p: _dense_reference(apply, p, x, "complex")), rtol=0, atol=1e-10
+        )
+
+
 def test_jit_of_update_and_grad_refused():
     apply, _ = MODELS["real"]
     params = _params(False)

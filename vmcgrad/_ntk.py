@@ -13,13 +13,20 @@ non-zero spectrum is that of the QGT :math:`S = \frac1N \Delta J^\dagger \Delta 
 How it is computed, always through the one chunked primitive (:mod:`vmcgrad._chunked`):
 
 * :meth:`NTKOperator.to_dense`: one pass over each device's rows, ``c`` at a time. For a chunk of
-  rows the chunk's Jacobian :math:`J_{[k]}` (``c K × P``) is taken, then an inner loop walks all N
+  rows the chunk's Jacobian :math:`J_{[k]}` (``c K × P``) is taken, then an inner loop walks the N
   samples (gathered once, before the pass) ``c`` columns at a time, taking each column chunk's
-  Jacobian and the block :math:`(J_{[k]} - \mathbf 1 s^T)(J_{[l]} - \mathbf 1 s^T)^\dagger`. Peak memory is
-  about :math:`2cKP` plus the device's :math:`N_\text{local} K \times NK` rows; no collective
-  runs per block. :math:`s` is NetKet's mean-Jacobian estimate (32 evenly strided samples): it does
-  not change the centred kernel in exact arithmetic, and keeps its small eigenvalues in float32
-  (taken over at most ``c`` samples, so that no model call exceeds the chunk).
+  Jacobian and the block :math:`U_{[k][l]} = (J_{[k]} - \mathbf 1 s^T)(J_{[l]} - \mathbf 1 s^T)^\dagger`,
+  only for the column chunks on or above the diagonal (from the one holding the chunk's first counted
+  row; the chunk's own columns from its rows): the uncentred kernel is Hermitian,
+  :math:`U_{[l][k]} = U_{[k][l]}^\dagger`, so the blocks below are filled after the pass, by one
+  transpose of the rows (an all-to-all over the devices). About half the column Jacobians are
+  derived: on one device :math:`N + N(N - c)/2c` per-sample Jacobians (rows, then the column chunks
+  not yet seen) instead of :math:`N + N^2/c` (NetKet's NTK: N); with one block (``c`` ≥ N), N.
+  Peak memory is about :math:`2cKP` plus the device's :math:`N_\text{local} K \times NK` rows and
+  the buffer of their transpose (which XLA may reuse, see ``benchmarks/bench_minsr.py``); no
+  collective runs per block. :math:`s` is NetKet's mean-Jacobian estimate (32 evenly strided
+  samples): it does not change the centred kernel in exact arithmetic, and keeps its small
+  eigenvalues in float32 (taken over at most ``c`` samples, so that no model call exceeds the chunk).
   The centring follows, as row and column means of the blocks.
 * ``T @ v``: one vjp pass (:math:`g = \Delta J^\dagger v`, the pullback path of
   :func:`vmcgrad.batched_vjp`) and one jvp pass (:math:`\Delta J g`, that of
@@ -45,6 +52,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding
 
 from . import _validation as check
 from ._chunked import map_reduce_problem
@@ -54,7 +62,7 @@ from ._jvp import jvp_chunk
 from ._operator import AbstractOperator
 from ._problem import Problem, call, problem
 from ._qgt_modes import from_rep, to_rep
-from ._runner import REPLICATED
+from ._runner import REPLICATED, SAMPLES
 from ._solve import CGInfo, cg
 from ._vjp import vjp_sum
 
@@ -377,27 +385,61 @@ def _column_chunk(prob: Problem) -> int:
 
 
 def dense_chunk(
-    fun: Callable, params: Any, x: Any, w: jax.Array, all_x: Any, shift: Any, *, mode: str, cols: int, n: int
+    fun: Callable,
+    params: Any,
+    x: Any,
+    w: jax.Array,
+    index: jax.Array,
+    all_x: Any,
+    shift: Any,
+    *,
+    mode: str,
+    cols: int,
+    n: int,
 ) -> tuple[tuple, jax.Array]:
-    """One chunk of rows of the uncentred kernel: ``(c, K, N, K)``, the columns ``cols`` at a time.
+    r"""One chunk of rows of the uncentred kernel on and above the diagonal: ``(c, K, N, K)``.
 
-    ``all_x`` are all samples (padded to a multiple of ``cols``), ``shift`` the mean-Jacobian estimate.
+    With :math:`\tilde J_i = J_i - s` (``shift`` the mean-Jacobian estimate :math:`s`), the entries
+    :math:`U_{r a, s b} = \tilde J_{r a} \tilde J_{s b}^\dagger` of the chunk's rows :math:`r` are taken
+    for the column blocks of ``cols`` samples (``all_x``: all samples, padded to a multiple of ``cols``)
+    from the one holding :math:`r_0`, the smallest global index ``index`` of a counted row
+    (``w > 0``), to the last: every entry with :math:`s \ge r` of a counted row, and the blocks before
+    are left zero (:func:`_dense_program` fills :math:`s < r` from :math:`U_{s b, r a} =
+    \overline{U_{r a, s b}}`). A column block's Jacobians are derived from its samples, except the
+    block the chunk's own rows are (``c == cols`` and the chunk starts at the block's first sample),
+    which reuses them. A row chunk starting at global sample :math:`g` thus derives about
+    :math:`N - g` column Jacobians, not :math:`N`.
     """
-    del w
     f = _rows(fun, mode, params)
     theta = _theta(mode, params)
     k = _k(mode)
     rows = jax.tree.map(lambda j, s: j - s, _jacobian(f, theta, x, mode), shift)
     n_pad = jax.tree.leaves(all_x)[0].shape[0]
+    blocks = n_pad // cols
     c = jax.tree.leaves(x)[0].shape[0]
     dtype = jax.tree.leaves(rows)[0].dtype
+    if blocks == 1:  # one chunk, one block (c == N): the chunk's rows are all the samples
+        return (), _contract(rows, rows, k)[:, :, :n, :]
+    # The first block with a column >= the smallest counted row (none for a chunk without one).
+    first = jnp.min(jnp.where(w > 0, index, n_pad)) // cols
 
     def block(i, out):
-        xc = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, i * cols, cols), all_x)
-        col = jax.tree.map(lambda j, s: j - s, _jacobian(f, theta, xc, mode), shift)
-        return jax.lax.dynamic_update_slice_in_dim(out, _contract(rows, col, k), i * cols, axis=2)
+        def derived():
+            xc = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, i * cols, cols), all_x)
+            col = jax.tree.map(lambda j, s: j - s, _jacobian(f, theta, xc, mode), shift)
+            return _contract(rows, col, k)
 
-    out = jax.lax.fori_loop(0, n_pad // cols, block, jnp.zeros((c, k, n_pad, k), dtype))
+        # A chunk starting at block i's first sample holds its samples (rows padded to the device
+        # count repeat the last sample, as all_x's padding does): its own Jacobians.
+        own = (lambda: _contract(rows, rows, k)) if c == cols else derived
+        skip = lambda: jnp.zeros((c, k, cols, k), dtype)
+        which = jnp.where(i < first, 0, jnp.where(index[0] == i * cols, 1, 2))
+        return jax.lax.dynamic_update_slice_in_dim(
+            out, jax.lax.switch(which, (skip, own, derived)), i * cols, axis=2
+        )
+
+    # Static bounds (a scan, reverse-differentiable); the blocks before `first` are skipped.
+    out = jax.lax.fori_loop(0, blocks, block, jnp.zeros((c, k, n_pad, k), dtype))
     return (), out[:, :, :n, :]
 
 
@@ -412,13 +454,29 @@ def _dense_program(prob: Problem, op: NTKOperator) -> jax.Array:
     n_pad = -(-n // cols) * cols
     all_x = jax.tree.map(lambda a: jnp.concatenate([a, jnp.repeat(a[-1:], n_pad - n, axis=0)]), op.samples)
     chunk = partial(dense_chunk, mode=mode, cols=cols, n=n)
-    _, t = map_reduce_problem(prob, op.inputs, chunk, (all_x, REPLICATED), (shift, REPLICATED))
+    index = (jnp.arange(n), SAMPLES)
+    _, t = map_reduce_problem(prob, op.inputs, chunk, index, (all_x, REPLICATED), (shift, REPLICATED))
+    if n_pad > cols:  # (with one column block every chunk took all its columns)
+        t = _hermitian_fill(t)
     # Centring without a dense centring matrix (NetKet's srt_onthefly): row and column means.
     col_means = t.mean(axis=0, keepdims=True)
     row_means = t.mean(axis=2, keepdims=True)
     t = (t - col_means - row_means + col_means.mean(axis=2, keepdims=True)) / n
     t = t.reshape(n * k, n * k)
     return (t + op.diag_shift * jnp.eye(n * k, dtype=t.dtype)).astype(op.dtype)
+
+
+def _hermitian_fill(t: jax.Array) -> jax.Array:
+    r"""The kernel ``(N, K, N, K)`` from its entries with column :math:`s \ge` row :math:`r`:
+    :math:`U_{r a, s b} = \overline{U_{s b, r a}}` for :math:`s < r` (one transpose of the rows split
+    over the devices: one all-to-all, outside every loop)."""
+    n = t.shape[0]
+    upper = (jnp.arange(n)[None, :] >= jnp.arange(n)[:, None])[:, None, :, None]
+    lower = jnp.conj(jnp.transpose(t, (2, 3, 0, 1)))
+    sharding = jax.typeof(t).sharding
+    if isinstance(sharding, NamedSharding) and AxisType.Explicit in sharding.mesh.axis_types:
+        lower = jax.sharding.reshard(lower, sharding)  # Explicit axes: the transpose is typed otherwise
+    return jnp.where(upper, t, lower)
 
 
 @partial(jax.jit, static_argnums=0)
