@@ -24,6 +24,9 @@ from pathlib import Path
 
 import pytest
 
+#: .ci/run runs this module after the others, on its own: its processes' distributed timeouts and
+#: heartbeats are timed, and must not compete with another pytest worker for the CPUs.
+pytestmark = pytest.mark.solo
 ROOT = Path(__file__).resolve().parents[1]
 N_DEVICES = int(os.environ.get("VMCGRAD_TEST_DEVICES", "4"))  # as tests/conftest.py
 PER_PROCESS = max(1, N_DEVICES // 2)

@@ -97,16 +97,13 @@ def model(name):
     raise ValueError(name)
 
 
-# every model on a Heisenberg and an Ising Hamiltonian, on a chain (L=8) and a 3x3 square lattice
+# every model once and every system once: a Heisenberg and an Ising Hamiltonian, on a chain (L=8) and a
+# 3x3 square lattice (the operator only sets the local energies; each model's own code runs in each)
 CASES = [
     ("rbm_real", "heisenberg_chain"),
-    ("rbm_real", "ising_square"),
-    ("rbm_modphase", "heisenberg_square"),
     ("rbm_modphase", "ising_chain"),
-    ("rbm_complex", "heisenberg_chain"),
     ("rbm_complex", "ising_square"),
     ("mlp", "heisenberg_square"),
-    ("mlp", "ising_chain"),
 ]
 
 
@@ -136,11 +133,12 @@ def test_expect_and_grad_matches_netket(model_name, system_name):
 
 @pytest.mark.heavy
 def test_numba_operator_and_chunk_sizes():
-    """A non-jax (numba) operator goes through NetKet's numba kernel; chunk sizes 1..beyond N."""
+    """A non-jax (numba) operator goes through NetKet's numba kernel; chunk sizes 1..beyond N (a chunk
+    over N plans one chunk, as None does: vmcgrad._chunking.plan_chunks)."""
     H, vs = make_state("rbm_modphase", "ising_chain")
     H = H.to_local_operator()
     expected_stats, expected_grad = vs.expect_and_grad(H)
-    for chunk in (None, 1, 8, 64, 10**6):
+    for chunk in (1, 8, 10**6):
         stats, grad = vnk.expect_and_grad(vs, H, chunk_size=chunk)
         assert_stats_equal(stats, expected_stats)
         assert_tree_allclose(grad, expected_grad, rtol=RTOL, atol=ATOL)

@@ -340,3 +340,28 @@ def test_bad_input_before_tracing():
         vmcgrad.minsr_update(lp, params, x, e, diag_shift="big")
     with pytest.raises((TypeError, ValueError), match=r"old_updates|tangent"):
         vmcgrad.minsr_update(lp, params, x, e, diag_shift=DIAG, momentum=0.5, old_updates={"a": jnp.ones(L)})
+
+
+def test_samples_split_on_an_explicit_mesh():
+    """Samples split on an Explicit-axis mesh (the split is in their type): the kernel, its product and
+    the update equal the unsplit ones. The mean-Jacobian subset and the padded copy of all samples
+    slice the split axis, and the symmetric fill selects between differently typed halves: before
+    these were replicated and resharded, to_dense raised JAX's ShardingTypeError."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    apply, _ = MODELS["r2c"]
+    params = _params(False)
+    x, e = _data(4 * jax.device_count())
+    x, e = np.asarray(x), np.asarray(e)  # not on the fixture's Auto-axis mesh
+    T = vmcgrad.NTK(_logpsi(apply), params, x, chunk_size=3, mode="complex", diag_shift=DIAG)
+    v = np.cos(np.arange(T.dim) + 0.5)
+    ref = (T.to_dense(), T @ v, vmcgrad.minsr_update(_logpsi(apply), params, x, e, diag_shift=DIAG)[0])
+    mesh = Mesh(np.array(jax.devices()), ("S",), axis_types=(AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, P("S")))
+        Ts = vmcgrad.NTK(_logpsi(apply), params, xs, chunk_size=3, mode="complex", diag_shift=DIAG)
+        got = (Ts.to_dense(), Ts @ v, vmcgrad.minsr_update(_logpsi(apply), params, xs, e, diag_shift=DIAG)[0])
+    np.testing.assert_allclose(got[0], ref[0], rtol=0, atol=1e-13)
+    np.testing.assert_allclose(got[1], ref[1], rtol=0, atol=1e-12)
+    assert_tree_allclose(got[2], ref[2], rtol=0, atol=1e-12)

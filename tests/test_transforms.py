@@ -317,10 +317,22 @@ QGT_TRANSFORMS = {
 }
 
 
+#: every transformation on r2c, under NetKet's mesh and without one; the real case ('real' mode) on the
+#: mesh under the transformations that differentiate or batch in the parameters (the mode's own code)
+QGT_TRANSFORM_CASES = [
+    (case, setup, op, transform)
+    for case, setup, transforms in [
+        ("r2c", "netket", list(QGT_TRANSFORMS)),
+        ("r2c", "none", list(QGT_TRANSFORMS)),
+        ("r2r", "netket", ["value", "vmap_params", "grad_params", "jvp_params"]),
+    ]
+    for op in ("matvec", "solve")
+    for transform in transforms
+]
+
+
 @pytest.mark.quick_cover("op")
-@pytest.mark.parametrize("transform", list(QGT_TRANSFORMS))
-@pytest.mark.parametrize("op", ["matvec", "solve"])
-@pytest.mark.parametrize(("case", "setup"), [("r2r", "netket"), ("r2c", "netket"), ("r2c", "none")])
+@pytest.mark.parametrize(("case", "setup", "op", "transform"), QGT_TRANSFORM_CASES)
 def test_qgt_transforms(setup, case, op, transform):
     """S @ v and S.solve(b) under vmap (a dense S from the basis), grad and jvp in the parameters
     (the QGT rebuilt inside), grad in the vector, checkpoint: against the dense jacfwd QGT."""

@@ -32,7 +32,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ._chunking import Chunks, Space, plan_chunks
-from ._sharding import gather, pad_to_devices, reduce, specs
+from ._sharding import gather, pad_to_devices, reduce, specs, unsplit_explicit
 
 #: Placements: one row per sample (padded, split, cut back to N on the way out); replicated; and
 #: one slot per chunk (every device's chunks along axis 0, in device order: split like the devices,
@@ -154,10 +154,6 @@ def _cut(x: Any, n: int, where: Any) -> Any:
     Explicit axes, where slicing a sharded axis unevenly is a type error)."""
 
     def cut(a):
-        if a.shape[0] == n:
-            return a
-        if where is not None and AxisType.Explicit in where.mesh.axis_types:
-            a = jax.sharding.reshard(a, NamedSharding(where.mesh, P()))
-        return a[:n]
+        return a if a.shape[0] == n else unsplit_explicit(a, where)[:n]
 
     return jax.tree.map(cut, x)

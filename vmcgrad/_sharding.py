@@ -117,6 +117,18 @@ def replicate(tree: Any, where: SampleAxis | None) -> Any:
     return jax.tree.map(place, tree)
 
 
+def unsplit_explicit(tree: Any, where: SampleAxis | None) -> Any:
+    """``tree`` resharded replicated where the sample axis is Explicit (traced code only), else as it is.
+
+    On Explicit axes the split is part of the type, and slicing or indexing the split axis into a size
+    the devices do not divide is a type error; code that takes such a slice of the samples outside the
+    per-device pass (a strided subset, a padded copy, the first N rows) replicates them first.
+    """
+    if where is None or AxisType.Explicit not in where.mesh.axis_types:
+        return tree
+    return jax.tree.map(lambda a: jax.sharding.reshard(a, NamedSharding(where.mesh, P())), tree)
+
+
 def local_count(n: int, where: SampleAxis | None) -> int:
     """Rows per device after :func:`pad_to_devices`: ``ceil(n / devices)``."""
     return n if where is None else -(-n // where.size)
