@@ -86,13 +86,27 @@ def test_cg_iterates_equal_jax_scipy(complex_, precondition, with_x0):
 
 
 def test_cg_stops_at_the_same_iteration_as_jax_scipy():
-    """Same stopping rule (recursion residual <= max(tol |b|, atol)): the same answer at tol=1e-6."""
+    """Same stopping rule (recursion residual <= max(tol |b|, atol)): at tol=1e-6, jax.scipy's CG stops
+    at our iteration k too (its answer is its k-th iterate, not its (k-1)-th), and our answer is that
+    iterate up to far less than the last step.
+
+    Measured against the last step ‖x_k − x_{k−1}‖, not to a fixed 1e-10: two summation orders of
+    the same recursion drift apart over 30 iterations on this condition number (1e3), by 1.5e-9
+    relative on one CPU and under 1e-10 on another (a fixed tolerance failed in CI)."""
     a, b = spd(30, 5, spread=2.0, scale=0.5), rhs(30, 6)
     m = lambda r: r / jnp.diag(a)
     x, info = cg(lambda v: a @ v, b, tol=1e-6, maxiter=1000, M=m)
-    x_ref, _ = jax.scipy.sparse.linalg.cg(lambda v: a @ v, b, tol=1e-6, maxiter=1000, M=m)
-    assert bool(info.converged) and 0 < int(info.iterations) < 60
-    np.testing.assert_allclose(x, x_ref, rtol=1e-10, atol=1e-12)
+    k = int(info.iterations)
+    assert bool(info.converged) and 1 < k < 60
+
+    def theirs(maxiter):
+        return np.asarray(jax.scipy.sparse.linalg.cg(lambda v: a @ v, b, tol=1e-6, maxiter=maxiter, M=m)[0])
+
+    final, at_k, before = theirs(1000), theirs(k), theirs(k - 1)
+    step = np.linalg.norm(at_k - before)
+    assert np.linalg.norm(at_k - final) <= 1e-3 * step  # jax.scipy did not go on after k
+    assert np.linalg.norm(before - final) >= 0.5 * step  # nor stop before it
+    assert np.linalg.norm(np.asarray(x) - final) <= 1e-2 * step
 
 
 def test_converged_uses_the_true_residual():
