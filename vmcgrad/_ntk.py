@@ -52,7 +52,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from . import _validation as check
@@ -64,7 +64,7 @@ from ._operator import AbstractOperator
 from ._problem import Problem, call, problem
 from ._qgt_modes import from_rep, to_rep
 from ._runner import REPLICATED, SAMPLES
-from ._sharding import unsplit_explicit
+from ._sharding import explicit_sharding, unsplit_explicit
 from ._solve import CGInfo, cg
 from ._vjp import vjp_sum
 
@@ -452,7 +452,7 @@ def _dense_program(prob: Problem, op: NTKOperator) -> jax.Array:
     f = _rows(op._fun(), mode, op.params)
     theta = _theta(mode, op.params)
     cols = _column_chunk(prob)
-    samples = unsplit_explicit(op.samples, prob.where)  # all of them go to every device anyway
+    samples = unsplit_explicit(op.samples)  # all of them go to every device anyway
     shift = _mean_jacobian(f, theta, samples, n, mode, cols)
     n_pad = -(-n // cols) * cols
     all_x = jax.tree.map(lambda a: jnp.concatenate([a, jnp.repeat(a[-1:], n_pad - n, axis=0)]), samples)
@@ -469,24 +469,11 @@ def _dense_program(prob: Problem, op: NTKOperator) -> jax.Array:
     return (t + op.diag_shift * jnp.eye(n * k, dtype=t.dtype)).astype(op.dtype)
 
 
-def _explicit(t: jax.Array) -> NamedSharding | None:
-    """``t``'s sharding where it is typed on Explicit mesh axes (traced code), else None."""
-    sharding = jax.typeof(t).sharding
-    explicit = isinstance(sharding, NamedSharding) and AxisType.Explicit in sharding.mesh.axis_types
-    return sharding if explicit else None
-
-
-def _unsplit(x: jax.Array) -> jax.Array:
-    """``x`` replicated where it is split on Explicit mesh axes, else as it is."""
-    sharding = _explicit(x)
-    return x if sharding is None else jax.sharding.reshard(x, NamedSharding(sharding.mesh, P()))
-
-
 def _flatten(t: jax.Array) -> jax.Array:
     """``(N, K, N, K) -> (NK, NK)``, the rows split as ``t``'s (on Explicit axes, stated: JAX does not
     infer the split of a merged dimension)."""
     n, k = t.shape[:2]
-    sharding = _explicit(t)
+    sharding = explicit_sharding(t)
     if sharding is None:
         return t.reshape(n * k, n * k)
     out = NamedSharding(sharding.mesh, P((*sharding.spec, None)[0], None))
@@ -500,7 +487,7 @@ def _hermitian_fill(t: jax.Array) -> jax.Array:
     n = t.shape[0]
     upper = (jnp.arange(n)[None, :] >= jnp.arange(n)[:, None])[:, None, :, None]
     lower = jnp.conj(jnp.transpose(t, (2, 3, 0, 1)))
-    sharding = _explicit(t)
+    sharding = explicit_sharding(t)
     if sharding is not None:
         # Explicit axes: the transpose and the mask are typed otherwise; select wants t's sharding
         lower = jax.sharding.reshard(lower, sharding)
@@ -514,7 +501,7 @@ def _matmul_program(prob: Problem, op: NTKOperator, v: jax.Array) -> jax.Array:
 
 
 def _dense_solve(solver: Any, a: jax.Array, b: jax.Array) -> tuple[jax.Array, Any]:
-    a, b = _unsplit(a), _unsplit(b)  # Explicit axes: factorisations take unsplit matrices (as NetKet's)
+    a, b = unsplit_explicit((a, b))  # Explicit axes: factorisations take unsplit matrices (as NetKet's)
     if solver is None:
         return jax.scipy.linalg.cho_solve(jax.scipy.linalg.cho_factor(a, lower=True), b), None
     out = solver(a, b)

@@ -92,7 +92,7 @@ def run_on(space: Space, body: Any, *args: tuple[Any, Any], out: Any) -> Any:
             values = tuple(_reshard(v, s, where.mesh) for v, s in zip(values, in_specs))
         result = mapped(*values)
     results = tuple(
-        _cut(r, space.n, where) if o == SAMPLES else r for r, o in zip(result if multi else (result,), outs)
+        _cut(r, space.n) if o == SAMPLES else r for r, o in zip(result if multi else (result,), outs)
     )
     return results if multi else results[0]
 
@@ -149,11 +149,11 @@ def _reshard(tree: Any, spec: Any, mesh: Any) -> Any:
     return jax.tree.map(put, spec, tree, is_leaf=is_spec)
 
 
-def _cut(x: Any, n: int, where: Any) -> Any:
+def _cut(x: Any, n: int) -> Any:
     """The first ``n`` rows of a per-sample result padded to the device count (gathered first on
     Explicit axes, where slicing a sharded axis unevenly is a type error)."""
 
     def cut(a):
-        return a if a.shape[0] == n else unsplit_explicit(a, where)[:n]
+        return a if a.shape[0] == n else unsplit_explicit(a)[:n]
 
     return jax.tree.map(cut, x)

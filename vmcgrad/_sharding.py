@@ -117,16 +117,28 @@ def replicate(tree: Any, where: SampleAxis | None) -> Any:
     return jax.tree.map(place, tree)
 
 
-def unsplit_explicit(tree: Any, where: SampleAxis | None) -> Any:
-    """``tree`` resharded replicated where the sample axis is Explicit (traced code only), else as it is.
+def explicit_sharding(x: Any) -> NamedSharding | None:
+    """``x``'s sharding where its type names Explicit mesh axes (traced code, or a concrete array
+    placed on such a mesh), else None."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    explicit = isinstance(sharding, NamedSharding) and AxisType.Explicit in sharding.mesh.axis_types
+    return sharding if explicit else None
+
+
+def unsplit_explicit(tree: Any) -> Any:
+    """``tree`` with each leaf typed on Explicit mesh axes resharded replicated; other leaves as they are.
 
     On Explicit axes the split is part of the type, and slicing or indexing the split axis into a size
     the devices do not divide is a type error; code that takes such a slice of the samples outside the
-    per-device pass (a strided subset, a padded copy, the first N rows) replicates them first.
+    per-device pass (a strided subset, a padded copy, the first N rows), or a factorisation that wants
+    the whole matrix, replicates them first.
     """
-    if where is None or AxisType.Explicit not in where.mesh.axis_types:
-        return tree
-    return jax.tree.map(lambda a: jax.sharding.reshard(a, NamedSharding(where.mesh, P())), tree)
+
+    def unsplit(a):
+        sharding = explicit_sharding(a)
+        return a if sharding is None else jax.sharding.reshard(a, NamedSharding(sharding.mesh, P()))
+
+    return jax.tree.map(unsplit, tree)
 
 
 def local_count(n: int, where: SampleAxis | None) -> int:
