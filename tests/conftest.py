@@ -13,26 +13,31 @@ import os
 #   fusion emitters and one LLVM module per program compile about 4x faster (tests/test_grad.py's
 #   backend compile: 56 s -> 14 s, 2026-12-02). Both emitters are XLA:CPU's own, and a second rounding:
 #   no tolerance may rest on one compiler's. VMCGRAD_TEST_XLA=default keeps XLA's defaults (the
-#   compiler users' programs get); .ci/run runs the notebooks and the timed multi-process tests so.
+#   compiler users' programs get): .ci/run runs the compiled-program checks so, and the notebooks.
 # - XLA's CPU collectives abort the process ("Fatal Python error") when a device's thread waits over
 #   40 s at a rendezvous. Four fake devices share two cores with the other test process, so a loaded
 #   machine can stall a rendezvous for a while; 120 s still ends a real deadlock soon.
-_XLA_FLAGS = {"--xla_cpu_collective_call_terminate_timeout_seconds": "120"}
+_STALL = {"--xla_cpu_collective_call_terminate_timeout_seconds": "120"}
 _FAST_COMPILE = {
     "--xla_backend_optimization_level": "0",
     "--xla_cpu_use_fusion_emitters": "false",
     "--xla_cpu_parallel_codegen_split_count": "1",
 }
-_XLA_MODES = ("fast", "default")
-XLA_MODE = os.environ.get("VMCGRAD_TEST_XLA", "fast")
-if XLA_MODE not in _XLA_MODES:
-    raise ValueError(f"VMCGRAD_TEST_XLA={XLA_MODE!r}: expected one of {_XLA_MODES} (unset means 'fast')")
-if XLA_MODE == "fast":
-    _XLA_FLAGS.update(_FAST_COMPILE)
-_user_flags = os.environ.get("XLA_FLAGS", "")
-os.environ["XLA_FLAGS"] = " ".join(
-    [_user_flags] + [f"{name}={value}" for name, value in _XLA_FLAGS.items() if name not in _user_flags]
-).strip()
+XLA_MODES = ("fast", "default")
+
+
+def xla_flags(user_flags: str, mode: str) -> str:
+    """``XLA_FLAGS`` for the suite: the user's, then each of the suite's flags the user did not set."""
+    if mode not in XLA_MODES:
+        raise ValueError(f"VMCGRAD_TEST_XLA={mode!r}: expected one of {XLA_MODES} (unset means 'fast')")
+    ours = {**_STALL, **(_FAST_COMPILE if mode == "fast" else {})}
+    set_by_user = {flag.split("=")[0] for flag in user_flags.split()}
+    return " ".join([user_flags, *(f"{k}={v}" for k, v in ours.items() if k not in set_by_user)]).strip()
+
+
+os.environ["XLA_FLAGS"] = xla_flags(
+    os.environ.get("XLA_FLAGS", ""), os.environ.get("VMCGRAD_TEST_XLA", "fast")
+)
 
 import jax
 import pytest

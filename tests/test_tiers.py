@@ -4,7 +4,7 @@ subset, the 1-device smoke pass, and the rest tier as the exact complement."""
 from types import SimpleNamespace
 
 import pytest
-from conftest import tier_items
+from conftest import tier_items, xla_flags
 
 
 class Item:
@@ -70,3 +70,17 @@ def test_rest_is_the_exact_complement_and_all_is_everything(n_devices):
     assert not set(names(quick)) & set(names(rest))
     assert names(tier_items(items, "all", n_devices)) == names(items)
     assert {"test_a::test_long[('n', 1)]", "test_a::test_search[]"} <= set(names(rest))  # slow, heavy
+
+
+def test_the_suite_compiles_fast_unless_told_and_keeps_the_users_xla_flags():
+    fast = xla_flags("", "fast").split()
+    assert "--xla_backend_optimization_level=0" in fast and "--xla_cpu_use_fusion_emitters=false" in fast
+    default = xla_flags("", "default").split()
+    assert default == ["--xla_cpu_collective_call_terminate_timeout_seconds=120"]
+    # a flag the user set is theirs, whatever its value; the others are added after it
+    mine = xla_flags("--xla_backend_optimization_level=2 --xla_dump_to=/tmp/x", "fast").split()
+    assert mine[:2] == ["--xla_backend_optimization_level=2", "--xla_dump_to=/tmp/x"]
+    assert sum(f.startswith("--xla_backend_optimization_level") for f in mine) == 1
+    assert "--xla_cpu_use_fusion_emitters=false" in mine
+    with pytest.raises(ValueError, match="VMCGRAD_TEST_XLA='fastest': expected one of"):
+        xla_flags("", "fastest")
