@@ -8,12 +8,12 @@ import os
 
 # XLA's CPU compiler settings for the suite, set before JAX starts its backend (subprocesses inherit
 # them); a flag already in XLA_FLAGS is left as the user set it.
-# - Compiling is about three quarters of the suite's CPU time (jax.monitoring's
-#   backend_compile_duration). LLVM at optimisation level 0, XLA's elemental emitters instead of its
-#   fusion emitters and one LLVM module per program compile about 4x faster (tests/test_grad.py's
-#   backend compile: 56 s -> 14 s, 2026-12-02). Both emitters are XLA:CPU's own, and a second rounding:
-#   no tolerance may rest on one compiler's. VMCGRAD_TEST_XLA=default keeps XLA's defaults (the
-#   compiler users' programs get): .ci/run runs the compiled-program checks so, and the notebooks.
+# - Compiling is most of the suite's CPU time. LLVM at optimisation level 0, XLA's elemental emitters
+#   instead of its fusion emitters and one LLVM module per program compile about 3x faster
+#   (tests/test_grad.py's backend compile: 39 s -> 13.5 s, benchmarks/pytest_compile_time.py,
+#   2026-12-02). Both emitters are XLA:CPU's own, and a second rounding: no tolerance may rest on one
+#   compiler's. VMCGRAD_TEST_XLA=default keeps XLA's defaults (the compiler users' programs get):
+#   .ci/run runs the compiled-program checks so, and the notebooks.
 # - XLA's CPU collectives abort the process ("Fatal Python error") when a device's thread waits over
 #   40 s at a rendezvous. Four fake devices share two cores with the other test process, so a loaded
 #   machine can stall a rendezvous for a while; 120 s still ends a real deadlock soon.
