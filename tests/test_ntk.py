@@ -316,6 +316,30 @@ def test_solve_dense_cg_and_vmap():
     np.testing.assert_allclose(xc, xs[0], rtol=0, atol=1e-9)
 
 
+def test_cg_solve_traces_the_product_once():
+    """CG calls T v in its loop, for the residual of x0 and in its final residual check: the solve
+    traces the model as often as one product does (the product is a function of its own, traced
+    once per shapes). Counted at trace time, on a model no other test has traced."""
+    apply, _ = MODELS["r2c"]
+    traced = []
+
+    def counted(v, x):
+        traced.append(x.shape)
+        return apply(v, x)
+
+    x, _ = _data(18)
+    T = vmcgrad.NTK(_logpsi(counted), _params(False), x, chunk_size=5, diag_shift=1e-2)
+    b = jax.random.normal(jax.random.key(6), (T.dim,))
+    del traced[:]
+    jax.block_until_ready(T @ b)
+    product = len(traced)
+    del traced[:]
+    xc, info = T.solve(b, solver="cg", x0=b, tol=1e-12)
+    assert product > 0 and len(traced) == product, (len(traced), product)
+    assert bool(info.converged)
+    np.testing.assert_allclose(T @ xc, b, rtol=0, atol=1e-9)
+
+
 def test_bad_input_before_tracing():
     apply, _ = MODELS["real"]
     params = _params(False)

@@ -215,6 +215,31 @@ def test_solve_matches_jax_scipy_cg_iterates():
     np.testing.assert_allclose(x, x_ref, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("case", ["r2r", "c2c_nonholo"])
+def test_solve_traces_the_product_once(case):
+    """CG calls the product in its loop, for the residual of x0, in its final residual check, and
+    again in the transposed solve that custom_linear_solve traces: the solve traces the model as
+    often as one product does (the product is a function of its own, traced once per shapes), not
+    five or six times as often. Counted at trace time, on a model no other test has traced."""
+    fun, params, samples = make_case(case, N)
+    traced = []
+
+    def counted(p, x):
+        traced.append(x.shape)
+        return fun(p, x)
+
+    b = tree_like(params, 3)
+    S = vmcgrad.QGT(counted, params, samples, chunk_size=7, mode=MODES[case], diag_shift=0.1)
+    del traced[:]
+    jax.block_until_ready(S @ b)
+    product = len(traced)
+    del traced[:]
+    x, info = S.solve(b, x0=b, tol=1e-10)
+    assert product > 0 and len(traced) == product, (len(traced), product)
+    assert bool(info.converged)
+    assert_tree_allclose(S @ x, b, rtol=0, atol=1e-8)
+
+
 @pytest.mark.parametrize("case", ["c2c_holo", "c2c_nonholo"])
 def test_jax_scipy_cg_over_products(case):
     """NetKet's default SR solver, jax.scipy.sparse.linalg.cg, transposes the product for complex

@@ -518,7 +518,15 @@ def _dense_solve_program(prob: Problem, op: NTKOperator, b: jax.Array, solver: A
 @partial(jax.jit, static_argnums=0)
 def _cg_program(prob: Problem, op: NTKOperator, b, x0, tol, atol, maxiter) -> tuple[jax.Array, CGInfo]:
     op = op._at(prob)
-    return cg(op._apply, b, x0, tol=tol, atol=atol, maxiter=maxiter)
+    return cg(partial(_product, op), b, x0, tol=tol, atol=atol, maxiter=maxiter)
+
+
+@jax.jit
+def _product(op: NTKOperator, v: jax.Array) -> jax.Array:
+    """``op._apply(v)`` as a function of its own, which JAX traces once per operand shapes: CG's trace
+    calls it three times (its loop, ``x0``'s residual, the final residual check), each two passes
+    (tests/test_ntk.py::test_cg_solve_traces_the_product_once)."""
+    return op._apply(v)
 
 
 # --- the sample-space SR update ----------------------------------------------------------------------
@@ -652,9 +660,9 @@ def _update(op: NTKOperator, e_loc, proj_reg, momentum, old_updates, solver, cg_
     if solver == "cg":
         tol, atol, maxiter = cg_opts
         if proj_reg is None:
-            apply = op._apply
+            apply = partial(_product, op)
         else:
-            apply = lambda v: op._apply(v) + proj_reg / n * jnp.sum(v)
+            apply = lambda v: _product(op, v) + proj_reg / n * jnp.sum(v)
         x, info = cg(apply, dv, None, tol=tol, atol=atol, maxiter=maxiter)
     else:
         a = _dense_program(op.problem, op)

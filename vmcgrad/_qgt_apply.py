@@ -55,8 +55,18 @@ def _solve_program(prob: Problem, A: Any, b: Any, x0: Any, tol: Any, atol: Any, 
     x0 = None if x0 is None else views.to_rep(x0, kind)
     # Differentiable implicitly, both operators (a LinearizedQGT's product is the chunked primitive
     # too; its rules refuse a tangent in the kept linearisations).
-    x, info = differentiable_cg(A._apply_rep, b, x0, tol=tol, atol=atol, maxiter=maxiter, M=_jacobi(op))
+    matvec = partial(_apply_rep, A)  # one trace, however many times CG and its transpose call it
+    x, info = differentiable_cg(matvec, b, x0, tol=tol, atol=atol, maxiter=maxiter, M=_jacobi(op))
     return views.from_rep(x, kind), info
+
+
+@jax.jit
+def _apply_rep(A: Any, rep: Any) -> Any:
+    """``A._apply_rep(rep)`` as a function of its own, which JAX traces once per operand shapes: the
+    solve's trace calls it eight times (``custom_linear_solve``'s own trace, then CG's loop, its final
+    residual check and ``x0``'s residual, in the solve and in its transpose), and each call traced
+    the model again (tests/test_qgt.py::test_solve_traces_the_product_once)."""
+    return A._apply_rep(rep)
 
 
 def differentiable_cg(matvec: Any, b: Any, x0: Any, **options: Any) -> tuple[Any, CGInfo]:
