@@ -39,6 +39,18 @@ os.environ["XLA_FLAGS"] = xla_flags(
     os.environ.get("XLA_FLAGS", ""), os.environ.get("VMCGRAD_TEST_XLA", "fast")
 )
 
+
+def child_env() -> dict[str, str]:
+    """The environment for a JAX process a test starts (multi-process runs): this one's, less its
+    JAX_* and NETKET_* settings (the child sets its own devices and precision) and XLA's variables
+    other than XLA_FLAGS, whose compile settings it keeps (less a host device count)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_", "NETKET_"))}
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    kept = [f for f in flags if not f.startswith("--xla_force_host_platform_device_count")]
+    env["XLA_FLAGS"] = " ".join(kept)
+    return env
+
+
 import jax
 import pytest
 

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import child_env
 
 #: .ci/run runs this module after the others, on its own: its processes' distributed timeouts and
 #: heartbeats are timed, and must not compete with another pytest worker for the CPUs.
@@ -41,7 +42,7 @@ def _free_port() -> int:
 
 
 def _start(args, cwd):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_", "NETKET_"))}
+    env = child_env()  # the suite's compile settings, not its devices
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     return subprocess.Popen(
         [sys.executable, "-m", "vmcgrad", *args],

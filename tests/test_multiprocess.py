@@ -8,6 +8,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from conftest import child_env
 from helpers import auto_mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -25,7 +26,7 @@ def free_port() -> int:
 
 def run_processes(tmp_path, nproc=2):
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_", "NETKET_"))}
+    env = child_env()  # the suite's compile settings, not its devices
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE.parent), env.get("PYTHONPATH", "")])
     procs, outs = [], []
     try:

@@ -4,7 +4,7 @@ subset, the 1-device smoke pass, and the rest tier as the exact complement."""
 from types import SimpleNamespace
 
 import pytest
-from conftest import tier_items, xla_flags
+from conftest import child_env, tier_items, xla_flags
 
 
 class Item:
@@ -84,3 +84,13 @@ def test_the_suite_compiles_fast_unless_told_and_keeps_the_users_xla_flags():
     assert "--xla_cpu_use_fusion_emitters=false" in mine
     with pytest.raises(ValueError, match="VMCGRAD_TEST_XLA='fastest': expected one of"):
         xla_flags("", "fastest")
+
+
+def test_processes_the_suite_starts_compile_as_it_does_on_their_own_devices(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 " + xla_flags("", "fast"))
+    monkeypatch.setenv("JAX_ENABLE_X64", "1")
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    monkeypatch.setenv("NETKET_EXPERIMENTAL_SHARDING_CPU", "4")
+    env = child_env()
+    assert env["XLA_FLAGS"].split() == xla_flags("", "fast").split()
+    assert [k for k in env if k.startswith(("JAX_", "NETKET_", "XLA_"))] == ["XLA_FLAGS"]
