@@ -37,6 +37,21 @@ def _listen(event: str, duration: float, **_: object) -> None:
 
 jax.monitoring.register_event_duration_secs_listener(_listen)
 
+#: JAX's persistent compilation cache, when one is set (JAX_COMPILATION_CACHE_DIR): how many compiles
+#: found their program already there. On an empty folder with no thresholds
+#: (JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0) the hits
+#: are the programs the run compiled twice.
+CACHE_EVENTS = ("/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses")
+_cache: collections.Counter = collections.Counter()
+
+
+def _count(event: str, **_: object) -> None:
+    if event in CACHE_EVENTS:
+        _cache[event] += 1
+
+
+jax.monitoring.register_event_listener(_count)
+
 
 def pytest_terminal_summary(terminalreporter):
     wall = time.perf_counter() - _start["wall"]
@@ -45,3 +60,5 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(f"process: {wall:.1f} s wall, {cpu:.1f} s CPU")
     for event in EVENTS:
         terminalreporter.write_line(f"{event}: {_seconds[event]:.2f} s over {_counts[event]} programs")
+    if _cache:
+        terminalreporter.write_line(", ".join(f"{e}: {_cache[e]}" for e in CACHE_EVENTS))
