@@ -75,7 +75,7 @@ def _bytes(S, design, chunk):
 
 def _largest_fit(S, design, budget):
     """The largest power-of-two chunk whose program fits ``budget`` (a plain scan, independent of the
-    binary search in vmcgrad._auto_chunk)."""
+    search in vmcgrad._auto_chunk)."""
     best, c = None, 1
     while c <= S.problem.n_local:
         if _bytes(S, design, c) <= budget:

@@ -1,5 +1,6 @@
 """Parameter-sharded (FSDP-like) models and the automatic chunk size."""
 
+import types
 import warnings
 
 import jax
@@ -10,6 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import vmcgrad
+from vmcgrad import _auto_chunk
 from vmcgrad._auto_chunk import run_with_oom_retry
 
 N_DEV = jax.device_count()
@@ -86,6 +88,132 @@ def test_auto_chunk_is_the_largest_power_of_two_that_fits():
         assert compile_count() == before
         # everything fits a huge budget: one chunk of all local samples
         assert vmcgrad.auto_chunk_size(fun, params, x, memory_budget=2**40) == 512
+
+
+class _Analysis:
+    """A stand-in for ``jax.stages.Compiled``: only ``memory_analysis()``, from a bytes curve."""
+
+    def __init__(self, temp, fixed):
+        self.temp, self.fixed = temp, fixed
+
+    def memory_analysis(self):
+        return types.SimpleNamespace(
+            temp_size_in_bytes=self.temp, argument_size_in_bytes=self.fixed, output_size_in_bytes=0
+        )
+
+
+#: Temporaries per chunk c: measured curves (RBM, L=32, N=4096, complex128, one device: a VJP and a
+#: QGT product; flat for small chunks, then linear), straight lines with and without a part that does
+#: not grow with c, and curves no line fits (concave, convex, steps, a jump at the largest chunks).
+_MEASURED = {
+    "vjp": [35008, 36544, 40640, 46784, 59072, 83584, 134784, 235072, 435776, 837184, 1640000, 3245632],
+    "qgt": [51888, 67760, 67760, 67760, 75376, 116592, 233840, 494896, 955696, 1877296, 3720496, 7472432],
+}
+_CURVES = {
+    "measured vjp": lambda c: _MEASURED["vjp"][min(c.bit_length(), 12) - 1] * max(1, c >> 11),
+    "measured qgt": lambda c: _MEASURED["qgt"][min(c.bit_length(), 12) - 1] * max(1, c >> 11),
+    "proportional": lambda c: 800 * c,
+    "line": lambda c: 50_000 + 800 * c,
+    "concave": lambda c: int(30_000 * c**0.5),
+    "convex": lambda c: 800 * c + c * c // 10,
+    "steps": lambda c: 8_000 * (c // 16),
+    "jump": lambda c: 800 * c * (2 if c >= 256 else 1),
+}
+
+
+def _search(curve, n, budget, fixed=1_000_000):
+    """choose_chunk on a bytes curve: (the chunk or None, the chunks it compiled)."""
+    compiled = []
+
+    def compile_at(c):
+        compiled.append(c)
+        return _Analysis(curve(c), fixed)
+
+    _auto_chunk._cache.clear()
+    try:
+        return _auto_chunk.choose_chunk(object(), n, compile_at, budget, where="test"), compiled
+    except MemoryError:
+        return None, compiled
+
+
+def _bisection(curve, n, budget, fixed=1_000_000):
+    """The reference: a plain bisection over the powers of two (the answer and its compilations)."""
+    candidates = [2**k for k in range(n.bit_length())]
+    lo, hi, count = 0, len(candidates) - 1, 0
+    while lo <= hi:
+        mid, count = (lo + hi) // 2, count + 1
+        lo, hi = (mid + 1, hi) if fixed + curve(candidates[mid]) <= budget else (lo, mid - 1)
+    return (candidates[hi] if hi >= 0 else None), count
+
+
+def test_auto_chunk_search_finds_what_a_bisection_finds_in_fewer_compilations():
+    """On every curve, sample count and budget (from below one sample's bytes to above all
+    samples'): the same chunk as a bisection; one compilation where everything fits; at most three
+    where the temporaries grow in proportion to the chunk (the line through the first compiled
+    point is exact); never more than the three interpolated compilations plus a bisection of what
+    is left; and in total at most three quarters of a bisection's compilations."""
+    fixed, ours, theirs = 1_000_000, 0, 0
+    for name, curve in _CURVES.items():
+        for n in (1, 2, 3, 7, 32, 100, 512, 1000, 4096, 65_536, 100_000):
+            k = n.bit_length()
+            low, high = fixed + curve(1), fixed + curve(2 ** (k - 1))
+            budgets = {low - 1, low, high - 1, high, *(low + (high - low) * i // 13 for i in range(1, 13))}
+            for budget in sorted(budgets):
+                got, compiled = _search(curve, n, budget)
+                want, count = _bisection(curve, n, budget)
+                case = (name, n, budget, compiled)
+                assert got == want, case
+                assert len(set(compiled)) == len(compiled), case  # no chunk compiled twice
+                if budget >= high:
+                    assert compiled == [2 ** (k - 1)], case
+                if name == "proportional":
+                    assert len(compiled) <= 3, case
+                assert len(compiled) <= _auto_chunk.INTERPOLATED_PROBES + k.bit_length(), case
+                ours += len(compiled)
+                theirs += count + (want is None)  # a bisection compiles chunk 1 again for the error
+    assert ours <= 0.75 * theirs, (ours, theirs)
+
+
+def test_the_search_checks_fail_on_a_slow_or_a_wrong_search(monkeypatch):
+    """The check above can fail: on a search that scans up from chunk 1 (exact, but compiling every
+    chunk below the answer), and on one that answers half the largest fitting chunk."""
+    check = test_auto_chunk_search_finds_what_a_bisection_finds_in_fewer_compilations
+    with monkeypatch.context() as m:
+        m.setattr(_auto_chunk, "_next_probe", lambda candidates, probed, lo, hi, budget: lo)
+        with pytest.raises(AssertionError):
+            check()
+    exact = _auto_chunk.choose_chunk
+    monkeypatch.setattr(_auto_chunk, "choose_chunk", lambda *a, **k: max(1, exact(*a, **k) // 2))
+    with pytest.raises(AssertionError):
+        check()
+
+
+def test_auto_chunk_compiles_one_candidate_where_all_samples_fit(monkeypatch):
+    """Real programs, a budget every chunk fits: one compiled candidate per estimator; for the QGT
+    two, the mean pass's (its Ō, at its own automatic chunk) and the fused product's: the
+    jvp-then-vjp design, slower at any chunk, is not compiled."""
+    measured = []
+    real = _auto_chunk._measure
+    monkeypatch.setattr(_auto_chunk, "_measure", lambda compiled: measured.append(1) or real(compiled))
+    fun, params, samples = make_case("r2c", 64 * N_DEV)
+    ct = jnp.ones(64 * N_DEV, jnp.complex128)
+    mesh = auto_mesh()
+    with jax.set_mesh(mesh):
+        x = jax.device_put(samples, NamedSharding(mesh, P("S")))
+        ct = jax.device_put(ct, NamedSharding(mesh, P("S")))
+        for estimator in ("batched_vjp", "batched_jvp", "expect_grad"):
+            measured.clear()
+            assert vmcgrad.auto_chunk_size(fun, params, x, estimator=estimator, memory_budget=2**40) == 64
+            assert len(measured) == 1, estimator
+        measured.clear()
+        S = vmcgrad.QGT(fun, params, x, chunk_size="auto", memory_budget=2**40)
+        assert (S.design, S.chunk_size, len(measured)) == ("fused", 64, 2)
+        # a budget that fits only one sample per chunk of the fused design: both designs are sized
+        one = vmcgrad.QGT(fun, params, x, chunk_size=1)
+        budget = _auto_chunk.program_bytes(jax.jit(lambda S, v: S @ v).lower(one, params).compile())
+        measured.clear()
+        tight = vmcgrad.QGT(fun, params, x, chunk_size="auto", memory_budget=budget)
+        assert len(measured) >= 2 and tight.chunk_size >= 1, (len(measured), tight)
 
 
 @pytest.mark.parametrize("api", ["batched_vjp", "batched_jvp", "expect_grad"])

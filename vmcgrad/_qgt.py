@@ -268,14 +268,25 @@ def choose_design(op: QGTOperator) -> tuple[str, int]:
     rows per device and :math:`r` the cost of one chunk in rows (:data:`CHUNK_ROWS`: 8 on CPU, else
     :data:`CHUNK_ROWS_ACCELERATOR`). The smallest :math:`t_d` wins, the fused design on a tie. Where
     the jvp-then-vjp chunk is twice the fused one (it holds about half the arrays per row), the fused
-    design wins exactly when its chunk is at least :math:`r`. The chunks are cached
+    design wins exactly when its chunk is at least :math:`r`. A design is not sized (nothing is
+    compiled for it) when even its fastest case, one chunk of all :math:`n` rows, cannot beat a design
+    sized before it: with the fused design at chunk :math:`c`, the jvp-then-vjp design is compiled
+    only when :math:`3r\lceil n/c\rceil > n + 4r` (on CPU, with more than 64 rows: a fused chunk of
+    16 rows or fewer). The chunks are cached
     (:func:`vmcgrad._auto_chunk.choose_chunk`): a second choice compiles nothing.
 
     Raises:
         MemoryError: when no design fits even one sample per chunk (the error of the smaller one).
     """
     n, fits, errors = op.problem.n_local, {}, []
-    for design in DESIGNS:
+    rows = CHUNK_ROWS.get(jax.local_devices()[0].platform, CHUNK_ROWS_ACCELERATOR)
+
+    def time(design: str, chunk: int) -> float:
+        return PASSES[design] * (n + rows * -(-n // chunk))
+
+    for design in DESIGNS:  # the fused design first, so it wins a tie
+        if fits and min(time(d, c) for d, c in fits.items()) <= time(design, n):
+            continue  # cannot win even at its largest chunk
         try:
             fits[design] = auto_chunk(
                 matmul_program, op.problem, dataclasses.replace(op, design=design), op.params, "tree"
@@ -284,13 +295,7 @@ def choose_design(op: QGTOperator) -> tuple[str, int]:
             errors.append(err)
     if not fits:
         raise min(errors, key=lambda err: err.need)
-
-    rows = CHUNK_ROWS.get(jax.local_devices()[0].platform, CHUNK_ROWS_ACCELERATOR)
-
-    def time(design: str) -> float:
-        return PASSES[design] * (n + rows * -(-n // fits[design]))
-
-    design = min(fits, key=time)  # dicts keep order: the fused design first, so it wins a tie
+    design = min(fits, key=lambda d: time(d, fits[d]))  # dicts keep order: a tie goes to the first
     return design, fits[design]
 
 
