@@ -18,6 +18,7 @@ import jax
 import numpy as np
 import pytest
 from benchlib import suite
+from conftest import child_env
 from test_cli import N_DEVICES, _env, _is_png
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,6 +134,36 @@ def test_run_py_help_in_a_fresh_process():
     )
     assert proc.returncode == 0, proc.stderr
     assert "--suite" in proc.stdout and "minutes" in proc.stdout
+
+
+@pytest.mark.slow
+def test_compile_time_plugin_attributes_programs_to_tests_and_names(tmp_path):
+    """``benchmarks/pytest_compile_time.py`` on two tests: the one that jits a function is listed
+    with that program (one compile, under the function's name); the one that runs no JAX, with 0."""
+    (tmp_path / "test_tiny.py").write_text(
+        "import jax, jax.numpy as jnp\n\n"
+        "def test_compiles():\n"
+        "    def doubled_sum(x):\n        return (2 * x).sum()\n\n"
+        "    assert float(jax.jit(doubled_sum)(jnp.ones(3))) == 6.0\n\n"
+        "def test_pure_python():\n    assert sum(range(4)) == 6\n"
+    )
+    env = {**child_env(), "PYTHONPATH": str(ROOT / "benchmarks")}
+    plugins = ["-p", "pytest_compile_time", "-p", "no:xdist", "-p", "no:cacheprovider"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", *plugins, "--compile-time-top=5", "test_tiny.py"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    lines = proc.stdout.splitlines()
+    tests = {line.split()[-1]: int(line.split()[-2]) for line in lines if "test_tiny.py::" in line}
+    assert tests["test_tiny.py::test_pure_python"] == 0, proc.stdout
+    assert tests["test_tiny.py::test_compiles"] >= 1, proc.stdout
+    programs = {line.split()[-1]: int(line.split()[-2]) for line in lines if line.endswith("doubled_sum")}
+    assert programs == {"doubled_sum": 1}, proc.stdout
 
 
 # --- a suite stopped by Ctrl-C or SIGTERM ---------------------------------------------------------
