@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import vmcgrad
-from vmcgrad import _auto_chunk
+from vmcgrad import _auto_chunk, _qgt
 from vmcgrad._auto_chunk import run_with_oom_retry
 
 N_DEV = jax.device_count()
@@ -192,9 +192,11 @@ def test_auto_chunk_compiles_one_candidate_where_all_samples_fit(monkeypatch):
     """Real programs, a budget every chunk fits: one compiled candidate per estimator; for the QGT
     two, the mean pass's (its Ō, at its own automatic chunk) and the fused product's: the
     jvp-then-vjp design, slower at any chunk, is not compiled."""
-    measured = []
+    measured, sized = [], []
     real = _auto_chunk._measure
     monkeypatch.setattr(_auto_chunk, "_measure", lambda compiled: measured.append(1) or real(compiled))
+    size = _qgt.auto_chunk  # the designs choose_design sizes
+    monkeypatch.setattr(_qgt, "auto_chunk", lambda *a: sized.append(a[2].design) or size(*a))
     fun, params, samples = make_case("r2c", 64 * N_DEV)
     ct = jnp.ones(64 * N_DEV, jnp.complex128)
     mesh = auto_mesh()
@@ -207,13 +209,15 @@ def test_auto_chunk_compiles_one_candidate_where_all_samples_fit(monkeypatch):
             assert len(measured) == 1, estimator
         measured.clear()
         S = vmcgrad.QGT(fun, params, x, chunk_size="auto", memory_budget=2**40)
-        assert (S.design, S.chunk_size, len(measured)) == ("fused", 64, 2)
-        # a budget that fits only one sample per chunk of the fused design: both designs are sized
+        assert (S.design, S.chunk_size, len(measured), sized) == ("fused", 64, 2, ["fused"])
+        # a budget that fits one sample per chunk of the fused design: the jvp-then-vjp design,
+        # which holds less per sample, could be faster, and is sized too
         one = vmcgrad.QGT(fun, params, x, chunk_size=1)
         budget = _auto_chunk.program_bytes(jax.jit(lambda S, v: S @ v).lower(one, params).compile())
-        measured.clear()
+        sized.clear()
         tight = vmcgrad.QGT(fun, params, x, chunk_size="auto", memory_budget=budget)
-        assert len(measured) >= 2 and tight.chunk_size >= 1, (len(measured), tight)
+        assert sized == ["fused", "jvp_vjp"], sized
+        assert tight.design == "jvp_vjp" or tight.chunk_size == 1, tight
 
 
 @pytest.mark.parametrize("api", ["batched_vjp", "batched_jvp", "expect_grad"])
