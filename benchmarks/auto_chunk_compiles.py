@@ -37,10 +37,11 @@ def _listen(event: str, duration: float, fun_name: str = "?", **_: object) -> No
 jax.monitoring.register_event_duration_secs_listener(_listen)
 
 
-def table() -> None:
+def budgets() -> None:
     jax.config.update("jax_enable_x64", True)
     import jax.numpy as jnp
     import netket as nk
+    from benchlib import Column, table
 
     import vmcgrad
 
@@ -51,15 +52,21 @@ def table() -> None:
     def logpsi(w, s):
         return model.apply({"params": w}, s)
 
-    print(f"{'budget':>12}  {'expect_grad: chunk, compiles':>30}  {'QGT: chunk, compiles':>22}")
+    rows = []
     for budget in (2**40, 2**21, 3 * 2**20, 5 * 2**20, 9 * 2**20):
-        row = []
+        row = {"budget": budget / 2**20}
         for estimator in ("expect_grad", "QGT"):
             jax.clear_caches()
             compiles.clear()
-            c = vmcgrad.auto_chunk_size(logpsi, params, x, estimator=estimator, memory_budget=budget)
-            row.append(f"{c:>6}, {sum(compiles[name] for name in SEARCHED):>2}")
-        print(f"{budget / 2**20:>8.0f} MiB  {row[0]:>30}  {row[1]:>22}")
+            row[estimator] = vmcgrad.auto_chunk_size(
+                logpsi, params, x, estimator=estimator, memory_budget=budget
+            )
+            row[f"{estimator} compiles"] = sum(compiles[name] for name in SEARCHED)
+        rows.append(row)
+    columns = [Column("budget [MiB]", "budget", ".0f")]
+    for estimator in ("expect_grad", "QGT"):
+        columns += [Column(f"{estimator} chunk", estimator), Column("compiled", f"{estimator} compiles")]
+    print(table(rows, columns))
 
 
 def cli(argv: list[str]) -> int:
@@ -77,4 +84,4 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cli", nargs=argparse.REMAINDER, help="`vmcgrad` arguments: run them instead")
     args = parser.parse_args()
-    sys.exit(cli(args.cli) if args.cli else table())
+    sys.exit(cli(args.cli) if args.cli else budgets())
