@@ -1,5 +1,7 @@
 """vmcgrad.QGT against dense references built from explicit Jacobians, and against NetKet's QGTs."""
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -325,6 +327,50 @@ def test_solve_with_kept_linearisations(case):
         jax.block_until_ready(lin.solve(b, tol=0.0, maxiter=3))
         jax.block_until_ready(lin @ b)
         assert calls == []  # nothing recomputed
+
+
+def test_kept_linearisations_share_the_operators_methods():
+    """A LinearizedQGT is an AbstractQGT like the operator it came from: to_dense, diagonal, replace
+    (which keeps the linearisations: the shifts do not enter them) and the repr, against the dense
+    reference; and the operator classes are abstract or final (equinox's rule)."""
+    fun, params, samples = make_case("c2c_nonholo", N)
+    ref = Dense(fun, params, samples, "complex")
+    v = tree_like(params, 15)
+    with setup("netket") as place:
+        lin = vmcgrad.QGT(fun, params, place(samples), chunk_size=7, diag_shift=0.05).linearize()
+        close(lin.to_dense(), ref.matrix(diag_shift=0.05), jnp.float64)
+        close(lin.diagonal(), jnp.diag(ref.matrix(diag_shift=0.05)), jnp.float64)
+        lin2 = lin.replace(diag_shift=0.5, diag_scale=0.1)
+        assert isinstance(lin2, vmcgrad.LinearizedQGT) and float(lin.diag_shift) == 0.05
+        assert jax.tree.leaves(lin2.linear_maps)[0] is jax.tree.leaves(lin.linear_maps)[0]
+        close(lin2 @ v, ref.apply(v, diag_shift=0.5, diag_scale=0.1), jnp.float64)
+        x, info = lin2.solve(v, tol=1e-12)
+        close(
+            x,
+            ref.from_flat(jnp.linalg.solve(ref.matrix(diag_shift=0.5, diag_scale=0.1), ref.to_flat(v))),
+            jnp.float64,
+            scale=1e3,
+        )
+        assert bool(info.converged)
+    assert repr(lin).startswith(
+        f"LinearizedQGT(mode='complex', dim={ref.S.shape[0]}, n_samples={N}, chunk_size=7"
+    )
+    with pytest.raises(
+        TypeError, match=r"vmcgrad\.LinearizedQGT.replace: only `diag_shift` and `diag_scale`"
+    ):
+        lin.replace(linear_maps=None)
+
+    from vmcgrad._operator import AbstractOperator
+
+    def subclasses(cls):
+        return [c for s in cls.__subclasses__() for c in (s, *subclasses(s))]
+
+    expected = {vmcgrad.QGTOperator, vmcgrad.LinearizedQGT, vmcgrad.NTKOperator}  # (imported lazily)
+    classes = [c for c in subclasses(AbstractOperator) if c.__module__.startswith("vmcgrad.")]
+    assert expected <= set(classes)
+    for cls in classes:
+        vmcgrad_subclasses = [c for c in cls.__subclasses__() if c.__module__.startswith("vmcgrad.")]
+        assert inspect.isabstract(cls) or not vmcgrad_subclasses, (cls, vmcgrad_subclasses)
 
 
 # --- structure: one reduction, jit, no recompilation ---------------------------------------------

@@ -1,4 +1,5 @@
-r"""``AbstractOperator``: what the operators built over N samples share (:class:`vmcgrad.QGTOperator`,
+r"""``AbstractOperator``: what the operators built over N samples share (:class:`vmcgrad.QGTOperator`
+and :class:`vmcgrad.LinearizedQGT`, through :class:`vmcgrad._qgt_abstract.AbstractQGT`, and
 :class:`vmcgrad.NTKOperator`).
 
 As lineax's ``AbstractLinearOperator``: an immutable pytree that is a linear map, applied with
@@ -8,7 +9,9 @@ taken at one parameter point over one set of samples: the parameters, the sample
 ``Partial`` function and the shifts are leaves (rebuilding it every step does not recompile); the
 function's code, the chunk size, the mode and the sample mesh axis are static (its
 :class:`~vmcgrad._problem.Problem` and ``mode``). A subclass says what its matrix is (:attr:`dim`,
-``@``, :meth:`to_dense`, :meth:`solve`) and which program sizes ``chunk_size="auto"``.
+``@``, :meth:`to_dense`, :meth:`solve`) and which program sizes ``chunk_size="auto"``. As in
+equinox, a class here is abstract or final: concrete operators do not derive from each other
+(``tests/test_qgt.py::test_kept_linearisations_share_the_operators_methods``).
 """
 
 from __future__ import annotations

@@ -12,12 +12,14 @@ QGTJacobian regularisation, Becca & Sorella 2017). The matrix taken in each mode
 and imaginary parts split, holomorphic) is described in :mod:`vmcgrad._qgt_modes`; the kinds of
 vectors it takes in :mod:`vmcgrad._views`.
 
-The pieces: this module holds the operator and its builder; the chunk functions are in
-:mod:`vmcgrad._qgt_passes`, run by the chunked primitive (:mod:`vmcgrad._chunked`); the kept-linearisation
-operator is :class:`vmcgrad.LinearizedQGT` (:mod:`vmcgrad._qgt_linearized`); the solver is
-:mod:`vmcgrad._solve`. Every product is one pass over the samples: per chunk one linearisation, its
-jvp and its transpose; :math:`\bar O` is computed once, when the operator is built, so the centring is
-a cheap dot product; one reduction per product, after the loop.
+The pieces: this module holds the operator (its product's designs) and its builder; what it shares
+with the kept-linearisation operator :class:`vmcgrad.LinearizedQGT` (:mod:`vmcgrad._qgt_linearized`)
+is their base :class:`~vmcgrad._qgt_abstract.AbstractQGT` (products, solves, the dense matrix); the
+chunk functions are in :mod:`vmcgrad._qgt_passes`, run by the chunked primitive
+(:mod:`vmcgrad._chunked`); the solver is :mod:`vmcgrad._solve`. Every product is one pass over the
+samples: per chunk one linearisation, its jvp and its transpose; :math:`\bar O` is computed once,
+when the operator is built, so the centring is a cheap dot product; one reduction per product,
+after the loop.
 """
 
 from __future__ import annotations
@@ -28,23 +30,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.flatten_util import ravel_pytree
 
 from . import _validation as check
 from ._chunked import map_reduce_problem
-from ._operator import AbstractOperator
 from ._problem import Problem, auto_chunk, call, problem
-from ._qgt_apply import matmul_program, solve
+from ._qgt_abstract import AbstractQGT, diag_s_program, diag_scale_leaf
+from ._qgt_apply import matmul_program
+from ._qgt_linearized import LinearizedQGT, linearize
 from ._qgt_modes import choose_mode, holomorphic_violation, to_rep
-from ._qgt_passes import (
-    jacobian_chunk,
-    join_mean,
-    mean_chunk,
-    product_chunk,
-    product_jvp_vjp_chunk,
-    split_imag,
-)
-from ._solve import CGInfo
+from ._qgt_passes import join_mean, mean_chunk, product_chunk, product_jvp_vjp_chunk, split_imag
 from ._views import Views
 
 _NAME = "vmcgrad.QGT"
@@ -71,145 +65,35 @@ CHUNK_ROWS_ACCELERATOR = 4096
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
-class QGTOperator(AbstractOperator):
+class QGTOperator(AbstractQGT):
     r"""The regularised QGT :math:`S + \epsilon_1\operatorname{diag}(S) + \epsilon_2` of one set of samples.
 
     Build it with :func:`vmcgrad.QGT`. It is a pytree (:class:`vmcgrad._operator.AbstractOperator`):
     the parameters, samples, :math:`\bar O`, the model state of a ``Partial`` ``logpsi`` and the
     shifts are leaves, so it can be passed into ``jax.jit`` and rebuilt every step without
-    recompiling; ``logpsi``'s code, the chunk size, the mode and the sample mesh axis are static (in
-    its :class:`~vmcgrad._problem.Problem`).
+    recompiling; ``logpsi``'s code, the chunk size, the mode, the product's design and the sample
+    mesh axis are static (the design here, the rest in its :class:`~vmcgrad._problem.Problem`).
 
-    Vectors are pytrees like ``params``, flat vectors in ``ravel_pytree(params)`` order, or flat
-    vectors in the mode's real representation (length :attr:`dim`, the order of :meth:`to_dense`);
-    every method returns the kind it was given.
+    Products, solves, ``to_dense``, ``diagonal`` and ``replace`` are those of
+    :class:`vmcgrad._qgt_abstract.AbstractQGT`; each product recomputes every chunk's forward pass
+    (:attr:`design`), holding one chunk's at a time. Vectors are pytrees like ``params``, flat
+    vectors in ``ravel_pytree(params)`` order, or flat vectors in the mode's real representation
+    (length :attr:`dim`, the order of :meth:`to_dense`); every method returns the kind it was given.
     """
 
-    _shifts = ("diag_shift", "diag_scale")
     _builder = _NAME
     _described = ("design",)
 
-    obar: Any  # the mean O, shaped like the representation of params (complex where O is)
-    diag_scale: jax.Array | None
-    diag_s: Any  # diag of S (no shifts), shaped like the representation of params, or None
     design: str = dataclasses.field(default="fused", metadata={"static": True})  # see DESIGNS
 
-    # --- shapes --------------------------------------------------------------------------------
-
-    @property
-    def views(self) -> Views:
-        """The vector kinds this operator takes (:class:`vmcgrad._views.Views`)."""
-        return Views(self.params, self.mode)
-
-    @property
-    def dim(self) -> int:
-        """D, the size of the matrix: P, plus the number of complex entries in 'complex' mode."""
-        return self.views.dim
-
-    # --- public API ----------------------------------------------------------------------------
-
-    def __matmul__(self, v: Any) -> Any:
-        r""":math:`S v + \epsilon_1 \operatorname{diag}(S) v + \epsilon_2 v`, one pass over the samples.
-
-        Args:
-            v: a pytree like ``params`` (same shapes and dtypes), a flat vector
-                ``ravel_pytree(v)[0]``, or a flat real representation of length :attr:`dim`.
-
-        Returns:
-            The product, of the same kind as ``v``.
-        """
-        v, kind = self.views.kind(f"{_NAME} (v)", "v", v)
-        return call(matmul_program, self.problem, self, v, kind)
-
-    def to_dense(self) -> jax.Array:
-        """The ``(dim, dim)`` matrix, in the mode's representation (equal to NetKet's
-        ``QGTJacobianDense(...).to_dense()``); one pass over the samples, holding a chunk's Jacobian."""
-        return call(_dense_program, self.problem, self)
-
-    def diagonal(self) -> jax.Array:
-        r"""The diagonal of :meth:`to_dense`, :math:`(1 + \epsilon_1) S_{kk} + \epsilon_2`, a flat
-        ``(dim,)`` vector (without building the matrix)."""
-        return call(_diagonal_program, self.problem, self)
-
-    def solve(
-        self,
-        b: Any,
-        *,
-        x0: Any = None,
-        tol: float = 1e-5,
-        atol: float = 0.0,
-        maxiter: int | None = None,
-    ) -> tuple[Any, CGInfo]:
-        r"""Solves :math:`S_\text{eff}\, x = b` by conjugate gradient (one pass per iteration).
-
-        With ``diag_scale`` set, CG is preconditioned by Jacobi, :math:`M = D^{-1}`,
-        :math:`D = \epsilon_1 \operatorname{diag}(S) + \epsilon_2` (NetKet's rescaling of the system
-        by :math:`D^{-1/2}`, which gives the same iterates in exact arithmetic); the tolerances and
-        ``info`` refer to the original system :math:`S_\text{eff}\, x = b`.
-
-        To keep every chunk's linearisation for the whole solve (no forward pass per iteration),
-        solve with ``S.linearize().solve(b)`` instead (:class:`vmcgrad.LinearizedQGT`).
-
-        Args:
-            b: right-hand side, a vector of any kind :meth:`__matmul__` takes.
-            x0: initial guess of the same kind, or None for zeros.
-            tol, atol: stop when :math:`\lVert r\rVert \le \max(\mathrm{tol}\lVert b\rVert,
-                \mathrm{atol})` (``jax.scipy.sparse.linalg.cg``'s rule and defaults).
-            maxiter: iteration cap, an int >= 0; None means ``10 * dim``.
-
-        Returns:
-            ``(x, info)``: ``x`` of the kind of ``b``, ``info`` a :class:`~vmcgrad.CGInfo`;
-            ``info.converged`` is true only if the returned ``x`` meets the tolerance on the true
-            residual :math:`\lVert S_\text{eff} x - b\rVert` (one more product after the loop).
-
-        Raises:
-            TypeError, ValueError: for bad vectors, tolerances or ``maxiter``, before anything is
-                traced.
-        """
-        return solve(self, b, x0=x0, tol=tol, atol=atol, maxiter=maxiter)
-
-    def linearize(self) -> Any:
+    def linearize(self) -> LinearizedQGT:
         """This operator with every chunk's linearisation kept (:class:`vmcgrad.LinearizedQGT`).
 
         One forward pass over the samples now; every product and solve iteration afterwards runs only
         the jvp and its transpose from the kept residuals. Costs the residuals' memory for all chunks
         at once (:attr:`vmcgrad.LinearizedQGT.nbytes` per device).
         """
-        from ._qgt_linearized import linearize
-
         return linearize(self)
-
-    def replace(self, **changes: Any) -> QGTOperator:
-        """A copy with new ``diag_shift`` and/or ``diag_scale`` (computing diag(S) if needed)."""
-        new = super().replace(**changes)
-        if new.diag_scale is not None and new.diag_s is None:
-            new = dataclasses.replace(new, diag_s=call(_diag_s_program, new.problem, new))
-        return new
-
-    # --- traced pieces, shared with LinearizedQGT ---------------------------------------------
-
-    @property
-    def operator(self) -> QGTOperator:
-        """Itself (a :class:`vmcgrad.LinearizedQGT`'s is the operator it keeps linearisations of)."""
-        return self
-
-    @property
-    def _real_dtype(self) -> Any:
-        return self.views.real_dtype
-
-    def _sizing_call(self) -> tuple:
-        return matmul_program, self.problem, self, self.params, "tree"
-
-    def _check_shift(self, where: str, name: str, value: Any) -> Any:
-        if name == "diag_scale":
-            return _diag_scale(where, value, self._real_dtype)
-        return super()._check_shift(where, name, value)
-
-    def _rep_layout(self) -> tuple:
-        return self.views.rep_layout(self.problem.layout)
-
-    def _rep_like(self) -> Any:
-        return jax.eval_shape(partial(to_rep, self.mode), self.params)
 
     def _apply_rep(self, rep: Any) -> Any:
         """:math:`S_\\text{eff} \\tilde v` for a representation pytree: one pass, one reduction."""
@@ -219,38 +103,6 @@ class QGTOperator(AbstractOperator):
             self.problem, self.inputs, chunk, (self.obar, layout), (rep, layout), sum_layout=layout
         )
         return self._finish(total, rep)
-
-    def _finish(self, total: Any, v: Any) -> Any:
-        """From the reduced :math:`\\sum_i \\overline{O_i} w_i` to :math:`S_\\text{eff} v`."""
-        inv_n = 1.0 / self.problem.n
-
-        def finish(t, x, d=None):
-            y = jnp.conj(t) * inv_n + self.diag_shift * x
-            if d is not None:
-                y = y + self.diag_scale * d * x
-            return y.astype(x.dtype)
-
-        if self.diag_scale is None:
-            return jax.tree.map(finish, total, v)
-        return jax.tree.map(finish, total, v, self.diag_s)
-
-    def _jacobian_stats(self, *, dense: bool) -> jax.Array:
-        chunk = partial(jacobian_chunk, mode=self.mode, out_dtype=self.problem.out_dtype, dense=dense)
-        total, _ = map_reduce_problem(self.problem, self.inputs, chunk, (self.obar, self._rep_layout()))
-        return total / self.problem.n
-
-
-def _scalar(where: str, name: str, x: Any, real_dtype: Any) -> jax.Array:
-    """A shift: a finite real number >= 0 (checked when concrete), as a 0-d ``real_dtype`` array."""
-    return check.check_nonnegative_scalar(where, name, x, real_dtype)
-
-
-def _diag_scale(where: str, x: Any, real_dtype: Any) -> jax.Array | None:
-    """``diag_scale``: None, or a shift; a concrete 0 means no scaling, the same as None."""
-    if x is None:
-        return None
-    x = _scalar(where, "diag_scale", x, real_dtype)
-    return None if not isinstance(x, jax.core.Tracer) and float(x) == 0 else x
 
 
 def choose_design(op: QGTOperator) -> tuple[str, int]:
@@ -403,8 +255,9 @@ def QGT(
                 "parameter-dependent value)."
             )
     real = Views(inputs.params, mode).real_dtype
-    diag_shift = _scalar(_NAME, "diag_shift", 0.0 if diag_shift is None else diag_shift, real)
-    diag_scale = _diag_scale(_NAME, diag_scale, real)
+    diag_shift = 0.0 if diag_shift is None else diag_shift
+    diag_shift = check.check_nonnegative_scalar(_NAME, "diag_shift", diag_shift, real)
+    diag_scale = diag_scale_leaf(_NAME, diag_scale, real)
     op = QGTOperator(
         inputs=inputs,
         obar=None,
@@ -417,7 +270,7 @@ def QGT(
     )
     op = dataclasses.replace(op, obar=call(_mean_program, prob, op))
     if diag_scale is not None:
-        op = dataclasses.replace(op, diag_s=call(_diag_s_program, prob, op))
+        op = dataclasses.replace(op, diag_s=call(diag_s_program, prob, op))
     if design is None and prob.chunk_size == "auto":  # on the complete operator (what products get)
         op = dataclasses.replace(op, design=choose_design(op)[0])
     return op
@@ -442,39 +295,3 @@ def _mean_program(prob: Problem, op: QGTOperator) -> Any:
         return (t / prob.n).astype(dtype)
 
     return jax.tree.map(mean, total, like)
-
-
-@partial(jax.jit, static_argnums=0)
-def _diag_s_program(prob: Problem, op: QGTOperator) -> Any:
-    """diag(S) as a real pytree shaped like the representation of the parameters."""
-    flat = op._at(prob)._jacobian_stats(dense=False)
-    return _unflatten_like(flat, to_rep(op.mode, op.params))
-
-
-@partial(jax.jit, static_argnums=0)
-def _diagonal_program(prob: Problem, op: QGTOperator) -> jax.Array:
-    op = op._at(prob)
-    diag_s = op.diag_s if op.diag_s is not None else _diag_s_program(prob, op)
-    flat = ravel_pytree(diag_s)[0]
-    scale = 1.0 if op.diag_scale is None else 1.0 + op.diag_scale
-    return (scale * flat + op.diag_shift).astype(op.views.rep_dtype)
-
-
-@partial(jax.jit, static_argnums=0)
-def _dense_program(prob: Problem, op: QGTOperator) -> jax.Array:
-    op = op._at(prob)
-    s = op._jacobian_stats(dense=True)
-    diag = jnp.full((op.dim,), op.diag_shift)
-    if op.diag_scale is not None:
-        diag = diag + op.diag_scale * ravel_pytree(op.diag_s)[0]
-    return (s + jnp.diag(diag)).astype(op.views.rep_dtype)
-
-
-def _unflatten_like(flat: jax.Array, tree: Any) -> Any:
-    """Splits ``flat`` into leaves shaped like ``tree``'s, keeping ``flat``'s dtype."""
-    leaves, treedef = jax.tree.flatten(tree)
-    parts, start = [], 0
-    for x in leaves:
-        parts.append(flat[start : start + x.size].reshape(x.shape))
-        start += x.size
-    return treedef.unflatten(parts)

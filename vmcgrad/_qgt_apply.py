@@ -2,10 +2,11 @@ r"""What applies a QGT operator, any of them (:class:`vmcgrad.QGTOperator`, :cla
 the compiled product :math:`S_\text{eff} v` and the compiled conjugate-gradient solve of
 :math:`S_\text{eff} x = b`.
 
-An operator passed here provides ``problem``, ``operator`` (the :class:`vmcgrad.QGTOperator` it
-computes), ``_at(prob)`` (itself at the chunk of ``prob``) and ``_apply_rep(v)`` (the product on
-vectors in its internal representation). Kept apart from both operators so that neither module
-imports the other's programs (no import cycle).
+An operator passed here is a :class:`vmcgrad._qgt_abstract.AbstractQGT`: it provides ``problem``,
+``views`` (the vectors it takes), the shifts, ``_at(prob)`` (itself at the chunk of ``prob``) and
+``_apply_rep(v)`` (the product on vectors in its internal representation). A module of its own,
+below the operators, so that the base class and both operators import it and nothing imports back
+(no import cycle).
 """
 
 from __future__ import annotations
@@ -20,23 +21,22 @@ from . import _validation as check
 from ._problem import Problem, call
 from ._solve import CGInfo, cg
 
-NAME = "vmcgrad.QGT"
-
 
 @partial(jax.jit, static_argnums=(0, 3))
 def matmul_program(prob: Problem, op: Any, v: Any, kind: str) -> Any:
     op = op._at(prob)
-    views = op.operator.views
+    views = op.views
     return views.from_rep(op._apply_rep(views.to_rep(v, kind)), kind)
 
 
 def solve(A: Any, b: Any, *, x0: Any, tol: Any, atol: Any, maxiter: Any) -> tuple[Any, CGInfo]:
     """``A.solve`` of a QGT operator: checks the vectors, then runs the compiled solve."""
-    where = f"{NAME}.solve"
-    views = A.operator.views
-    b, kind = views.kind(f"{NAME} (b)", "b", b)
+    name = A._builder
+    where = f"{name}.solve"
+    views = A.views
+    b, kind = views.kind(f"{name} (b)", "b", b)
     if x0 is not None:
-        x0, kind0 = views.kind(f"{NAME} (x0)", "x0", x0)
+        x0, kind0 = views.kind(f"{name} (x0)", "x0", x0)
         if kind0 != kind:
             raise TypeError(
                 f"{where}: `x0` must be the same kind of vector as `b` ({kind}); got {kind0}. "
@@ -50,13 +50,13 @@ def solve(A: Any, b: Any, *, x0: Any, tol: Any, atol: Any, maxiter: Any) -> tupl
 @partial(jax.jit, static_argnums=(0, 7))
 def _solve_program(prob: Problem, A: Any, b: Any, x0: Any, tol: Any, atol: Any, maxiter: Any, kind: str):
     A = A._at(prob)
-    op, views = A.operator, A.operator.views
+    views = A.views
     b = views.to_rep(b, kind)
     x0 = None if x0 is None else views.to_rep(x0, kind)
     # Differentiable implicitly, both operators (a LinearizedQGT's product is the chunked primitive
     # too; its rules refuse a tangent in the kept linearisations).
     matvec = partial(_apply_rep, A)  # one trace, however many times CG and its transpose call it
-    x, info = differentiable_cg(matvec, b, x0, tol=tol, atol=atol, maxiter=maxiter, M=_jacobi(op))
+    x, info = differentiable_cg(matvec, b, x0, tol=tol, atol=atol, maxiter=maxiter, M=_jacobi(A))
     return views.from_rep(x, kind), info
 
 

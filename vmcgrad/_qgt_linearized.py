@@ -27,48 +27,36 @@ import jax
 
 from ._chunked import map_reduce, map_reduce_problem
 from ._problem import Problem, call
-from ._qgt_apply import matmul_program, solve
+from ._qgt_abstract import AbstractQGT
 from ._qgt_passes import kept_product_chunk, linearize_chunk
-from ._solve import CGInfo
 
-if TYPE_CHECKING:  # annotations only: _qgt imports this module (in QGTOperator.linearize)
+if TYPE_CHECKING:  # annotations only: _qgt imports this module (QGTOperator.linearize)
     from ._qgt import QGTOperator
 
 
 @jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class LinearizedQGT:
-    """A :class:`vmcgrad.QGTOperator` with every chunk's linearisation kept (from ``S.linearize()``).
+@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
+class LinearizedQGT(AbstractQGT):
+    """A QGT with every chunk's linearisation kept (from ``S.linearize()`` of a :class:`vmcgrad.QGTOperator`).
 
-    Same products and solves as the operator it came from (same ``diag_shift``/``diag_scale``,
-    vectors of the same kinds), without a forward pass per product. A pytree: pass it into
-    ``jax.jit`` like the operator. ``jax.vmap`` over vectors, derivatives of a product or solve in
-    its vector, and ``jax.scipy.sparse.linalg.cg(lambda v: L @ v, b)`` work; differentiating in the
-    kept linearisations (through ``S.linearize()`` in the parameters) raises a TypeError.
+    The same matrix as the operator it came from (its leaves, shifts and chunk size), the same
+    products, solves, ``to_dense``, ``diagonal`` and ``replace`` (:class:`vmcgrad._qgt_abstract.AbstractQGT`),
+    taking the same kinds of vectors; each product reads the kept linearisations instead of running a
+    forward pass. A pytree: pass it into ``jax.jit`` like the operator. ``jax.vmap`` over vectors,
+    derivatives of a product or solve in its vector, and ``jax.scipy.sparse.linalg.cg(lambda v: L @ v,
+    b)`` work; differentiating in the kept linearisations (through ``S.linearize()`` in the
+    parameters) raises a TypeError. ``replace(diag_shift=...)`` keeps the linearisations, which do not
+    depend on the shifts.
 
     Attributes:
-        op: the operator, at the chunk size the linearisations were kept at.
         linear_maps: every chunk's linear map (``jax.linearize``'s ``Partial``), its residual leaves
             stacked along a leading axis of every device's chunks (``devices * chunks``, split over
             the devices).
     """
 
-    op: QGTOperator
+    _builder = "vmcgrad.LinearizedQGT"
+
     linear_maps: Any
-
-    @property
-    def operator(self) -> QGTOperator:
-        """The operator whose products this computes."""
-        return self.op
-
-    @property
-    def problem(self) -> Problem:
-        return self.op.problem
-
-    @property
-    def dim(self) -> int:
-        """D, the size of the matrix."""
-        return self.op.dim
 
     @property
     def nbytes(self) -> int:
@@ -77,38 +65,21 @@ class LinearizedQGT:
         leaves = jax.tree.leaves(self.linear_maps)
         return sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves) // n_dev
 
-    def __matmul__(self, v: Any) -> Any:
-        """:math:`S_\\text{eff} v` from the kept linearisations (as ``QGTOperator.__matmul__``)."""
-        v, kind = self.op.views.kind("vmcgrad.LinearizedQGT (v)", "v", v)
-        return call(matmul_program, self.problem, self, v, kind)
-
-    def solve(
-        self, b: Any, *, x0: Any = None, tol: float = 1e-5, atol: float = 0.0, maxiter: int | None = None
-    ) -> tuple[Any, CGInfo]:
-        """As :meth:`vmcgrad.QGTOperator.solve`, each iteration's product from the kept linearisations
-        (differentiable implicitly in ``b``, as there)."""
-        return solve(self, b, x0=x0, tol=tol, atol=atol, maxiter=maxiter)
-
-    # --- traced pieces (the interface of vmcgrad._qgt_apply) -------------------
-
-    def _at(self, prob: Problem) -> LinearizedQGT:
-        return dataclasses.replace(self, op=self.op._at(prob))
-
     def _apply_rep(self, rep: Any) -> Any:
-        op = self.op
-        layout = op._rep_layout()
+        """:math:`S_\\text{eff} \\tilde v` from the kept linearisations: one pass, one reduction."""
+        layout = self._rep_layout()
         # shapes and dtypes only: the body runs on one device's chunk, with no mesh
-        theta = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), op._rep_like())
+        theta = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self._rep_like())
         chunk = partial(kept_product_chunk, theta=theta)
         total, _ = map_reduce(
-            op.problem.space,
+            self.problem.space,
             chunk,
-            [(op.obar, layout), (rep, layout)],
+            [(self.obar, layout), (rep, layout)],
             [],
             per_chunk=[self.linear_maps],
             sum_layout=layout,
         )
-        return op._finish(total, rep)
+        return self._finish(total, rep)
 
 
 def linearize(op: QGTOperator) -> LinearizedQGT:
@@ -120,7 +91,8 @@ def linearize(op: QGTOperator) -> LinearizedQGT:
     if op.problem.chunk_size == "auto":
         op = op._at(op.problem.at_chunk(op.chunk_size))
     _, _, maps = call(_linearize_program, op.problem, op)
-    return LinearizedQGT(op=op, linear_maps=maps)
+    kept = {f.name: getattr(op, f.name) for f in dataclasses.fields(LinearizedQGT) if f.name != "linear_maps"}
+    return LinearizedQGT(**kept, linear_maps=maps)
 
 
 @partial(jax.jit, static_argnums=0)
