@@ -56,7 +56,15 @@ nb_output_stderr = "remove"  # import-time warnings (tqdm, NetKet tips) are nois
 
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
-autodoc_default_options = {"members": True, "show-inheritance": False}
+# Members inherited from vmcgrad's private bases are documented on the public class (QGTOperator's
+# and LinearizedQGT's solve, to_dense and replace live in _qgt_abstract.AbstractQGT); those of
+# Python's own bases (tuple for NamedTuples, exceptions, object) are not, nor NetKet's (the
+# vmcgrad.netket page, below, documents what the adapter itself defines).
+autodoc_default_options = {
+    "members": True,
+    "show-inheritance": False,
+    "inherited-members": "tuple,BaseException,object",
+}
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_ivar = True  # "Attributes:" as fields: no duplicate descriptions of NamedTuple fields
@@ -119,7 +127,7 @@ def _optional_api(module: str, title: str) -> None:
     except ImportError as err:
         body = f"`{module}` could not be imported in this build ({err}); its reference is omitted.\n"
     else:
-        body = f"```{{eval-rst}}\n.. automodule:: {module}\n```\n"
+        body = f"```{{eval-rst}}\n.. automodule:: {module}\n   :no-inherited-members:\n```\n"
     target = GENERATED / f"{module}.md"
     if not target.exists() or target.read_text() != body:
         target.write_text(body)
