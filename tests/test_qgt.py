@@ -566,3 +566,21 @@ def test_matches_netket_qgt_jacobian_dense(nk, model, nk_mode, our_mode, diag_sc
                 net.apply, params, state, x, chunk_size=4, diag_shift=0.01, holomorphic=False
             )
             assert_tree_allclose(ours @ v, otf @ v, rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize("case", ["r2c", "c2c_nonholo"])
+def test_netket_solvers_on_kept_linearisations(nk, case):
+    """NetKet's dense solvers take a LinearizedQGT as they take NetKet's QGTs (they call
+    ``A.to_dense()``), and jax.scipy's GMRES runs on its products: each gives the dense solution of
+    S_eff x = b for a flat b in the mode's representation."""
+    fun, params, samples = make_case(case, N)
+    ref = Dense(fun, params, samples, MODES[case])
+    b = ref.to_flat(tree_like(params, 16))
+    expected = jnp.linalg.solve(ref.matrix(diag_shift=0.05), b)
+    with setup("netket") as place:
+        lin = vmcgrad.QGT(fun, params, place(samples), chunk_size=7, diag_shift=0.05).linearize()
+        solvers = [nk.optimizer.solver.cholesky, nk.optimizer.solver.LU, nk.optimizer.solver.pinv_smooth]
+        xs = [solver(lin, b)[0] for solver in solvers]
+        xs.append(jax.scipy.sparse.linalg.gmres(lambda v: lin @ v, b, tol=1e-12)[0])
+    for x in xs:
+        close(x, expected, jnp.float64, scale=1e3)

@@ -11,9 +11,10 @@ Both passes are the chunked primitive (:mod:`vmcgrad._chunked`): the linearising
 slot per chunk (a per-chunk output, nothing reduced), and a product reads chunk ``k``'s slot as a
 per-chunk operand inside the one loop over the chunks. So the product is an ordinary operator
 application to JAX: ``jax.vmap`` batches it, it is differentiable in its vector, and
-``jax.scipy.sparse.linalg.cg`` or NetKet's solvers run on ``lambda v: L @ v``. Differentiating in
-the kept linearisations (in the parameters through ``S.linearize()``) is refused by the primitive's
-own rules, with or without ``jax.jit``.
+``jax.scipy.sparse.linalg.cg`` runs on ``lambda v: L @ v``; NetKet's dense solvers
+(``nk.optimizer.solver.cholesky(L, b)``, ...) take ``L`` itself, through
+:meth:`LinearizedQGT.to_dense`. Differentiating in the kept linearisations (in the parameters
+through ``S.linearize()``) is refused by the primitive's own rules, with or without ``jax.jit``.
 """
 
 from __future__ import annotations
