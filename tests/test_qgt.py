@@ -355,10 +355,13 @@ def test_kept_linearisations_share_the_operators_methods():
     assert repr(lin).startswith(
         f"LinearizedQGT(mode='complex', dim={ref.S.shape[0]}, n_samples={N}, chunk_size=7"
     )
+    named = r"vmcgrad\.QGT\(\.\.\.\)\.linearize\(\)"  # its messages name how it is built
     with pytest.raises(
-        TypeError, match=r"vmcgrad\.LinearizedQGT.replace: only `diag_shift` and `diag_scale`"
+        TypeError, match=rf"{named}\.replace: only `diag_shift` and `diag_scale`.*Fix: .*{named}"
     ):
         lin.replace(linear_maps=None)
+    with pytest.raises(TypeError, match=rf"{named} \(v\): `v` must be a pytree like `params`"):
+        lin @ [1.0]
 
     from vmcgrad._operator import AbstractOperator
 

@@ -55,7 +55,7 @@ class LinearizedQGT(AbstractQGT):
             the devices).
     """
 
-    _builder = "vmcgrad.LinearizedQGT"
+    _builder = "vmcgrad.QGT(...).linearize()"
 
     linear_maps: Any
 
