@@ -1,0 +1,447 @@
+r"""Time to a ground-state energy at a memory budget: vmcgrad's SR and MinSR against NetKet's best routes.
+
+A user runs vmcgrad for a ground state, not for a kernel. This race gives every contender the same
+problem, the same sampler, the same wall-clock limit and the same seeds, and records the energy against
+wall time (compilation included: it is part of a user's run).
+
+**Problems** (``--problem``; the exact energy by Lanczos, or from the table for 6×6):
+
+- ``j1j2``: the 4×4 J1–J2 model at J2 = 0.5, periodic, total Sz = 0 (frustrated; E0 = −33.8317 in
+  NetKet's Pauli units);
+- ``heisenberg6``: the 6×6 Heisenberg model, periodic, total Sz = 0 (E0 = −97.757568);
+- ``chain``: the 12-site J1–J2 chain at J2 = 0.5 (an easy problem, and the smoke run's).
+
+**Models** (``--model``): NetKet's ``GCNN`` over the lattice's space group (``--layers``,
+``--features``; 3 × 8 on the 4×4 lattice: P = 16 536), or the benchmarks' ViT
+(:mod:`benchlib._vit`); real parameters, complex log ψ.
+
+**Contenders** (``--contenders``; each at its own N and chunk, given as ``NAME=N[:CHUNK]`` with
+``--n``; chunk ``auto`` means vmcgrad's choice at ``--budget-mib``):
+
+- ``netket-sr-cg``: ``nk.driver.VMC`` + ``nk.optimizer.SR(QGTOnTheFly, jax.scipy CG)`` on NetKet's
+  ``MCState(chunk_size=c)``;
+- ``netket-vmcsr`` / ``netket-vmcsr-otf``: ``nk.driver.VMC_SR(use_ntk=True, on_the_fly=False/True,
+  chunk_size_bwd=c)``;
+- ``vmcgrad-sr``: ``nk.driver.VMC`` + ``vmcgrad.netket.SR`` on ``vmcgrad.netket.MCState``;
+- ``vmcgrad-vmcsr``: ``vmcgrad.netket.VMC_SR(use_ntk=True, chunk_size_bwd=c)``.
+
+Each (contender, seed) runs in a process of its own (so its peak RSS is its own), for ``--minutes``.
+Every step records the wall time since the process began building the driver, the energy and its
+error, and three phases: sampling, ``expect_and_grad`` / local energies (the gradient included for
+VMC), and the preconditioner (SR: QGT and solve; ``VMC_SR``: the sample-space kernel and its solve).
+The SR kernel's compiled bytes are measured on the contender's own (N, chunk) for the ``VMC_SR``
+contenders (compile only). The report gives, per contender and seed: N, chunk, steps, the time to reach
+each relative-error target (the running mean of ``--window`` steps below the target), the best running
+mean, the final relative error (the mean of the last ``--window`` steps with its standard error), the
+median phase times, the kernel's compiled bytes and the peak RSS; and a plot of the relative error
+against wall time.
+
+Usage (PYTHONPATH=. in a checkout)::
+
+    python benchmarks/time_to_energy.py --problem j1j2 --budget-mib 64 --minutes 30 --seeds 0 1 \
+        --n netket-vmcsr=256:64 netket-vmcsr-otf=256:64 netket-sr-cg=1024:64 vmcgrad-sr=1024:auto \
+        vmcgrad-vmcsr=1024:auto --out tte-j1j2-64mib
+    python benchmarks/time_to_energy.py --smoke --out /tmp/tte-smoke      # about a minute: a check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CONTENDERS = ("netket-sr-cg", "netket-vmcsr", "netket-vmcsr-otf", "vmcgrad-sr", "vmcgrad-vmcsr")
+PROBLEMS = ("j1j2", "heisenberg6", "chain")
+TARGETS = (1e-2, 5e-3, 2e-3)
+MiB = 2**20
+E0_6x6 = -97.757568  # -2.715488 per site in NetKet's Pauli units (exact diagonalisation, literature)
+DEFAULT_N = {
+    "netket-sr-cg": "1024:64",
+    "netket-vmcsr": "256:64",
+    "netket-vmcsr-otf": "256:64",
+    "vmcgrad-sr": "1024:auto",
+    "vmcgrad-vmcsr": "1024:auto",
+}
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--problem", choices=PROBLEMS, default="j1j2")
+    ap.add_argument("--model", choices=("gcnn", "vit"), default="gcnn")
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--features", type=int, default=8)
+    ap.add_argument("--dtype", choices=("float64", "float32"), default="float64")
+    ap.add_argument("--budget-mib", type=float, default=64.0, help="memory budget per device")
+    ap.add_argument("--minutes", type=float, default=30.0, help="wall-clock limit per run")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--contenders", nargs="+", choices=CONTENDERS, default=list(CONTENDERS))
+    ap.add_argument("--n", nargs="*", default=[], metavar="NAME=N[:CHUNK]", help="per contender")
+    ap.add_argument("--diag-shift", type=float, default=1e-3)
+    ap.add_argument("--lr", type=float, default=0.005, help="SGD learning rate of every contender")
+    ap.add_argument("--window", type=int, default=10, help="steps of the running mean")
+    ap.add_argument("--out", default="time-to-energy", help="folder: results.json, table.md, energy.png")
+    ap.add_argument("--smoke", action="store_true", help="chain, tiny GCNN, 2 contenders, 24 s each")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)  # one run, in a process of its own
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.problem, args.layers, args.features, args.minutes, args.seeds = "chain", 2, 4, 0.4, [0]
+        if args.contenders == list(CONTENDERS):
+            args.contenders = ["netket-vmcsr", "vmcgrad-vmcsr"]
+        args.n = args.n or ["netket-vmcsr=64:32", "vmcgrad-vmcsr=128:auto"]
+        args.budget_mib = min(args.budget_mib, 16.0)
+    sizes = dict(DEFAULT_N)
+    for item in args.n:
+        name, sep, value = item.partition("=")
+        if not sep or name not in CONTENDERS:
+            ap.error(f"--n {item!r}: expected NAME=N[:CHUNK] with NAME one of {', '.join(CONTENDERS)}")
+        sizes[name] = value
+    args.sizes = {}
+    for name, value in sizes.items():
+        n, _, chunk = value.partition(":")
+        try:
+            n = int(n)
+            chunk = None if chunk in ("", "none") else ("auto" if chunk == "auto" else int(chunk))
+        except ValueError:
+            ap.error(f"--n {name}={value!r}: N must be an int and CHUNK an int, 'auto' or 'none'")
+        if n <= 0 or (isinstance(chunk, int) and chunk <= 0):
+            ap.error(f"--n {name}={value!r}: N and CHUNK must be positive")
+        if chunk == "auto" and not name.startswith("vmcgrad"):
+            ap.error(f"--n {name}={value!r}: chunk 'auto' is vmcgrad's; give NetKet's contenders a number")
+        args.sizes[name] = (n, chunk)
+    return args
+
+
+# --- the problem -------------------------------------------------------------------------------
+
+
+def build_problem(args):
+    """``(hilbert, graph, hamiltonian, exact_energy, sampler_kwargs)`` of ``args.problem``."""
+    import netket as nk
+
+    if args.problem == "chain":
+        g = nk.graph.Chain(12, pbc=True)
+        g2 = nk.graph.Graph(edges=[(i, (i + 2) % 12, 1) for i in range(12)] + [(*e, 0) for e in g.edges()])
+        graph, J = g2, [1.0, 0.5]
+    elif args.problem == "j1j2":
+        g = nk.graph.Square(4)
+        graph = nk.graph.Square(4, max_neighbor_order=2)
+        J = [1.0, 0.5]
+    else:
+        g = graph = nk.graph.Square(6)
+        J = [1.0]
+    hi = nk.hilbert.Spin(0.5, g.n_nodes, total_sz=0)
+    H = nk.operator.Heisenberg(hi, graph, J=J, sign_rule=[False] * len(J))
+    if args.problem == "heisenberg6":
+        e0 = E0_6x6
+    else:
+        e0 = float(nk.exact.lanczos_ed(H, k=1)[0])
+    return hi, g, H, e0
+
+
+def build_model(args, g):
+    import jax.numpy as jnp
+    import netket as nk
+
+    dt = jnp.dtype(args.dtype)
+    if args.model == "gcnn":
+        features = (args.features,) * args.layers
+        return nk.models.GCNN(symmetries=g, layers=args.layers, features=features, param_dtype=dt)
+    from benchlib._vit import ViT
+
+    L = math.isqrt(g.n_nodes)
+    return ViT(L=L, param_dtype=dt)
+
+
+def build_driver(args, name, seed, hi, g, H, model):
+    """The driver of contender ``name`` at its (N, chunk), and its state."""
+    import jax
+    import netket as nk
+    import optax
+
+    import vmcgrad.netket as vnk
+
+    n, chunk = args.sizes[name]
+    budget = args.budget_mib * MiB
+    sampler = nk.sampler.MetropolisExchange(hi, graph=g, n_chains=min(n, 16), d_max=2)
+    common = dict(n_samples=n, n_discard_per_chain=4, seed=seed, sampler_seed=seed + 1000)
+    opt = optax.sgd(args.lr)
+    if name.startswith("vmcgrad"):
+        vs = vnk.MCState(sampler, model, chunk_size=chunk, memory_budget=budget, **common)
+    else:
+        vs = nk.vqs.MCState(sampler, model, chunk_size=chunk, **common)
+    if name in ("netket-sr-cg", "vmcgrad-sr"):
+        if name == "netket-sr-cg":
+            sr = nk.optimizer.SR(
+                qgt=nk.optimizer.qgt.QGTOnTheFly,
+                solver=jax.scipy.sparse.linalg.cg,
+                diag_shift=args.diag_shift,
+            )
+        else:
+            sr = vnk.SR(diag_shift=args.diag_shift)
+        return nk.driver.VMC(H, opt, variational_state=vs, preconditioner=sr), vs
+    kw = dict(diag_shift=args.diag_shift, variational_state=vs, use_ntk=True)
+    if name == "vmcgrad-vmcsr":
+        return vnk.VMC_SR(H, opt, chunk_size_bwd=chunk, memory_budget=budget, **kw), vs
+    return nk.driver.VMC_SR(H, opt, chunk_size_bwd=chunk, on_the_fly=name.endswith("otf"), **kw), vs
+
+
+def kernel_bytes(args, name, driver, vs):
+    """Per-device compiled bytes of the sample-space kernel and its solve at the contender's N."""
+    import jax
+    import netket as nk
+
+    import vmcgrad
+
+    samples = jax.lax.collapse(vs.samples, 0, vs.samples.ndim - 1)
+    e = vs.local_estimators(driver._ham).reshape(-1)
+    mode = str(driver.mode)
+    if name == "vmcgrad-vmcsr":
+        from vmcgrad.netket._expect_grad import log_psi
+
+        logpsi = log_psi(vs._apply_fun, vs.model_state)
+
+        def update(w, x, e):
+            return vmcgrad.minsr_update(
+                logpsi,
+                w,
+                x,
+                e,
+                diag_shift=args.diag_shift,
+                mode=mode,
+                chunk_size=driver.chunk_size_bwd,
+                memory_budget=args.budget_mib * MiB,
+            )[0]
+
+        lowered = jax.jit(update).lower(vs.parameters, samples, e)
+    elif name.startswith("netket-vmcsr"):
+        from netket._src.ngd.sr_srt_common import _sr_srt_common
+        from netket._src.ngd.srt_onthefly import srt_onthefly
+
+        kernel = (srt_onthefly if name.endswith("otf") else _sr_srt_common).__wrapped__
+        kw = dict(
+            diag_shift=args.diag_shift,
+            solver_fn=nk.optimizer.solver.cholesky_with_fallback,
+            mode=mode,
+            chunk_size=driver.chunk_size_bwd,
+        )
+        if not name.endswith("otf"):
+            kw["use_ntk"] = True
+        lowered = kernel.lower(vs._apply_fun, e, vs.parameters, vs.model_state, samples, **kw)
+    else:
+        return None
+    return vmcgrad.program_bytes(lowered.compile())
+
+
+def worker(args, name, seed, trace_path):
+    """One run: steps until ``args.minutes`` have passed; a JSON line per step into ``trace_path``."""
+    import resource
+
+    import jax
+    from benchlib import use_cpu_devices
+
+    use_cpu_devices(1)
+    if args.dtype == "float64":
+        jax.config.update("jax_enable_x64", True)
+    start = time.perf_counter()
+    hi, g, H, e0 = build_problem(args)
+    model = build_model(args, g)
+    driver, vs = build_driver(args, name, seed, hi, g, H, model)
+    phases = {"sample": 0.0, "local": 0.0, "sr": 0.0}
+
+    def timed(phase, fun):
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            out = jax.block_until_ready(fun(*a, **kw))
+            phases[phase] += time.perf_counter() - t
+            return out
+
+        return wrapper
+
+    vs.sample = timed("sample", vs.sample)
+    is_vmc = hasattr(driver, "_preconditioner")
+    if is_vmc:  # VMC: expect_and_grad, then the preconditioner
+        vs.expect_and_grad = timed("local", vs.expect_and_grad)
+        driver._preconditioner = timed("sr", driver._preconditioner)
+    else:  # VMC_SR: local energies, then the kernel and solve (the rest of the update)
+        vs.local_estimators = timed("local", vs.local_estimators)
+    limit = args.minutes * 60
+    with open(trace_path, "w") as f:
+        f.write(json.dumps({"e0": e0, "n_params": vs.n_parameters, "n": vs.n_samples}) + "\n")
+        while time.perf_counter() - start < limit:
+            for k in phases:
+                phases[k] = 0.0
+            t = time.perf_counter()
+            driver.reset_step()
+            if not is_vmc:  # VMC_SR reads the samples inside local_estimators: sample them first
+                vs.samples  # noqa: B018
+            loss, dp = driver.compute_loss_and_update()
+            jax.block_until_ready(dp)
+            total = time.perf_counter() - t
+            if is_vmc:  # VMC resets and samples inside expect_and_grad
+                phases["local"] -= phases["sample"]
+            else:
+                phases["sr"] = total - phases["sample"] - phases["local"]
+            driver.update_parameters(dp)
+            driver._step_count += 1
+            row = {
+                "t": time.perf_counter() - start,
+                "step_s": total,
+                "E": float(loss.mean.real),
+                "E_err": float(loss.error_of_mean),
+                "var": float(loss.variance),
+                **{f"{k}_s": v for k, v in phases.items()},
+            }
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+        try:
+            kb = kernel_bytes(args, name, driver, vs)
+        except Exception as err:  # a kernel that cannot be lowered apart: say why, keep the run
+            kb = f"{type(err).__name__}: {str(err)[:100]}"
+        chunk = getattr(driver, "chunk_size_bwd", None) or getattr(vs, "vmcgrad_chunk_size", vs.chunk_size)
+        if chunk == "auto":
+            from vmcgrad.netket._expect_grad import auto_chunk_size
+
+            chunk = f"auto ({auto_chunk_size(vs, vs.samples)})"
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        f.write(json.dumps({"kernel_bytes": kb, "peak_rss": peak, "chunk": str(chunk)}) + "\n")
+
+
+# --- the race ----------------------------------------------------------------------------------
+
+
+def run_one(args, name, seed, out: Path) -> Path:
+    trace = out / f"trace-{name}-seed{seed}.jsonl"
+    argv = [sys.argv[0], *[a for a in sys.argv[1:] if a != "--smoke"], "--worker", f"{name},{seed},{trace}"]
+    if args.smoke:
+        argv.append("--smoke")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
+    }
+    timeout = args.minutes * 60 + 600  # the last step and the kernel's compile may run past the limit
+    proc = subprocess.run([sys.executable, *argv], env=env, timeout=timeout, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"time_to_energy: {name} seed {seed} failed:\n{proc.stderr[-3000:]}")
+    return trace
+
+
+def summarise(name, seed, trace: Path, window: int) -> dict:
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    head, steps, tail = lines[0], lines[1:-1], lines[-1]
+    e0 = head["e0"]
+    rel = [abs((s["E"] - e0) / e0) for s in steps]
+    running = [statistics.fmean(rel[max(0, i - window + 1) : i + 1]) for i in range(len(rel))]
+    last = [s["E"] for s in steps[-window:]]
+    final = abs((statistics.fmean(last) - e0) / e0) if last else None
+    final_err = statistics.stdev(last) / math.sqrt(len(last)) / abs(e0) if len(last) > 1 else None
+    reach = {}
+    for target in TARGETS:
+        ok = (s["t"] for i, (s, r) in enumerate(zip(steps, running)) if i >= window - 1 and r <= target)
+        hit = next(ok, None)
+        reach[f"t_{target:g}"] = hit
+    med = lambda k: statistics.median(s[k] for s in steps) if steps else None
+    return {
+        "contender": name,
+        "seed": seed,
+        "N": head["n"],
+        "P": head["n_params"],
+        "chunk": tail.get("chunk"),
+        "steps": len(steps),
+        "first_step_s": steps[0]["t"] if steps else None,
+        **reach,
+        "best_rel": min(running) if running else None,
+        "final_rel": final,
+        "final_rel_err": final_err,
+        "step_s": med("step_s"),
+        "sample_s": med("sample_s"),
+        "local_s": med("local_s"),
+        "sr_s": med("sr_s"),
+        "kernel_mib": tail["kernel_bytes"] / MiB if isinstance(tail["kernel_bytes"], int) else None,
+        "kernel_error": tail["kernel_bytes"] if isinstance(tail["kernel_bytes"], str) else None,
+        "peak_rss_mib": tail["peak_rss"] / MiB,
+        "curve": [(s["t"], r) for s, r in zip(steps, running)],
+    }
+
+
+def table(rows) -> str:
+    def f(x, fmt):
+        return "–" if x is None else format(x, fmt)
+
+    head = (
+        "| contender | seed | N | chunk | steps | "
+        + " | ".join(f"t→{t:g} (s)" for t in TARGETS)
+        + " | best rel | final rel ± err | step (s) | sample / local / SR (s) | kernel MiB | peak RSS MiB |"
+    )
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        lines.append(
+            f"| {r['contender']} | {r['seed']} | {r['N']} | {r['chunk']} | {r['steps']} | "
+            + " | ".join(f(r[f"t_{t:g}"], ".0f") for t in TARGETS)
+            + f" | {f(r['best_rel'], '.2e')} | {f(r['final_rel'], '.2e')} ± {f(r['final_rel_err'], '.1e')}"
+            f" | {f(r['step_s'], '.2f')} | {f(r['sample_s'], '.2f')} / {f(r['local_s'], '.2f')} /"
+            f" {f(r['sr_s'], '.2f')} | {f(r['kernel_mib'], '.1f')} | {r['peak_rss_mib']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from benchlib._io import save_figure
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    colours = {c: f"C{i}" for i, c in enumerate(CONTENDERS)}
+    for r in rows:
+        if r["curve"]:
+            t, e = zip(*r["curve"])
+            ax.plot(
+                [x / 60 for x in t],
+                e,
+                color=colours[r["contender"]],
+                ls="-" if r["seed"] % 2 == 0 else "--",
+                label=f"{r['contender']} N={r['N']} seed {r['seed']}",
+            )
+    ax.set(xlabel="wall time (min)", ylabel="relative error (running mean)", yscale="log", title=title)
+    ax.legend(fontsize=7)
+    save_figure(fig, path)
+
+
+def main(argv=None):
+    args = parse(argv)
+    if args.worker:
+        name, seed, trace = args.worker.split(",", 2)
+        worker(args, name, int(seed), trace)
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i, seed in enumerate(args.seeds):
+        order = args.contenders if i % 2 == 0 else args.contenders[::-1]  # alternate who runs first
+        for name in order:
+            print(f"time_to_energy: {name} seed {seed} N={args.sizes[name][0]} ...", flush=True)
+            rows.append(summarise(name, seed, run_one(args, name, seed, out), args.window))
+            print(table([rows[-1]]).splitlines()[-1], flush=True)
+    rows.sort(key=lambda r: (CONTENDERS.index(r["contender"]), r["seed"]))
+    title = f"{args.problem} {args.model}, {args.budget_mib:g} MiB per device, {args.minutes:g} min"
+    text = f"{title}\n\n{table(rows)}\n"
+    (out / "table.md").write_text(text)
+    from benchlib import write_json
+
+    write_json(
+        {"config": {k: v for k, v in vars(args).items() if k != "sizes"}, "rows": rows}, out / "results.json"
+    )
+    plot(rows, out / "energy.png", title)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
