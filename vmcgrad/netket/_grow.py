@@ -10,7 +10,8 @@ least-squares line (energy per step), N is raised when
 
 .. math::
 
-    |b|\,W \le \mathrm{tolerance}\cdot\bar\sigma, \qquad \bar\sigma = \Big(\frac1W\sum_k \sigma_k^2\Big)^{1/2},
+    |b|\,W \le \mathrm{tolerance}\cdot\bar\sigma,
+    \qquad \bar\sigma = \Big(\frac1W\sum_k \sigma_k^2\Big)^{1/2},
 
 i.e. when the energy moves less over the window than one step's error bar: more steps at this N
 mostly average noise, and a larger N lowers the noise floor. After a raise the window starts again
@@ -51,13 +52,19 @@ class GrowSamples:
         def bad(arg, value, expected):
             return ValueError(f"{NAME}: `{arg}` must be {expected}; got {value!r}.")
 
-        if isinstance(self.max_samples, bool) or not isinstance(self.max_samples, int) or self.max_samples < 1:
+        if (
+            isinstance(self.max_samples, bool)
+            or not isinstance(self.max_samples, int)
+            or self.max_samples < 1
+        ):
             raise bad("max_samples", self.max_samples, "a positive int")
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 3:
             raise bad("window", self.window, "an int >= 3 (a slope needs points)")
         if isinstance(self.factor, bool) or not isinstance(self.factor, int) or self.factor < 2:
             raise bad("factor", self.factor, "an int >= 2")
-        if not (isinstance(self.tolerance, (int, float)) and math.isfinite(self.tolerance) and self.tolerance > 0):
+        if not (
+            isinstance(self.tolerance, (int, float)) and math.isfinite(self.tolerance) and self.tolerance > 0
+        ):
             raise bad("tolerance", self.tolerance, "a positive finite number")
 
     def settled(self, energies: Sequence[float], errors: Sequence[float]) -> bool:
