@@ -120,6 +120,8 @@ def test_short_run_writes_log_and_plot(tmp_path):
         "seed": 3,
         "devices": N_DEVICES,
         "out": str(out),
+        "checkpoint_every": 10,
+        "resume": None,
         "coordinator": None,
         "num_processes": None,
         "process_id": None,
@@ -128,7 +130,13 @@ def test_short_run_writes_log_and_plot(tmp_path):
     # The energy went down from the random start: the update is applied with the right sign.
     assert min(log["energy_mean"][1:]) < log["energy_mean"][0]
     assert _is_png(out / "energy.png")
-    assert sorted(p.name for p in out.iterdir()) == ["energy.png", "log.json"]  # no temporary left
+    # no temporary left
+    assert sorted(p.name for p in out.iterdir()) == [
+        "checkpoint.mpack",
+        "energy.png",
+        "log.json",
+        "params.mpack",
+    ]
     printed = re.search(r"exact energy: (\S+) \(lanczos\)", stdout)
     assert printed and float(printed.group(1)) == pytest.approx(exact, rel=1e-9)
     assert "relative error" in stdout and "Traceback" not in stderr

@@ -107,7 +107,13 @@ def test_two_processes_match_one(tmp_path):
     assert log["status"] == "finished" and len(log["energy_mean"]) == 3
     assert log["info"]["n_devices"] == 2 * PER_PROCESS and log["info"]["n_processes"] == 2
     assert log["config"]["process_id"] == 0 and log["config"]["devices"] == PER_PROCESS
-    assert sorted(p.name for p in multi.iterdir()) == ["energy.png", "log.json"]  # process 1 wrote nothing
+    # process 1 wrote nothing
+    assert sorted(p.name for p in multi.iterdir()) == [
+        "checkpoint.mpack",
+        "energy.png",
+        "log.json",
+        "params.mpack",
+    ]
     assert "relative error" in out0 and "Traceback" not in err0 + err1
 
     # Process 1: one line, the same final energy as process 0's log, to the last bit.
@@ -194,7 +200,12 @@ def test_a_process_killed_mid_run_ends_the_other_with_one_line(tmp_path, killed)
         assert f"{out / 'log.json'} keeps the {len(log['energy_mean'])} steps run" in last
         # no lock file left (energy.png may or may not be there yet: the kill can come before its
         # first write, which depends on the machine's speed; a fresh matplotlib builds its font cache)
-        assert {p.name for p in out.iterdir()} <= {"energy.png", "log.json"}
+        assert {p.name for p in out.iterdir()} <= {
+            "energy.png",
+            "log.json",
+            "checkpoint.mpack",
+            "params.mpack",
+        }
 
 
 @pytest.mark.slow
@@ -239,3 +250,34 @@ def test_initialize_distributed_refuses_a_bad_timeout():
     for bad in (0, -5, 1.5, True, "60"):
         with pytest.raises(ValueError, match=r"timeout must be a whole number of seconds >= 1; got"):
             initialize_distributed("127.0.0.1:1", 2, 0, timeout=bad)
+
+
+@pytest.mark.slow
+def test_a_two_process_run_resumes_to_the_energies_of_the_uninterrupted_one(tmp_path):
+    """Two processes write a checkpoint after 3 steps; two processes resume it to 5 steps (each reads
+    the checkpoint and gets its chains back; process 0 writes). The energies equal, bit for bit, those
+    of two processes running the 5 steps at once (the same layout, so the same order of the sums)."""
+    ports = [_free_port(), _free_port()]
+    first, whole = tmp_path / "first", tmp_path / "whole"
+    runs = [
+        *[[*_distributed_args(ports[0], first, i, steps="3"), "60"] for i in range(2)],
+        *[[*_distributed_args(ports[1], whole, i, steps="5"), "60"] for i in range(2)],
+    ]
+    for rc, _, err in _run_all(runs, tmp_path):
+        assert rc == 0, err[-4000:]
+    port = _free_port()
+    resume = [
+        [
+            *("vmc", "--resume", str(first), "--steps", "5", "--coordinator", f"127.0.0.1:{port}"),
+            *("--num-processes", "2", "--process-id", str(i), "--devices", str(PER_PROCESS)),
+        ]
+        for i in range(2)
+    ]
+    (rc0, out0, err0), (rc1, _, err1) = _run_all(resume, tmp_path)
+    assert rc0 == 0 and rc1 == 0, (err0 + err1)[-4000:]
+    assert "resuming from step 3" in out0
+    log = json.loads((first / "log.json").read_text())
+    ref = json.loads((whole / "log.json").read_text())
+    assert log["status"] == "finished" and log["info"]["resumed_at"] == [3]
+    assert log["energy_mean"] == ref["energy_mean"] and len(ref["energy_mean"]) == 5
+    assert log["acceptance"] == ref["acceptance"]

@@ -88,7 +88,12 @@ def test_few_samples_auto_chunk_and_a_stale_lock_in_a_real_run(tmp_path):
     per_device = 16 // N_DEVICES
     assert all(c & (c - 1) == 0 and 1 <= c <= per_device for c in chunks.values()), chunks
     assert f"took over the lock file {out / _lock.LOCK_NAME} of process {stale}" in stderr
-    assert sorted(p.name for p in out.iterdir()) == ["energy.png", "log.json"]  # lock released
+    assert sorted(p.name for p in out.iterdir()) == [  # lock released
+        "checkpoint.mpack",
+        "energy.png",
+        "log.json",
+        "params.mpack",
+    ]
 
 
 @pytest.mark.slow
@@ -311,7 +316,7 @@ def test_full_disk_while_writing_the_plot_ends_with_one_line(tmp_path, monkeypat
     assert "Traceback" not in stderr
     log = _strict((out / "log.json").read_text())  # the plot is drawn last, after the final log
     assert _check_log(log, n_steps=2) == 2 and log["status"] == "finished"
-    assert sorted(p.name for p in out.iterdir()) == ["log.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.mpack", "log.json", "params.mpack"]
 
 
 # --- a second Ctrl-C ------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import _distributed, _lock, _output, _supervise, vmc
+from . import _checkpoint, _distributed, _lock, _output, _supervise, vmc
 from ._args import Parser
 
 
@@ -124,6 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+    args._argv = argv  # for the options a command must tell given from defaulted (``--resume``)
     command.check(args, sub)
     # Until a command installs its own handling (._interrupt), SIGTERM stops the run as Ctrl-C does:
     # through the handlers below, which release the lock, instead of ending the process on the spot.
@@ -150,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt:  # before or after the part that handles Ctrl-C itself
             print(f"{sub.prog}: interrupted", file=sys.stderr)
             return 130
-        except _output.OutputError as error:
+        except (_output.OutputError, _checkpoint.CheckpointError) as error:
             print(f"{sub.prog}: error: {error}", file=sys.stderr)
             status = 1
         if distributed:

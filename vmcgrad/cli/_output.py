@@ -123,8 +123,20 @@ def write_json_atomic(path: Path, data: dict) -> None:
     _write_atomic(path, lambda f: f.write(text.encode()))
 
 
-def _write_atomic(path: Path, write) -> None:
-    """Calls ``write(binary_file)`` on a fresh temporary next to ``path``, then moves it to ``path``."""
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Writes ``data`` to ``path`` through a unique temporary file that is flushed to the disk
+    (:func:`os.fsync`) before :func:`os.replace` moves it, so that neither a killed process nor a lost
+    machine leaves a half-written ``path``.
+
+    Raises:
+        OutputError: if the file cannot be written; ``path`` is then unchanged.
+    """
+    _write_atomic(path, lambda f: f.write(data), durable=True)
+
+
+def _write_atomic(path: Path, write, durable: bool = False) -> None:
+    """Calls ``write(binary_file)`` on a fresh temporary next to ``path``, then moves it to ``path``
+    (after flushing it to the disk when ``durable``)."""
     tmp = None
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -132,6 +144,9 @@ def _write_atomic(path: Path, write) -> None:
         os.fchmod(fd, _FILE_MODE)
         with os.fdopen(fd, "wb") as f:
             write(f)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as error:
         if tmp is not None:
@@ -142,6 +157,17 @@ def _write_atomic(path: Path, write) -> None:
         raise OutputError(f"cannot write {path}: {reason(error)}") from error
     finally:
         _TEMPORARIES.discard(tmp)
+
+
+def remove_stale_temporaries(out: Path, names) -> None:
+    """Removes the temporaries of ``out/NAME`` left by a process that was killed while writing them
+    (call only while holding ``out``'s lock: no other process writes there)."""
+    for name in names:
+        for tmp in out.glob(f".{name}.*.tmp"):
+            try:
+                tmp.unlink()
+            except OSError:
+                pass
 
 
 def remove_temporaries() -> None:

@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import _distributed, _interrupt, _output, _systems
+from . import _checkpoint, _distributed, _interrupt, _output, _systems
 from ._args import HelpFormatter, chunk_size, non_negative_float, positive_float, positive_int
 
 #: Samples per Metropolis chain are at least this many: chains per device = min(16, samples / devices / this).
@@ -39,7 +39,10 @@ _STEP_KEYS = ("energy_mean", "energy_error", "energy_variance", "acceptance", "s
 #: The modules this command imports beyond vmcgrad's own (the ``[cli]`` extra), checked before it starts.
 REQUIRES = ("netket", "matplotlib", "tqdm")
 #: What a run writes in ``--out``.
-FILES = ("log.json", "energy.png")
+FILES = ("log.json", "energy.png", _checkpoint.CHECKPOINT, _checkpoint.PARAMS)
+#: Steps between checkpoints by default: the write costs about a millisecond for the default model,
+#: a fraction of a percent of the steps it follows.
+CHECKPOINT_EVERY = 10
 
 
 def add_parser(commands) -> None:
@@ -87,14 +90,36 @@ def add_parser(commands) -> None:
         help="fake this many CPU devices to try sharding (per process with --coordinator); None: JAX's own",
     )
     p.add_argument(
-        "--out", default="vmcgrad-run", metavar="DIR", help="output directory (log.json, energy.png)"
+        "--out",
+        default="vmcgrad-run",
+        metavar="DIR",
+        help="output directory (log.json, energy.png, checkpoint.mpack, params.mpack)",
+    )
+    p.add_argument(
+        "--checkpoint-every",
+        type=positive_int,
+        default=CHECKPOINT_EVERY,
+        metavar="K",
+        help="write DIR/checkpoint.mpack (the whole state) and DIR/params.mpack every K steps and at the end",
+    )
+    p.add_argument(
+        "--resume",
+        default=None,
+        metavar="DIR",
+        help="continue the run whose checkpoint is in DIR (its options are used; --steps may be raised)",
     )
     _distributed.add_arguments(p)
     p.set_defaults(_command=sys.modules[__name__], _parser=p)
 
 
 def check(args, parser) -> None:
-    """Checks the options that depend on each other or on the file system; creates nothing."""
+    """Checks the options that depend on each other or on the file system; creates nothing.
+
+    With ``--resume DIR`` the checkpoint in ``DIR`` is read and checked, and the options not given on
+    the command line are taken from it; one given that changes the problem is refused, with the list.
+    """
+    if args.resume is not None:
+        _resume_options(args, parser)
     _systems.fill_defaults(args)
     problem = _systems.size_problem(args.system, args.L)
     if problem:
@@ -104,6 +129,61 @@ def check(args, parser) -> None:
         problem = _output.problem_with_out_dir(Path(args.out), FILES)
         if problem:
             parser.error(f"argument --out: {problem}")
+        checkpoint = Path(args.out) / _checkpoint.CHECKPOINT
+        if args.resume is None and checkpoint.exists():
+            parser.error(
+                f"argument --out: {args.out} holds the checkpoint of another run; continue it with "
+                f"`--resume {args.out}`, choose another --out, or delete {checkpoint} to start over"
+            )
+
+
+def _resume_options(args, parser) -> None:
+    """``--resume DIR``: reads the checkpoint into ``args._checkpoint`` and sets the options from it."""
+    given = _given_options(args, parser)
+    if "out" in given and Path(given["out"]) != Path(args.resume):
+        parser.error(
+            f"argument --out: {args.out!r} with --resume {args.resume!r}: a resumed run writes where its "
+            "checkpoint is; leave out --out"
+        )
+    try:
+        snap = _checkpoint.read(Path(args.resume), version=_version())
+    except _checkpoint.CheckpointError as error:
+        parser.error(f"argument --resume: {error}")
+    saved = snap["config"]
+    changed = _checkpoint.differences(saved, given)
+    if changed:
+        parser.error(
+            "argument --resume: these options change the problem the checkpoint solves: "
+            + "; ".join(changed)
+            + " (leave them out to use the checkpoint's, or start a new run with another --out)"
+        )
+    for key, value in saved.items():
+        if key not in given and key not in _checkpoint.MAY_CHANGE and hasattr(args, key):
+            setattr(args, key, value)
+    if "steps" not in given:
+        args.steps = saved["steps"]
+    done = int(snap["step"])
+    if args.steps <= done:
+        parser.error(
+            f"argument --steps: the checkpoint in {args.resume} is at step {done} of {saved['steps']}; "
+            f"give --steps larger than {done} to continue it"
+        )
+    args.out = args.resume
+    args._checkpoint = snap
+
+
+_UNSET = object()
+
+
+def _given_options(args, parser) -> dict:
+    """The options of this sub-command that the command line gives (by value), defaults left out."""
+    import argparse
+
+    argv = list(getattr(args, "_argv", ()))
+    start = next((i for i, a in enumerate(argv) if not a.startswith("-")), len(argv))  # the command
+    namespace = argparse.Namespace(**{key: _UNSET for key in vars(args)})
+    parser.parse_args(argv[start + 1 :], namespace=namespace)
+    return {k: v for k, v in vars(namespace).items() if v is not _UNSET and not k.startswith("_")}
 
 
 def config_of(args) -> dict:
@@ -132,7 +212,7 @@ def run(args) -> int:
         try:
             return _run(args, interrupts, kept, t_start)
         except Exception as error:  # a failure before the recorder existed: a log that says so
-            if "recorder" not in kept:
+            if "recorder" not in kept and not isinstance(error, _checkpoint.CheckpointError):
                 mark_log(args, "failed", _describe(error))
             raise
 
@@ -210,7 +290,11 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
         seed=args.seed,
         sampler_seed=args.seed + 1,
     )
-    chunks, qgt_design = _chunk_sizes(args.chunk_size, vstate)
+    snap = getattr(args, "_checkpoint", None)
+    if snap is None:
+        chunks, qgt_design = _chunk_sizes(args.chunk_size, vstate)
+    else:  # the chunks the run was started with (auto's pick could differ now, and change the numbers)
+        chunks, qgt_design = snap["info"]["chunk_size"], snap["info"]["qgt_design"]
     vstate.vmcgrad_chunk_size = chunks["gradient"]
     exact, exact_source = _systems.exact_energy(args.system, args.L, system) if main else (None, None)
 
@@ -226,6 +310,7 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
         "qgt_design": qgt_design,
         "exact_energy_source": exact_source,
         "versions": {"vmcgrad": _version(), "netket": nk.__version__, "jax": jax.__version__},
+        "resumed_at": [] if snap is None else [*snap["info"].get("resumed_at", []), int(snap["step"])],
     }
     if main:
         _print_header(args, info, exact, exact_source)
@@ -239,14 +324,36 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
         ),
     )
 
+    if snap is not None:
+        if main:
+            print(f"resuming from step {snap['step']} of {args.out}/{_checkpoint.CHECKPOINT}")
+        _checkpoint.restore(driver, snap, Path(args.out) / _checkpoint.CHECKPOINT)
+
     out = Path(args.out)
-    recorder = _Recorder(out, config_of(args), info, exact, args.steps, interrupts, main=main)
+    if main:
+        _output.remove_stale_temporaries(out, FILES)
+    recorder = _Recorder(
+        out,
+        config_of(args),
+        info,
+        exact,
+        args.steps,
+        interrupts,
+        main=main,
+        driver=driver,
+        checkpoint_every=args.checkpoint_every,
+        records=[] if snap is None else snap["records"][: int(snap["step"])],
+    )
     kept["recorder"] = recorder
     recorder.write()
     status = "interrupted"
     try:
         if not (interrupts.requested or recorder.failed):  # Ctrl-C (or a full disk) during the set-up
-            driver.run(args.steps, callback=recorder, show_progress=False)
+            driver.run(
+                args.steps - len(recorder.records),
+                callback=[recorder, _after_step(recorder)],
+                show_progress=False,
+            )
             status = "finished"
     except _StopRequested:
         pass
@@ -275,10 +382,14 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
     wall = time.perf_counter() - t_start
     if status == "interrupted":
         print(
-            f"interrupted after {n} of {args.steps} steps; kept {out / 'log.json'} and {out / 'energy.png'}"
+            f"interrupted after {n} of {args.steps} steps; kept {out / 'log.json'} and {out / 'energy.png'}; "
+            f"continue with `vmcgrad vmc --resume {out}` (from step {recorder.n_checkpoint})"
         )
         return 130
-    print(f"wrote {out / 'log.json'} and {out / 'energy.png'} in {wall:.1f} s")
+    print(
+        f"wrote {out / 'log.json'}, {out / 'energy.png'}, {out / _checkpoint.CHECKPOINT} and "
+        f"{out / _checkpoint.PARAMS} in {wall:.1f} s"
+    )
     return 0
 
 
@@ -364,13 +475,20 @@ class _Recorder:
         interrupts: _interrupt.Interrupts,
         *,
         main: bool = True,
+        driver=None,
+        checkpoint_every: int = CHECKPOINT_EVERY,
+        records: list[tuple] = (),
     ):
         self.out, self.config, self.info, self.exact = out, config, info, exact
         self.interrupts = interrupts
         self.main = main  # False on processes other than 0: no files, no progress bar
+        self.driver, self.checkpoint_every, self.steps = driver, checkpoint_every, steps
         # One tuple per completed step (mean, error, variance, acceptance, seconds), appended at once,
-        # so that an interrupt never leaves the lists of different lengths.
-        self.records: list[tuple] = []
+        # so that an interrupt never leaves the lists of different lengths; a resumed run starts with
+        # those of its checkpoint.
+        self.records: list[tuple] = list(records)
+        self.n_checkpoint = len(self.records)  # the step of the last checkpoint written (or resumed)
+        self.checkpoint_error: _output.OutputError | None = None
         self.status = "running"
         self.error: str | None = None  # an unexpected exception, as "TypeName: message"
         self.final_energy = self.relative_error = None
@@ -378,19 +496,24 @@ class _Recorder:
         self.n_logged = 0  # steps in the last log.json that was written
         self.log_error: _output.OutputError | None = None
         self.plot_error: _output.OutputError | None = None
-        self.bar = _progress_bar(steps, disable=not main)
+        self.bar = _progress_bar(steps, disable=not main, initial=len(self.records))
         self.t_last = time.perf_counter()
         self.t_plot = self.t_last
 
     @property
     def failed(self) -> bool:
-        return self.log_error is not None or self.plot_error is not None
+        return self.log_error is not None or self.plot_error is not None or self.checkpoint_error is not None
 
     def failure(self) -> str:
         """One line: what could not be written, why, and what the log keeps."""
         log = self.out / "log.json"
         if self.log_error is not None:
             return f"{self.log_error}; run stopped, {log} keeps the {self.n_logged} steps written before"
+        if self.checkpoint_error is not None:
+            return (
+                f"{self.checkpoint_error}; run stopped, {self.out / _checkpoint.CHECKPOINT} keeps step "
+                f"{self.n_checkpoint} and {log} the {self.n_logged} steps written before"
+            )
         stopped = "" if self.status == "finished" else "run stopped, "
         return f"{self.plot_error}; {stopped}{log} has all {self.n_logged} steps run"
 
@@ -418,23 +541,56 @@ class _Recorder:
         self.bar.update(1)
         if time.perf_counter() - self.t_plot > _PLOT_EVERY_S:
             self.plot()
-        self.t_last = time.perf_counter()  # the plot is not counted in the next step's time
-        if self._stop_everywhere():
-            raise _StopRequested
         return True
 
-    def _stop_everywhere(self) -> bool:
-        """Whether any process was asked to stop: all processes must leave after the same step."""
+    def after_step(self) -> None:
+        """After the step's parameter update (NetKet's ``on_step_end``): the checkpoint every
+        ``checkpoint_every`` steps, at the last step and when any process stops the run; then the stop.
+        """
+        n = len(self.records)
+        if n % self.checkpoint_every == 0 or n == self.steps:
+            self.checkpoint()
+        stop, failed = self._stop_everywhere()  # the same decisions on every process
+        if stop:
+            if self.n_checkpoint != n and not failed:  # (a full disk: the last checkpoint stays)
+                self.checkpoint()  # the state of the last step run, for --resume
+            raise _StopRequested
+        self.t_last = time.perf_counter()  # the plot and the checkpoint are not counted in the next step
+
+    def checkpoint(self) -> None:
+        """Writes the checkpoint of the steps completed (collective: every process takes the snapshot,
+        process 0 writes it); a failure is kept, not raised, and the previous checkpoint stays whole."""
+        if self.driver is None:
+            return
+        n = len(self.records)
+        snap = _checkpoint.snapshot(
+            self.driver, step=n, records=self.records, config=self.config, info=self.info
+        )
+        if not self.main:
+            self.n_checkpoint = n
+            return
+        if self.checkpoint_error is not None:
+            return
+        try:
+            _checkpoint.write(self.out, snap)
+        except _output.OutputError as error:
+            self.checkpoint_error = error
+        else:
+            self.n_checkpoint = n
+
+    def _stop_everywhere(self) -> tuple[bool, bool]:
+        """Whether any process was asked to stop (all processes must leave after the same step), and
+        whether a file could not be written on any."""
         import jax
 
-        stop = self.interrupts.requested or self.failed
+        flags = (self.interrupts.requested or self.failed, self.failed)
         if jax.process_count() == 1:
-            return stop
+            return flags
         import numpy as np
         from jax.experimental import multihost_utils
 
-        flags = multihost_utils.process_allgather(np.int32(stop))
-        return bool(np.any(flags))
+        gathered = multihost_utils.process_allgather(np.array(flags, dtype=np.int32))
+        return bool(np.any(gathered[..., 0])), bool(np.any(gathered[..., 1]))
 
     def log(self) -> dict:
         columns = list(zip(*self.records)) if self.records else [()] * 5
@@ -493,11 +649,30 @@ class _Recorder:
         self.plot()
 
 
-def _progress_bar(steps: int, disable: bool = False):
+def _after_step(recorder: _Recorder):
+    """A NetKet callback calling ``recorder.after_step()`` once a step's parameters are updated (a
+    legacy callback, such as the recorder itself, runs before the update)."""
+    import netket as nk
+    from netket.utils import struct
+
+    class AfterStep(nk.callbacks.AbstractCallback, mutable=True):
+        _recorder: _Recorder = struct.field(pytree_node=False, serialize=False)
+
+        def __init__(self, recorder):
+            self._recorder = recorder
+
+        def on_step_end(self, step, log_data, driver):
+            self._recorder.after_step()
+
+    return AfterStep(recorder)
+
+
+def _progress_bar(steps: int, disable: bool = False, initial: int = 0):
     from tqdm.auto import tqdm
 
     return tqdm(
         total=steps,
+        initial=initial,
         unit="step",
         file=sys.stderr,
         mininterval=0.2,
