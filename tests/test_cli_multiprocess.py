@@ -255,8 +255,12 @@ def test_initialize_distributed_refuses_a_bad_timeout():
 @pytest.mark.slow
 def test_a_two_process_run_resumes_to_the_energies_of_the_uninterrupted_one(tmp_path):
     """Two processes write a checkpoint after 3 steps; two processes resume it to 5 steps (each reads
-    the checkpoint and gets its chains back; process 0 writes). The energies equal, bit for bit, those
-    of two processes running the 5 steps at once (the same layout, so the same order of the sums)."""
+    the checkpoint and gets its chains back; process 0 writes), against two processes running the 5
+    steps at once. The first resumed step's energy and acceptance equal the uninterrupted run's bit for
+    bit: they depend only on the restored parameters and chains. Later steps are not bitwise
+    reproducible even between two uninterrupted 2-process runs (measured: step 4 differed by 1.4e-6
+    relative across three runs of the same command): the cross-process sums (gloo) are not always added
+    in the same order, and SR amplifies the rounding. They agree far within one error bar."""
     ports = [_free_port(), _free_port()]
     first, whole = tmp_path / "first", tmp_path / "whole"
     runs = [
@@ -279,5 +283,7 @@ def test_a_two_process_run_resumes_to_the_energies_of_the_uninterrupted_one(tmp_
     log = json.loads((first / "log.json").read_text())
     ref = json.loads((whole / "log.json").read_text())
     assert log["status"] == "finished" and log["info"]["resumed_at"] == [3]
-    assert log["energy_mean"] == ref["energy_mean"] and len(ref["energy_mean"]) == 5
-    assert log["acceptance"] == ref["acceptance"]
+    assert len(log["energy_mean"]) == len(ref["energy_mean"]) == 5
+    assert log["energy_mean"][:4] == ref["energy_mean"][:4]  # 3 from the checkpoint, step 3 recomputed
+    assert log["acceptance"][:4] == ref["acceptance"][:4]
+    assert abs(log["energy_mean"][4] - ref["energy_mean"][4]) < ref["energy_error"][4]

@@ -246,6 +246,7 @@ def test_killed_at_random_instants_and_resumed_reaches_the_same_energies(tmp_pat
         except BaseException:
             os.killpg(proc.pid, signal.SIGKILL)
             raise
+    print(f"SIGKILL after {kills} logged steps; {starts} starts")  # shown by pytest -s
     assert len(kills) >= 10, f"only {len(kills)} kills landed before the run finished ({kills})"
     assert max(kills) > 0, "no kill landed while stepping"
     if proc.poll() is None or proc.returncode != 0:  # the last start was killed: finish the run
@@ -338,3 +339,7 @@ def test_steps_extended_continue_the_run(finished_run, tmp_path):
     assert len(log["energy_mean"]) == 6 and log["info"]["resumed_at"] == [4]
     assert log["energy_mean"][:4] == _log(finished_run)["energy_mean"]
     assert log["config"]["steps"] == 6 and log["config"]["resume"] == str(out)
+    whole = tmp_path / "whole"  # the same 6 steps in one go: the same energies, bit for bit
+    rc, _, err = _vmcgrad([*RUN, "--steps", "6", "--checkpoint-every", "2", "--out", str(whole)], tmp_path)
+    assert rc == 0, err
+    assert log["energy_mean"] == _log(whole)["energy_mean"]
