@@ -126,3 +126,59 @@ def test_bad_arguments():
         vnk.VMC_SR(H, optax.sgd(0.02), diag_shift=1e-3, variational_state=ours, linear_solver="lu")
     with pytest.raises(TypeError, match="chunk_size"):
         vnk.VMC_SR(H, optax.sgd(0.02), diag_shift=1e-3, variational_state=ours, chunk_size_bwd=2.5)
+
+
+def _fullsum_setup(model):
+    """NetKet's own test_vmc_ngd.py::test_fullsum_vmc_vs_vmcsr problem: the 2x2 Ising model, h = 1."""
+    lattice = nk.graph.Square(2, max_neighbor_order=2)
+    hi = nk.hilbert.Spin(s=1 / 2, N=lattice.n_nodes, inverted_ordering=False)
+    H = nk.operator.Ising(hilbert=hi, graph=lattice, h=1.0)
+    return H, nk.vqs.FullSumState(hilbert=hi, model=model, seed=0)
+
+
+FULLSUM_MODELS = {
+    "RBM(complex128)": lambda: nk.models.RBM(
+        param_dtype=np.complex128,
+        kernel_init=jax.nn.initializers.normal(stddev=0.02),
+        hidden_bias_init=jax.nn.initializers.normal(stddev=0.02),
+        use_visible_bias=False,
+    ),
+    "RBMModPhase": lambda: nk.models.RBMModPhase(),
+}
+
+
+@pytest.mark.parametrize("momentum", [None, 0.9], ids=["", "momentum"])
+@pytest.mark.parametrize("name", list(FULLSUM_MODELS))
+def test_fullsum_state_equals_vmc_with_sr_and_netket_vmc_sr(name, momentum):
+    """NetKet's test_fullsum_vmc_vs_vmcsr with vmcgrad's driver: on a FullSumState it runs the exact
+    parameter-space update, equal to ``nk.driver.VMC`` + ``nk.optimizer.SR`` (Cholesky) and to NetKet's
+    ``VMC_SR`` over 5 steps, to 1e-10 (float64; the same dense solve)."""
+    solver = nk.optimizer.solver.cholesky
+    runs = []
+    for kind in ("vmc+sr", "netket", "vmcgrad"):
+        H, vstate = _fullsum_setup(FULLSUM_MODELS[name]())
+        opt = nk.optimizer.Sgd(learning_rate=0.035)
+        if kind == "vmc+sr":
+            sr = nk.optimizer.SR(diag_shift=0.1, solver=solver)
+            drv = nk.driver.VMC(H, opt, variational_state=vstate, preconditioner=sr)
+        else:
+            cls = nk.driver.VMC_SR if kind == "netket" else vnk.VMC_SR
+            kw = {} if momentum is None else {"momentum": momentum}
+            drv = cls(H, opt, variational_state=vstate, diag_shift=0.1, linear_solver=solver, **kw)
+        log = nk.logging.RuntimeLog()
+        drv.run(n_iter=5, out=log, show_progress=False)
+        runs.append((vstate.parameters, np.asarray(log.data["Energy"]["Mean"])))
+    (p_vmc, e_vmc), (p_nk, e_nk), (p_ours, e_ours) = runs
+    assert len(e_ours) == 5
+    assert_tree_allclose(p_ours, p_nk, rtol=0, atol=1e-10)
+    np.testing.assert_allclose(e_ours, e_nk, rtol=0, atol=1e-10)
+    if momentum is None:  # VMC + SR has no momentum
+        assert_tree_allclose(p_ours, p_vmc, rtol=1e-7, atol=1e-10)
+        np.testing.assert_allclose(e_ours, e_vmc, rtol=0, atol=1e-10)
+    assert not np.allclose(e_ours[0], e_ours[-1])  # it did move
+
+
+def test_fullsum_state_with_use_ntk_is_refused_in_vmcgrads_words():
+    H, vstate = _fullsum_setup(nk.models.RBMModPhase())
+    with pytest.raises(ValueError, match=r"vmcgrad.netket.VMC_SR: use_ntk=True needs a sampled state"):
+        vnk.VMC_SR(H, optax.sgd(0.02), diag_shift=0.1, variational_state=vstate, use_ntk=True)

@@ -18,7 +18,10 @@ kernel (both are built without the Jacobian); it is kept for NetKet's interface.
 is NetKet's dense solver on the N×N (2N×2N) kernel, or ``"cg"`` for vmcgrad's matrix-free conjugate
 gradient on ``T @ v`` (no N×N matrix stored).
 
-``use_ntk=False`` (parameter-space SR, a P×P matrix) runs NetKet's own ``sr``: the P×P system is
+On a ``FullSumState`` (every configuration, weighted by :math:`|\psi|^2`) the driver runs, as NetKet's
+does, the exact parameter-space SR update (NetKet's ``sr`` with the state's probabilities as weights):
+the kernel has no samples there. ``use_ntk=False`` (parameter-space SR, a P×P matrix) on an ``MCState``
+runs NetKet's own ``sr``: the P×P system is
 the point of that path, and for it ``nk.driver.VMC`` with ``nk.optimizer.SR(qgt=
 vmcgrad.netket.QGTOnTheFly)`` is vmcgrad's chunked route (no P×P or N×P matrix at all). The
 driver warns once that this step is NetKet's.
@@ -78,10 +81,11 @@ class VMC_SR(nk.driver.VMC_SR):
         memory_budget: float | None = None,
         **kwargs: Any,
     ):
-        if isinstance(variational_state, nk.vqs.FullSumState):
-            raise TypeError(
-                f"{NAME}: takes an MCState (sampled); got a FullSumState. Fix: use nk.driver.VMC_SR for "
-                "full-sum states (its NTK is not defined there)."
+        if isinstance(variational_state, nk.vqs.FullSumState) and kwargs.get("use_ntk"):
+            raise ValueError(
+                f"{NAME}: use_ntk=True needs a sampled state (the sample-space kernel is defined on "
+                "samples); got a FullSumState. Fix: leave out use_ntk (or pass False): on a FullSumState "
+                "the driver runs the exact parameter-space SR update, as NetKet's does."
             )
         chunk = check.check_chunk_size(NAME, chunk_size_bwd)
         if chunk is None:
@@ -114,7 +118,8 @@ class VMC_SR(nk.driver.VMC_SR):
     def compute_loss_and_update(self):
         """The energy statistics and vmcgrad's sample-space update (NetKet's step if ``use_ntk=False``)."""
         if not self.use_ntk:
-            _warn_netket_step()
+            if not isinstance(self.state, nk.vqs.FullSumState):  # (there: nothing to chunk)
+                _warn_netket_step()
             return super().compute_loss_and_update()
         local_energies = self.state.local_estimators(self._ham)
         self._loss_stats = nk.stats.statistics(local_energies)
