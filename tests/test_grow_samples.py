@@ -53,3 +53,70 @@ def test_next_n_is_a_multiple_of_the_granule_and_stops_at_the_maximum():
 def test_bad_arguments_are_refused_with_the_name(kwargs, match):
     with pytest.raises(ValueError, match=f"GrowSamples: `{match}`"):
         GrowSamples(**kwargs)
+
+
+# --- in vmcgrad.netket.VMC_SR ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def netket_mesh():
+    import jax
+    from jax.sharding import AxisType, Mesh
+
+    mesh = Mesh(np.array(jax.devices()), ("S",), axis_types=(AxisType.Auto,))
+    with jax.set_mesh(mesh):
+        yield
+
+
+def _driver(rule, **kw):
+    import jax
+    import netket as nk
+    import optax
+
+    import vmcgrad.netket as vnk
+
+    hi = nk.hilbert.Spin(0.5, 6)
+    chains = 2 * jax.device_count()
+    vs = vnk.MCState(
+        nk.sampler.MetropolisLocal(hi, n_chains=chains), nk.models.RBM(alpha=1), n_samples=8 * chains, seed=3
+    )
+    H = nk.operator.Ising(hi, nk.graph.Chain(6), h=1.0)
+    return vnk.VMC_SR(
+        H, optax.sgd(0.02), diag_shift=1e-2, variational_state=vs, use_ntk=True, grow_samples=rule, **kw
+    )
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_vmc_sr_raises_n_when_settled_and_logs_it(netket_mesh):
+    """A rule that settles at once (a tolerance of 1e9 error bars): N doubles every window of 3 steps,
+    up to max_samples; each step logs the N it sampled; the next step samples the raised N."""
+    import netket as nk
+
+    drv = _driver(None)
+    n0, chains = drv.state.n_samples, drv.state.sampler.n_chains
+    drv = _driver(GrowSamples(max_samples=3 * n0, window=3, tolerance=1e9))
+    log = nk.logging.RuntimeLog()
+    drv.run(8, out=log, show_progress=False)
+    # steps 0-2 at n0 -> raise after step 2; 3-5 at 2 n0 -> raise after step 5, capped at 3 n0
+    assert drv.grown == [(2, n0, 2 * n0), (5, 2 * n0, 3 * n0 - (3 * n0) % chains)]
+    assert [int(n) for _, n in log.data["n_samples"]] == [n0] * 3 + [2 * n0] * 3 + [3 * n0] * 2
+    assert drv.state.samples.reshape(-1, 6).shape[0] == 3 * n0
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_vmc_sr_growth_is_capped_by_what_the_budget_holds(netket_mesh):
+    """With a dense solver the N×N kernel and its factor must fit the budget: 2 N² float64 numbers."""
+    n0 = _driver(None).state.n_samples
+    budget = 2 * 8 * (n0 + n0 // 2) ** 2  # holds 1.5 n0, not 2 n0
+    drv = _driver(GrowSamples(max_samples=8 * n0, window=3, tolerance=1e9), memory_budget=budget)
+    assert drv.max_samples_in_budget() == n0 + n0 // 2
+    drv.run(4, out=None, show_progress=False)
+    chains = drv.state.sampler.n_chains
+    assert drv.grown == [(2, n0, (n0 + n0 // 2) // chains * chains)]
+    cg = _driver(GrowSamples(max_samples=8 * n0), memory_budget=budget, linear_solver="cg")
+    assert cg.max_samples_in_budget() is None  # matrix-free: no N×N matrix to fit
+
+
+def test_vmc_sr_grow_samples_bad_input(netket_mesh):
+    with pytest.raises(TypeError, match=r"`grow_samples` must be a vmcgrad\.netket\.GrowSamples"):
+        _driver(4096)

@@ -14,6 +14,7 @@ This subpackage imports NetKet; ``import vmcgrad`` alone does not.
 
 from ._expect_grad import expect_and_grad as expect_and_grad
 from ._forces import expect_and_forces as expect_and_forces
+from ._grow import GrowSamples as GrowSamples
 from ._qgt import QGTOnTheFly as QGTOnTheFly
 from ._qgt import QGTOnTheFlyT as QGTOnTheFlyT
 from ._sr import SR as SR
@@ -24,6 +25,7 @@ from ._vmc_sr import VMC_SR as VMC_SR
 __all__ = [
     "SR",
     "VMC_SR",
+    "GrowSamples",
     "MCState",
     "QGTAuto",
     "QGTOnTheFly",

@@ -42,6 +42,7 @@ from .. import _validation as check
 from .._warnings import VmcgradWarning
 from . import _nk_private as nkp
 from ._expect_grad import log_psi
+from ._grow import GrowSamples
 
 NAME = "vmcgrad.netket.VMC_SR"
 
@@ -57,7 +58,13 @@ class VMC_SR(nk.driver.VMC_SR):
             Default: the state's vmcgrad chunk size (``vmcgrad.netket.MCState``), else its
             ``chunk_size``.
         linear_solver: NetKet's dense solver ``solver(A, b)``, or ``"cg"`` (matrix-free).
-        memory_budget: bytes per device for ``chunk_size_bwd="auto"``.
+        memory_budget: bytes per device for ``chunk_size_bwd="auto"``; with ``grow_samples`` and a
+            dense solver, also the cap on N: the N×N kernel and its factor,
+            :math:`2 (kN)^2` numbers (:math:`k = 2` in the 'complex' mode), must fit in it.
+        grow_samples: a :class:`GrowSamples` rule: N is multiplied by its ``factor`` (a multiple of
+            the sampler's chains) whenever the energy has settled to its error bar over its
+            ``window`` of steps, up to its ``max_samples`` and to what ``memory_budget`` holds. Each
+            step logs ``n_samples``; :attr:`grown` lists the raises as ``(step, old N, new N)``.
 
     Example::
 
@@ -69,6 +76,10 @@ class VMC_SR(nk.driver.VMC_SR):
 
     _cg: bool = struct.field(pytree_node=False, default=False)
     _memory_budget: Any = struct.field(pytree_node=False, default=None)
+    _grow: Any = struct.field(pytree_node=False, default=None)
+    _grow_history: Any = struct.field(pytree_node=False, default=None)
+    grown: Any = struct.field(pytree_node=False, default=None)
+    _n_sampled: Any = struct.field(pytree_node=False, default=None)
 
     def __init__(
         self,
@@ -79,6 +90,7 @@ class VMC_SR(nk.driver.VMC_SR):
         chunk_size_bwd: int | str | None = None,
         linear_solver: Any = nk.optimizer.solver.cholesky_with_fallback,
         memory_budget: float | None = None,
+        grow_samples: GrowSamples | None = None,
         **kwargs: Any,
     ):
         if isinstance(variational_state, nk.vqs.FullSumState) and kwargs.get("use_ntk"):
@@ -86,6 +98,17 @@ class VMC_SR(nk.driver.VMC_SR):
                 f"{NAME}: use_ntk=True needs a sampled state (the sample-space kernel is defined on "
                 "samples); got a FullSumState. Fix: leave out use_ntk (or pass False): on a FullSumState "
                 "the driver runs the exact parameter-space SR update, as NetKet's does."
+            )
+        if grow_samples is not None and not isinstance(grow_samples, GrowSamples):
+            raise TypeError(
+                f"{NAME}: `grow_samples` must be a vmcgrad.netket.GrowSamples or None; got "
+                f"{type(grow_samples).__name__}. Fix: "
+                "grow_samples=vmcgrad.netket.GrowSamples(max_samples=8192)."
+            )
+        if grow_samples is not None and not isinstance(variational_state, nk.vqs.MCState):
+            raise TypeError(
+                f"{NAME}: `grow_samples` needs a sampled state (an MCState); got "
+                f"{type(variational_state).__name__}, which has no number of samples to raise."
             )
         chunk = check.check_chunk_size(NAME, chunk_size_bwd)
         if chunk is None:
@@ -113,6 +136,7 @@ class VMC_SR(nk.driver.VMC_SR):
         if self.use_ntk:
             # vmcgrad's SPRING buffer: a pytree like the parameters (None: zeros).
             self._old_updates = None
+        self._grow, self._grow_history, self.grown = grow_samples, [], []
 
     @timing.timed
     def compute_loss_and_update(self):
@@ -156,7 +180,47 @@ class VMC_SR(nk.driver.VMC_SR):
             memory_budget=self._memory_budget,
         )
         self.info = info if isinstance(info, dict) and info else None
+        self._n_sampled = self.state.n_samples
+        self._grow_samples()
         return self._loss_stats, self._dp
+
+    def _grow_samples(self) -> None:
+        """Applies the ``grow_samples`` rule after this step's update: the next step samples the raised N."""
+        if self._grow is None:
+            return
+        stats = self._loss_stats
+        self._grow_history.append((float(jax.numpy.real(stats.mean)), float(stats.error_of_mean)))
+        energies, errors = zip(*self._grow_history)
+        if not self._grow.settled(energies, errors):
+            return
+        n, granule = self.state.n_samples, self.state.sampler.n_chains
+        new = self._grow.next_n(n, granule)
+        cap = self.max_samples_in_budget()
+        if new is not None and cap is not None and new > cap:
+            new = cap - cap % granule
+        if new is None or new <= n:
+            return
+        self.state.n_samples = new
+        self._grow_history = []  # W more steps at the new N before the next decision
+        self.grown.append((int(self.step_count), int(n), int(new)))
+
+    def max_samples_in_budget(self) -> int | None:
+        """The largest N whose dense N×N kernel and factor fit ``memory_budget`` (None: no cap, with no
+        budget or with the matrix-free ``"cg"`` solver, which stores no N×N matrix)."""
+        if self._memory_budget is None or self._cg or not self.use_ntk:
+            return None
+        params = jax.tree_util.tree_leaves(self.state.parameters)
+        complex_params = any(jax.numpy.iscomplexobj(p) for p in params)
+        itemsize = jax.numpy.finfo(params[0].dtype).bits // 8 if params else 8
+        k = 2 if str(self.mode) == "complex" else 1
+        if str(self.mode) == "holomorphic" and complex_params:
+            itemsize *= 2
+        return int((self._memory_budget / (2 * itemsize)) ** 0.5) // k
+
+    def _log_additional_data(self, log_dict: dict):
+        super()._log_additional_data(log_dict)
+        if self._grow is not None:
+            log_dict["n_samples"] = self._n_sampled  # this step's N (the next one may be raised)
 
 
 _WARNED: list[bool] = []
