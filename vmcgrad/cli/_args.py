@@ -70,3 +70,27 @@ def _float(text: str, ok, what: str) -> float:
     if not (math.isfinite(value) and ok(value)):
         raise argparse.ArgumentTypeError(f"must be {what}; got {text}")
     return value
+
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30}
+
+
+def byte_size(text: str) -> int:
+    """A positive number of bytes, with an optional binary unit (KiB, MiB, GiB; K, M, G).
+
+    Examples:
+        >>> byte_size("64MiB"), byte_size("1g"), byte_size("1e6")
+        (67108864, 1073741824, 1000000)
+    """
+    stripped = text.strip().lower().replace(" ", "")
+    number = stripped.rstrip("kmgib")
+    unit = stripped[len(number) :]
+    try:
+        value = float(number) * _UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(
+            f"expected a number of bytes such as 64MiB, 1GiB or 1e9; got {text!r}"
+        ) from None
+    if not (math.isfinite(value) and value >= 1):
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte; got {text}")
+    return int(value)

@@ -36,9 +36,19 @@ MAGIC = b"vmcgrad checkpoint\n"
 FORMAT = 1
 CHECKPOINT = "checkpoint.mpack"
 PARAMS = "params.mpack"
-#: The options that may differ between a run and its resumption; every other option defines the problem.
+#: The options that may differ between a run and its resumption (each resumed run has its own: they are
+#: not taken from the checkpoint); every other option defines the problem.
 MAY_CHANGE = frozenset(
-    {"steps", "out", "resume", "checkpoint_every", "coordinator", "process_id", "distributed_timeout"}
+    {
+        "steps",
+        "out",
+        "resume",
+        "checkpoint_every",
+        "minutes",
+        "coordinator",
+        "process_id",
+        "distributed_timeout",
+    }
 )
 
 
@@ -90,6 +100,20 @@ def snapshot(
         "optimizer_state": to_host(serialization.to_state_dict(driver._optimizer_state)),
         "driver": to_host(extra or {}),
     }
+
+
+def driver_state(driver) -> dict:
+    """A driver's own state beyond the variational state and the optimiser: for
+    :class:`vmcgrad.netket.VMC_SR`, the number of samples (it may have grown), the ``grow_samples``
+    rule's window and raises, and the SPRING momentum's last update; nothing for ``nk.driver.VMC``."""
+    state = {}
+    if hasattr(driver, "grown"):  # vmcgrad.netket.VMC_SR
+        state["n_samples"] = int(driver.state.n_samples)
+        state["grow"] = json.dumps({"history": driver._grow_history, "grown": driver.grown})
+    old = getattr(driver, "_old_updates", None)
+    if old is not None:
+        state["old_updates"] = old
+    return state
 
 
 def params_bytes(snap: dict) -> bytes:
@@ -188,6 +212,9 @@ def restore(driver, snap: dict, path: Path) -> None:
     from flax import serialization
 
     state = driver.state
+    extra = snap.get("driver") or {}
+    if "n_samples" in extra:  # before the sampler state: its chains do not depend on it
+        state.n_samples = int(extra["n_samples"])
     variables = _fitted(state.variables, snap["variables"], "variables", path)
     optimizer_state = _fitted(driver._optimizer_state, snap["optimizer_state"], "optimizer state", path)
     try:
@@ -201,6 +228,12 @@ def restore(driver, snap: dict, path: Path) -> None:
     state.reset()
     driver._optimizer_state = optimizer_state
     driver._step_count = int(snap["step"])
+    if "grow" in extra:
+        grow = json.loads(extra["grow"])
+        driver._grow_history = [tuple(x) for x in grow["history"]]
+        driver.grown = [tuple(x) for x in grow["grown"]]
+    if "old_updates" in extra:
+        driver._old_updates = _fitted(state.parameters, extra["old_updates"], "momentum", path)
     jax.block_until_ready((state.variables, state.sampler_state))
 
 

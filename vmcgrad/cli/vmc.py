@@ -29,13 +29,18 @@ import time
 from pathlib import Path
 
 from . import _checkpoint, _distributed, _interrupt, _output, _systems
-from ._args import HelpFormatter, chunk_size, non_negative_float, positive_float, positive_int
+from ._args import HelpFormatter, byte_size, chunk_size, non_negative_float, positive_float, positive_int
 
 #: Samples per Metropolis chain are at least this many: chains per device = min(16, samples / devices / this).
 _CHAINS_PER_DEVICE = 16
 _PLOT_EVERY_S = 10.0
 #: The per-step lists of ``log.json``.
-_STEP_KEYS = ("energy_mean", "energy_error", "energy_variance", "acceptance", "step_time")
+_STEP_KEYS = ("energy_mean", "energy_error", "energy_variance", "acceptance", "step_time", "n_samples")
+#: The optimisation drivers of ``--driver``.
+DRIVERS = {
+    "sr": "nk.driver.VMC with SR in parameter space (vmcgrad's QGTOnTheFly products, CG)",
+    "minsr": "vmcgrad.netket.VMC_SR: sample-space SR (MinSR), its N x N kernel built in chunked blocks",
+}
 #: The modules this command imports beyond vmcgrad's own (the ``[cli]`` extra), checked before it starts.
 REQUIRES = ("netket", "matplotlib", "tqdm")
 #: What a run writes in ``--out``.
@@ -76,6 +81,33 @@ def add_parser(commands) -> None:
         help="samples per chunk in the gradient and QGT loops: a positive integer (no divisibility) or auto",
     )
     p.add_argument("--steps", type=positive_int, default=120, help="optimisation steps")
+    p.add_argument(
+        "--driver",
+        choices=tuple(DRIVERS),
+        default="sr",
+        help="; ".join(f"{k}: {v}" for k, v in DRIVERS.items()),
+    )
+    p.add_argument(
+        "--memory-budget",
+        type=byte_size,
+        default=None,
+        metavar="BYTES",
+        help="bytes per device (e.g. 64MiB): every chunk is chosen to fit it (--chunk-size is then auto)",
+    )
+    p.add_argument(
+        "--grow-samples",
+        type=positive_int,
+        default=None,
+        metavar="MAX",
+        help="with --driver minsr: double the samples whenever the energy settles to its error bar over 20 "
+        "steps, up to MAX and to what --memory-budget holds (vmcgrad.netket.GrowSamples)",
+    )
+    p.add_argument(
+        "--minutes",
+        type=positive_float,
+        default=None,
+        help="stop after the step that passes this many minutes of the run (a checkpoint is written)",
+    )
     p.add_argument(
         "--lr", type=positive_float, default=_systems.PER_SYSTEM, help="learning rate (SGD on the SR update)"
     )
@@ -120,7 +152,13 @@ def check(args, parser) -> None:
     """
     if args.resume is not None:
         _resume_options(args, parser)
+    elif args.memory_budget is not None and "chunk_size" not in _given_options(args, parser):
+        args.chunk_size = "auto"  # a budget alone chooses every chunk
     _systems.fill_defaults(args)
+    if args.grow_samples is not None and args.driver != "minsr":
+        parser.error(
+            "argument --grow-samples: needs --driver minsr (sample-space SR holds N within a budget)"
+        )
     problem = _systems.size_problem(args.system, args.L)
     if problem:
         parser.error(f"argument --L: {problem}")
@@ -287,12 +325,13 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
         n_samples=n_samples,
         n_discard_per_chain=8,
         chunk_size=None if args.chunk_size == "auto" else args.chunk_size,
+        memory_budget=args.memory_budget,
         seed=args.seed,
         sampler_seed=args.seed + 1,
     )
     snap = getattr(args, "_checkpoint", None)
     if snap is None:
-        chunks, qgt_design = _chunk_sizes(args.chunk_size, vstate)
+        chunks, qgt_design = _chunk_sizes(args.chunk_size, vstate, args.memory_budget, args.driver)
     else:  # the chunks the run was started with (auto's pick could differ now, and change the numbers)
         chunks, qgt_design = snap["info"]["chunk_size"], snap["info"]["qgt_design"]
     vstate.vmcgrad_chunk_size = chunks["gradient"]
@@ -308,6 +347,8 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
         "n_processes": jax.process_count(),
         "chunk_size": chunks,
         "qgt_design": qgt_design,
+        "driver": DRIVERS[args.driver],
+        "memory_budget": args.memory_budget,
         "exact_energy_source": exact_source,
         "versions": {"vmcgrad": _version(), "netket": nk.__version__, "jax": jax.__version__},
         "resumed_at": [] if snap is None else [*snap["info"].get("resumed_at", []), int(snap["step"])],
@@ -315,14 +356,7 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
     if main:
         _print_header(args, info, exact, exact_source)
 
-    driver = nk.driver.VMC(
-        system.hamiltonian,
-        nk.optimizer.Sgd(learning_rate=args.lr),
-        variational_state=vstate,
-        preconditioner=nk.optimizer.SR(
-            qgt=vnk.QGTOnTheFly(chunk_size=chunks["qgt"], design=qgt_design), diag_shift=args.diag_shift
-        ),
-    )
+    driver = _driver(args, system, vstate, chunks, qgt_design)
 
     if snap is not None:
         if main:
@@ -343,6 +377,7 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
         driver=driver,
         checkpoint_every=args.checkpoint_every,
         records=[] if snap is None else snap["records"][: int(snap["step"])],
+        deadline=None if args.minutes is None else t_start + 60 * args.minutes,
     )
     kept["recorder"] = recorder
     recorder.write()
@@ -356,7 +391,8 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
             )
             status = "finished"
     except _StopRequested:
-        pass
+        if recorder.time_up:
+            status = "time limit"
     except Exception as error:  # not an interrupt: the log says what failed
         status, recorder.error = "failed", _describe(error)
         raise
@@ -380,6 +416,13 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
     if recorder.failed:
         raise _output.OutputError(recorder.failure())
     wall = time.perf_counter() - t_start
+    if status == "time limit":
+        print(
+            f"stopped at the --minutes {args.minutes:g} limit after {n} of {args.steps} steps; kept "
+            f"{out / 'log.json'} and {out / _checkpoint.CHECKPOINT}; continue with "
+            f"`vmcgrad vmc --resume {out}`"
+        )
+        return 0
     if status == "interrupted":
         print(
             f"interrupted after {n} of {args.steps} steps; kept {out / 'log.json'} and {out / 'energy.png'}; "
@@ -393,7 +436,43 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
     return 0
 
 
-def _chunk_sizes(chunk_size: int | str, vstate) -> tuple[dict[str, int], str]:
+def _driver(args, system, vstate, chunks: dict, qgt_design: str):
+    """The optimisation driver of ``--driver``: NetKet's VMC with SR on vmcgrad's QGT products, or
+    vmcgrad's ``VMC_SR`` (MinSR) with its kernel chunk from the budget."""
+    import contextlib
+    import io
+
+    import netket as nk
+
+    import vmcgrad.netket as vnk
+
+    optimizer = nk.optimizer.Sgd(learning_rate=args.lr)
+    if args.driver == "sr":
+        qgt = vnk.QGTOnTheFly(chunk_size=chunks["qgt"], design=qgt_design)
+        return nk.driver.VMC(
+            system.hamiltonian,
+            optimizer,
+            variational_state=vstate,
+            preconditioner=nk.optimizer.SR(qgt=qgt, diag_shift=args.diag_shift),
+        )
+    grow = None if args.grow_samples is None else vnk.GrowSamples(max_samples=args.grow_samples)
+    with contextlib.redirect_stdout(io.StringIO()):  # NetKet's notes on its own automatic choices
+        return vnk.VMC_SR(
+            system.hamiltonian,
+            optimizer,
+            diag_shift=args.diag_shift,
+            variational_state=vstate,
+            use_ntk=True,
+            on_the_fly=False,
+            chunk_size_bwd=chunks["kernel"],
+            memory_budget=args.memory_budget,
+            grow_samples=grow,
+        )
+
+
+def _chunk_sizes(
+    chunk_size: int | str, vstate, memory_budget: int | None = None, driver: str = "sr"
+) -> tuple[dict[str, int | str], str]:
     """The chunk of the gradient and of the QGT products, and the QGT product's design:
     ``--chunk-size`` and ``"fused"`` (:func:`vmcgrad.QGT`'s design at a given chunk), or for ``auto``
     the largest power of two whose compiled program fits the memory budget, for each of the two
@@ -403,6 +482,8 @@ def _chunk_sizes(chunk_size: int | str, vstate) -> tuple[dict[str, int], str]:
     The run's QGT is built with this chunk and design. The shapes do not change during the run, so
     neither does the choice."""
     if chunk_size != "auto":
+        if driver == "minsr":
+            return {"gradient": chunk_size, "kernel": chunk_size}, "-"
         return {"gradient": chunk_size, "qgt": chunk_size}, "fused"
     import jax
 
@@ -411,8 +492,11 @@ def _chunk_sizes(chunk_size: int | str, vstate) -> tuple[dict[str, int], str]:
     apply, model_state = vstate.model.apply, vstate.model_state
     logpsi = jax.tree_util.Partial(lambda ms, w, x: apply({"params": w, **ms}, x), model_state)
     samples = jax.jit(lambda s: s.reshape(-1, s.shape[-1]))(vstate.samples)
-    gradient = vmcgrad.auto_chunk_size(logpsi, vstate.parameters, samples, estimator="expect_grad")
-    qgt = vmcgrad.QGT(logpsi, vstate.parameters, samples, chunk_size="auto")  # builds O-bar once
+    budget = {"memory_budget": memory_budget}
+    gradient = vmcgrad.auto_chunk_size(logpsi, vstate.parameters, samples, estimator="expect_grad", **budget)
+    if driver == "minsr":  # the kernel's blocks: chosen by vmcgrad.minsr_update at each N, in the budget
+        return {"gradient": gradient, "kernel": "auto"}, "-"
+    qgt = vmcgrad.QGT(logpsi, vstate.parameters, samples, chunk_size="auto", **budget)  # builds O-bar once
     return {"gradient": gradient, "qgt": qgt.chunk_size}, qgt.design
 
 
@@ -420,10 +504,11 @@ def _print_header(args, info: dict, exact: float | None, exact_source: str | Non
     n = info["n_processes"]
     processes = f" in {n} processes" if n > 1 else ""
     chunks = info["chunk_size"]
+    other = "qgt" if "qgt" in chunks else "kernel"
     chunk = (
         str(chunks["gradient"])
-        if chunks["gradient"] == chunks["qgt"]
-        else (f"{chunks['gradient']} (gradient), {chunks['qgt']} (QGT)")
+        if chunks["gradient"] == chunks[other]
+        else (f"{chunks['gradient']} (gradient), {chunks[other]} ({other})")
     )
     if args.chunk_size == "auto":
         chunk = f"auto: {chunk}"
@@ -431,9 +516,18 @@ def _print_header(args, info: dict, exact: float | None, exact_source: str | Non
         f"vmcgrad vmc: {info['description']}; "
         f"{args.model} with {info['n_parameters']} parameters; {info['n_samples']} samples in "
         f"{info['n_chains']} chains on {info['n_devices']} device(s){processes}, chunk size "
-        f"{chunk}; SR diag_shift {args.diag_shift}, lr {args.lr}, {args.steps} steps"
+        f"{chunk}; {args.driver.upper() if args.driver == 'sr' else 'MinSR'} diag_shift {args.diag_shift}, "
+        f"lr {args.lr}, {args.steps} steps"
     )
-    if args.chunk_size == "auto":
+    if args.driver == "minsr":
+        budget = "" if args.memory_budget is None else f" within {args.memory_budget} bytes per device"
+        grow = (
+            ""
+            if args.grow_samples is None
+            else f"; samples grow up to {args.grow_samples} as the energy settles"
+        )
+        print(f"driver minsr: {DRIVERS['minsr']}{budget}{grow}")
+    elif args.chunk_size == "auto":
         print(
             f"chunk size auto: picked {chunks['gradient']} for the gradient and {chunks['qgt']} "
             f"({info['qgt_design']} design) for the QGT products (the largest powers of two whose "
@@ -478,6 +572,7 @@ class _Recorder:
         driver=None,
         checkpoint_every: int = CHECKPOINT_EVERY,
         records: list[tuple] = (),
+        deadline: float | None = None,
     ):
         self.out, self.config, self.info, self.exact = out, config, info, exact
         self.interrupts = interrupts
@@ -489,6 +584,8 @@ class _Recorder:
         self.records: list[tuple] = list(records)
         self.n_checkpoint = len(self.records)  # the step of the last checkpoint written (or resumed)
         self.checkpoint_error: _output.OutputError | None = None
+        self.deadline = deadline  # time.perf_counter() after which the run stops (--minutes)
+        self.time_up = False
         self.status = "running"
         self.error: str | None = None  # an unexpected exception, as "TypeName: message"
         self.final_energy = self.relative_error = None
@@ -529,10 +626,11 @@ class _Recorder:
             float(stats.variance),
             None if acceptance is None else float(acceptance),
             now - self.t_last,
+            int(log_data.get("n_samples", driver.state.n_samples)),  # the N this step sampled
         )
         self.records.append(record)
         self.write()
-        mean, error, variance, acc, dt = record
+        mean, error, variance, acc, dt, _ = record
         acc_s = "-" if acc is None else f"{acc:.0%}"
         self.bar.set_description_str(
             f"E = {mean:.5f} ± {error:.5f}, var {variance:.4f}, acc {acc_s}, {dt * 1e3:.0f} ms/step",
@@ -564,7 +662,12 @@ class _Recorder:
             return
         n = len(self.records)
         snap = _checkpoint.snapshot(
-            self.driver, step=n, records=self.records, config=self.config, info=self.info
+            self.driver,
+            step=n,
+            records=self.records,
+            config=self.config,
+            info=self.info,
+            extra=_checkpoint.driver_state(self.driver),
         )
         if not self.main:
             self.n_checkpoint = n
@@ -583,23 +686,21 @@ class _Recorder:
         whether a file could not be written on any."""
         import jax
 
-        flags = (self.interrupts.requested or self.failed, self.failed)
-        if jax.process_count() == 1:
-            return flags
-        import numpy as np
-        from jax.experimental import multihost_utils
+        time_up = self.deadline is not None and time.perf_counter() > self.deadline
+        flags = (self.interrupts.requested or self.failed or time_up, self.failed, time_up)
+        if jax.process_count() > 1:
+            import numpy as np
+            from jax.experimental import multihost_utils
 
-        gathered = multihost_utils.process_allgather(np.array(flags, dtype=np.int32))
-        return bool(np.any(gathered[..., 0])), bool(np.any(gathered[..., 1]))
+            gathered = multihost_utils.process_allgather(np.array(flags, dtype=np.int32))
+            flags = tuple(bool(np.any(gathered[..., i])) for i in range(3))
+        self.time_up = flags[2] and not flags[1] and not self.interrupts.requested
+        return flags[0], flags[1]
 
     def log(self) -> dict:
-        columns = list(zip(*self.records)) if self.records else [()] * 5
+        columns = list(zip(*self.records)) if self.records else [()] * len(_STEP_KEYS)
         return {
-            "energy_mean": list(columns[0]),
-            "energy_error": list(columns[1]),
-            "energy_variance": list(columns[2]),
-            "acceptance": list(columns[3]),
-            "step_time": list(columns[4]),
+            **{key: list(column) for key, column in zip(_STEP_KEYS, columns)},
             "exact_energy": self.exact,
             "final_energy": self.final_energy,
             "relative_error": self.relative_error,
