@@ -306,6 +306,23 @@ def test_traced_unknown_primitive_warns_naming_it(make):
         traced_call()
 
 
+@pytest.mark.parametrize("case", ["constants_under_jit", "closure_over_a_tracer"])
+def test_concrete_looking_inputs_under_a_trace_warn(case):
+    """Concrete params and samples inside the user's jit (as constants, or with ``fun`` closing over
+    a traced value): the check's evaluation would be staged, not run, so vmcgrad warns instead."""
+    from vmcgrad._warnings import UnknownPrimitiveWarning
+
+    if case == "constants_under_jit":
+        fun = _rowwise_fun()
+        call = jax.jit(lambda: vmcgrad.batched_vjp(fun, W, X, CT, chunk_size=4))
+    else:
+        call = jax.jit(
+            lambda s: vmcgrad.batched_vjp(lambda w, x: s * ROWWISE_P.bind(x @ w), W, X, CT, chunk_size=4)
+        )
+    with pytest.warns(UnknownPrimitiveWarning, match="inputs are traced"):
+        call() if case == "constants_under_jit" else call(2.0)
+
+
 def test_a_failing_analysis_is_not_silent(monkeypatch):
     """A rule that does not fit this JAX's jaxpr (here: made to raise) leaves the verdict to the
     numerical check on concrete inputs, and to a warning on traced ones."""

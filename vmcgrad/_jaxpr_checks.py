@@ -711,13 +711,16 @@ def _literal(text: str) -> str:
     return re.sub(r"[.^$*+?{}\[\]\\|()]", r"\\\g<0>", text)
 
 
+_TRACED = "its inputs are traced (the call is inside jax.jit, jax.vmap or a derivative)"
+
+
 def _not_concrete(fun: Callable, params: Any, samples: Any) -> str:
     """Why ``fun`` cannot be evaluated on these inputs now ("" if it can)."""
     from ._function import split_fun
 
     leaves = jax.tree.leaves((params, samples, split_fun(fun)[1]))
     if any(isinstance(x, jax.core.Tracer) for x in leaves):
-        return "its inputs are traced (the call is inside jax.jit, jax.vmap or a derivative)"
+        return _TRACED
     if any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves):
         return "the samples span several processes"
     return ""
@@ -745,17 +748,25 @@ def numerical_row_coupling(
     """
     leaves = jax.tree.leaves(samples)
     m = min(int(leaves[0].shape[0]), _CHECK_ROWS)
-    rows = jax.tree.map(lambda x: np.asarray(x[:m]), samples)
+    with jax.ensure_compile_time_eval():  # a slice of concrete arrays, also under the user's jit
+        rows = jax.tree.map(lambda x: np.asarray(x[:m]), samples)
     if all(np.array_equal(x, x[:1].repeat(m, 0)) for x in jax.tree.leaves(rows)):
         return Unsettled(f"the first {m} samples are all equal, which no check can separate")
-    p_leaves, treedef = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.key(0), len(p_leaves))
-    t = treedef.unflatten([jax.random.normal(k, p.shape, p.dtype) for k, p in zip(keys, p_leaves)])
+    rng = np.random.default_rng(0)  # on the host: jax.random would compile once per leaf shape
+
+    def normal(p):
+        x = rng.standard_normal(p.shape)
+        if jnp.issubdtype(p.dtype, jnp.complexfloating):
+            x = x + 1j * rng.standard_normal(p.shape)
+        return x.astype(p.dtype)
+
+    t = jax.tree.map(normal, params)
     tangent = jax.jit(lambda p, t, x: jax.jvp(lambda q: fun(q, x), (p,), (t,))[1])
     try:
-        with jax.ensure_compile_time_eval():
-            full = tangent(params, t, rows)
-            copies = [tangent(params, t, _copies(rows, j, m)) for j in range(m)]
+        full = tangent(params, t, rows)
+        if isinstance(full, jax.core.Tracer):  # fun closes over a traced value: staged, not run
+            return Unsettled(_TRACED)
+        copies = [tangent(params, t, _copies(rows, j, m)) for j in range(m)]
         full, copies = np.asarray(full), np.stack([np.asarray(c) for c in copies])
     except Exception as err:  # fun fails on m rows, a primitive without an implementation, ...
         return Unsettled(f"evaluating it on {m} samples failed ({type(err).__name__}: {err})")
