@@ -203,3 +203,136 @@ def test_rbm_end_to_end_matches_jax_vjp():
     fun = lambda p, x: model.apply(p, x)
     (ref,) = jax.vjp(lambda p: fun(p, x), params)[1](CT)
     assert_tree_allclose(vmcgrad.batched_vjp(fun, params, x, CT, chunk_size=3), ref, rtol=1e-12, atol=1e-13)
+
+
+# --- a primitive the analysis has no rule for: a numerical check, else a warning -------------------
+
+
+def _made_up_primitive(name, impl):
+    """A primitive vmcgrad's tables cannot know: ``impl`` on the last axis, with an abstract eval,
+    a lowering and a batching rule (vmapped axis moved to the front)."""
+    from jax.extend.core import Primitive
+    from jax.interpreters import batching, mlir
+
+    p = Primitive(name)
+    p.def_impl(impl)
+    p.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape, x.dtype))
+    mlir.register_lowering(p, mlir.lower_fun(impl, multiple_results=False))
+    batching.primitive_batchers[p] = lambda args, dims: (p.bind(jnp.moveaxis(args[0], dims[0], 0)), 0)
+    return p
+
+
+def _made_up_primitives():
+    from jax.interpreters import ad
+
+    rowwise = _made_up_primitive("test_made_up_rowwise", jnp.tanh)
+    ad.defjvp(rowwise, lambda t, x: t * (1 - rowwise.bind(x) ** 2))
+    # x - mean(x) over the last axis, which for fun's (N,) output is the sample axis
+    coupled = _made_up_primitive("test_made_up_coupled", lambda x: x - jnp.mean(x, axis=-1, keepdims=True))
+    ad.deflinear2(coupled, lambda ct, x: [coupled.bind(ct)])
+    return rowwise, coupled
+
+
+ROWWISE_P, COUPLED_P = _made_up_primitives()
+
+
+def _rowwise_fun():  # a new function each time: the verdicts are remembered per function
+    return lambda w, x: ROWWISE_P.bind(x @ w)
+
+
+def _coupled_fun():
+    return lambda w, x: jnp.sin(x @ w) + COUPLED_P.bind(x @ w)
+
+
+def _state(fun):
+    rows = _jaxpr_checks.abstract_batch_size(W, X)
+    return _jaxpr_checks.row_state(_jaxpr_checks.tangent_jaxpr(fun, W, X, rows), 2)
+
+
+def test_unknown_primitive_is_named_by_the_analysis():
+    """The analysis names the primitive it has no rule for when it reaches the derivative, and not
+    when it is under stop_gradient (no false report)."""
+    assert _state(_coupled_fun()) == _jaxpr_checks.Unknown(frozenset({"test_made_up_coupled"}))
+    rows = _jaxpr_checks.abstract_batch_size(W, X)
+    assert _jaxpr_checks.row_coupling(_jaxpr_checks.tangent_jaxpr(_coupled_fun(), W, X, rows), 2) is None
+    quiet = lambda w, x: jnp.sin(x @ w) + jax.lax.stop_gradient(COUPLED_P.bind(x @ w))
+    assert _state(quiet) == _jaxpr_checks.Rows(0)
+
+
+def test_numerical_check_refuses_the_coupling_primitive():
+    """Concrete inputs: the numerical check measures the coupling and the call is refused, naming
+    the primitive (today's code accepted it and returned a chunk-dependent gradient)."""
+    with pytest.raises(ValueError, match="depend on each other") as err:
+        vmcgrad.batched_vjp(_coupled_fun(), W, X, CT, chunk_size=4)
+    assert "`test_made_up_coupled`" in str(err.value) and "numerical check" in str(err.value)
+
+
+def test_numerical_check_passes_the_rowwise_primitive_and_is_remembered():
+    """Concrete inputs: the row-wise primitive passes (no warning: they are errors in this suite),
+    the gradient is exact, and a later traced call with the same function and shapes reuses the
+    pass instead of warning."""
+    fun = _rowwise_fun()
+    (ref,) = jax.vjp(lambda w: fun(w, X), W)[1](CT)
+    assert_tree_allclose(vmcgrad.batched_vjp(fun, W, X, CT, chunk_size=3), ref, rtol=1e-12, atol=1e-13)
+    traced = jax.jit(lambda w: vmcgrad.batched_vjp(fun, w, X, CT, chunk_size=3))(W)
+    assert_tree_allclose(traced, ref, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("make", [_rowwise_fun, _coupled_fun], ids=["rowwise", "coupled"])
+def test_traced_unknown_primitive_warns_naming_it(make):
+    """Traced inputs: no values to check, so vmcgrad warns (when it traces) that it assumed
+    row-wise, naming the primitive and the filter that silences it; that filter, copied from the
+    message, does."""
+    import warnings
+
+    from vmcgrad._warnings import UnknownPrimitiveWarning
+
+    fun = make()
+
+    def traced_call():  # a new jit each time: traced (and checked) again
+        return jax.jit(lambda w: vmcgrad.batched_vjp(fun, w, X, CT, chunk_size=4))(W)  # params traced
+
+    with pytest.warns(UnknownPrimitiveWarning) as seen:
+        traced_call()
+    (message,) = [str(w.message) for w in seen]
+    assert seen[0].filename == __file__  # it points at the user's code, not at vmcgrad's
+    name = "`test_made_up_coupled`" if make is _coupled_fun else "`test_made_up_rowwise`"
+    assert message.startswith(f"vmcgrad: no row-coupling rule for the JAX primitive {name}")
+    assert "vmcgrad.batched_vjp" in message and "assumed that row i" in message
+    line = message[message.index("warnings.filterwarnings(") : message.rindex(")") + 1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        eval(line, {"warnings": warnings, "vmcgrad": vmcgrad})  # the silencing line, as printed
+        traced_call()
+
+
+@pytest.mark.parametrize("case", ["constants_under_jit", "closure_over_a_tracer"])
+def test_concrete_looking_inputs_under_a_trace_warn(case):
+    """Concrete params and samples inside the user's jit (as constants, or with ``fun`` closing over
+    a traced value): the check's evaluation would be staged, not run, so vmcgrad warns instead."""
+    from vmcgrad._warnings import UnknownPrimitiveWarning
+
+    if case == "constants_under_jit":
+        fun = _rowwise_fun()
+        call = jax.jit(lambda: vmcgrad.batched_vjp(fun, W, X, CT, chunk_size=4))
+    else:
+        call = jax.jit(
+            lambda s: vmcgrad.batched_vjp(lambda w, x: s * ROWWISE_P.bind(x @ w), W, X, CT, chunk_size=4)
+        )
+    with pytest.warns(UnknownPrimitiveWarning, match="inputs are traced"):
+        call() if case == "constants_under_jit" else call(2.0)
+
+
+def test_a_failing_analysis_is_not_silent(monkeypatch):
+    """A rule that does not fit this JAX's jaxpr (here: made to raise) leaves the verdict to the
+    numerical check on concrete inputs, and to a warning on traced ones."""
+    from vmcgrad._warnings import UnknownPrimitiveWarning
+
+    def broken(eqn, ins):
+        raise KeyError("dimension_numbers")
+
+    monkeypatch.setitem(_jaxpr_checks._RULES, "dot_general", broken)
+    with pytest.raises(ValueError, match=r"analysis failed on .*KeyError"):
+        vmcgrad.batched_vjp(lambda w, x: x @ w - jnp.mean(x @ w), W, X, CT, chunk_size=4)
+    with pytest.warns(UnknownPrimitiveWarning, match="analysis failed on"):
+        jax.jit(lambda w: vmcgrad.batched_vjp(lambda w, x: jnp.sin(x @ w), w, X, CT, chunk_size=4))(W)

@@ -60,13 +60,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.extend.core import ClosedJaxpr, Primitive, Var, jaxpr_as_fun
-from jax.interpreters import ad, batching, mlir
-from jax.interpreters import partial_eval as pe
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ._chunking import Space, acc_dtype, plan_chunks
+from ._jax_private import ClosedJaxpr, Primitive, Var, ad, batching, jaxpr_as_fun, mlir, pe
 from ._runner import CHUNKS, SAMPLES, Laid, run_on
 
 chunked_p = Primitive("vmcgrad_chunked_map_reduce")

@@ -16,10 +16,12 @@ data flow equation by equation, into ``jit``, ``scan``, ``while``, ``cond``, ``c
   (:math:`\partial f(\theta, X)_i/\partial\theta = \partial f(\theta, \sigma_i)/\partial\theta`):
   it calls ``fun`` on chunks of rows, so a batch mean inside ``fun`` becomes a chunk mean. Each
   value carries where its sample axis is (as ``jax.vmap``'s batching rules do): a reduction, a
-  cumulative op, a sort, an FFT or a contraction *over* that axis is a proven coupling. Any
-  primitive the analysis has no rule for makes the value *unknown*, which is never reported
-  (a false alarm would block a correct model; a missed one is what the docstrings' contract
-  covers).
+  cumulative op, a sort, an FFT or a contraction *over* that axis is a proven coupling. A known
+  primitive used in a way the rules do not follow (a partial slice of the sample axis) makes the
+  value *unknown*, which is not reported (a false alarm would block a correct model; a missed one
+  is what the docstrings' contract covers). A primitive the analysis has *no rule* for is never
+  passed silently (:func:`rows_verdict`, :func:`settle_rows`): on concrete inputs a numerical
+  check on the first rows decides; on traced ones vmcgrad warns that it assumed row-wise.
 - :func:`non_holomorphic_op` — for complex parameters: is the tangent map complex-linear
   (:math:`\dot f[i t] = i\, \dot f[t]`, the Cauchy–Riemann equations)? It is when no tangent
   value passes through ``conj``, ``real``, ``imag``, ``abs``, ``complex`` or a complex-to-real
@@ -31,13 +33,15 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jcore
+
+from . import _jax_private as jcore  # the JAX internals, checked at import
 
 # --- the abstract batch -------------------------------------------------------------------------
 
@@ -97,9 +101,23 @@ class Mixed:
     how: str
 
 
+@dataclasses.dataclass(frozen=True)
+class Unknown:
+    """A value the analysis cannot judge. ``primitives`` names the primitives it has no rule for
+    that made it so; empty when a known primitive is used in a way the rules do not follow (a
+    partial slice of the sample axis), which is not reported (see :func:`row_coupling`)."""
+
+    primitives: frozenset = frozenset()
+
+
 ROW = "row"  # inside a loop over the samples: depends on the current sample only
-UNKNOWN = "unknown"  # no rule: not judged
+UNKNOWN = Unknown()  # not judged
 # None: independent of the samples
+
+
+def _unknown(*states: Any) -> Unknown:
+    """UNKNOWN, carrying the unknown primitives of ``states``."""
+    return Unknown(frozenset().union(*(s.primitives for s in states if isinstance(s, Unknown))))
 
 
 def _join(a: Any, b: Any) -> Any:
@@ -111,18 +129,18 @@ def _join(a: Any, b: Any) -> Any:
         return a
     if isinstance(b, Mixed):
         return b
-    return UNKNOWN
+    return _unknown(a, b)
 
 
 _ELEMENTWISE = frozenset(
     """abs acos acosh add and asin asinh atan atan2 atanh bessel_i0e bessel_i1e cbrt ceil clamp clz
-    complex conj convert_element_type copy copy_p cos cosh device_put digamma div eq erf erf_inv erfc
-    exp exp2 expm1 floor ge gt igamma igamma_grad_a igammac imag integer_pow is_finite le lgamma log
+    complex conj convert_element_type copy cos cosh device_put digamma div eq erf erf_inv erfc exp
+    exp2 expm1 floor ge gt igamma igamma_grad_a igammac imag integer_pow is_finite le lgamma log
     log1p logistic lt max min mul ne neg nextafter not optimization_barrier or polygamma
-    population_count pow random_gamma_grad real reduce_precision regularized_incomplete_beta rem
-    round rsqrt select_n shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt
-    square stop_gradient sub tan tanh threefry2x32 xor zeta sharding_constraint mesh_cast reshard
-    pvary pcast bitcast_convert_type add_any""".split()
+    population_count pow real reduce_precision regularized_incomplete_beta rem round rsqrt select_n
+    shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt square stop_gradient
+    sub tan tanh threefry2x32 xor zeta sharding_constraint reshard pvary bitcast_convert_type
+    add_any""".split()
 )
 _REDUCTIONS = frozenset(
     "reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor argmax argmin".split()
@@ -139,16 +157,25 @@ def _shape(v: Any) -> tuple:
 
 def row_coupling(jaxpr: jcore.ClosedJaxpr, n_unbatched: int) -> str | None:
     """How the output of ``jaxpr`` couples the rows of its last inputs (all with the sample axis
-    first), or None when it provably does not, or the analysis cannot tell.
+    first), or None when it provably does not, or the analysis cannot tell (see
+    :func:`row_state` for which).
 
     Args:
         jaxpr: from :func:`tangent_jaxpr`.
         n_unbatched: how many leading inputs (parameters and tangent) carry no sample axis.
     """
+    out = row_state(jaxpr, n_unbatched)
+    return out.how if isinstance(out, Mixed) else None
+
+
+def row_state(jaxpr: jcore.ClosedJaxpr, n_unbatched: int) -> Any:
+    """The state of the output of ``jaxpr`` (arguments as :func:`row_coupling`'s): ``Mixed`` (a
+    proven coupling), ``Rows`` or None (provably none), ``ROW``, or ``Unknown``, whose
+    ``primitives`` name the primitives without a rule on the way to the output."""
     n_in = len(jaxpr.jaxpr.invars)
     states = [None] * n_unbatched + [Rows(0)] * (n_in - n_unbatched)
     (out,) = _batch_jaxpr(jaxpr.jaxpr, [None] * len(jaxpr.jaxpr.constvars), states)
-    return out.how if isinstance(out, Mixed) else None
+    return out
 
 
 def _batch_jaxpr(jaxpr: jcore.Jaxpr, const_states: Sequence, in_states: Sequence) -> list:
@@ -204,17 +231,17 @@ def _batch_eqn(eqn: Any, ins: list) -> list:
         return [mixed] * n_out
     if all(s is None for s in ins):
         return [None] * n_out
-    if any(s == UNKNOWN for s in ins) or any(
-        isinstance(p, (jcore.Jaxpr, jcore.ClosedJaxpr)) for p in eqn.params.values()
-    ):
-        return [UNKNOWN] * n_out
+    if any(isinstance(s, Unknown) for s in ins):
+        return [_unknown(*ins)] * n_out
+    if any(isinstance(p, (jcore.Jaxpr, jcore.ClosedJaxpr)) for p in eqn.params.values()):
+        return [Unknown(frozenset({name}))] * n_out  # a body the analysis does not follow
     if any(s == ROW for s in ins):
         return [ROW if not any(isinstance(s, Rows) for s in ins) else UNKNOWN] * n_out
     rule = _RULES.get(name)
     if rule is None:
         if name in _ELEMENTWISE:
             return _elementwise(eqn, ins)
-        return [UNKNOWN] * n_out
+        return [Unknown(frozenset({name}))] * n_out  # no rule: reported (rows_verdict)
     out = rule(eqn, ins)
     return out if isinstance(out, list) else [out] * n_out
 
@@ -535,7 +562,7 @@ def _batch_scan(eqn, ins):
             break
         carry = new
     else:
-        carry = [UNKNOWN if s is not None and not isinstance(s, Mixed) else s for s in carry]
+        carry = [s if s is None or isinstance(s, (Mixed, Unknown)) else UNKNOWN for s in carry]
         outs = _call(p["jaxpr"], list(consts) + list(carry) + body_xs)
 
     carried = Mixed("a loop (`scan`) over the samples that carries a value from one to the next")
@@ -564,7 +591,7 @@ def _batch_while(eqn, ins):
             break
         carry = new
     else:
-        carry = [UNKNOWN if s is not None and not isinstance(s, Mixed) else s for s in carry]
+        carry = [s if s is None or isinstance(s, (Mixed, Unknown)) else UNKNOWN for s in carry]
     (pred,) = _call(p["cond_jaxpr"], list(cconsts) + carry)
     return _guarded(pred, carry)
 
@@ -588,9 +615,190 @@ def _batch_cond(eqn, ins):
     return _guarded(index, outs)
 
 
+# --- what no rule decides: a numerical check on concrete rows, else a warning -------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Unjudged:
+    """The analysis could not judge the output: the ``primitives`` it has no rule for reached it,
+    or the analysis itself failed on this JAX's jaxpr (``failure``)."""
+
+    primitives: tuple[str, ...] = ()
+    failure: str = ""
+
+    def what(self) -> str:
+        if not self.primitives:
+            return f"an equation the analysis failed on ({self.failure})"
+        names = ", ".join(f"`{p}`" for p in self.primitives)
+        return f"the JAX primitive{'s' if len(self.primitives) > 1 else ''} {names}"
+
+
+def rows_verdict(fun: Callable, params: Any, samples: Any) -> str | Unjudged | None:
+    """The abstract verdict of :func:`row_coupling` on ``fun``'s tangent map: how it couples the
+    rows (a string), None (it provably does not, or a known primitive is used in a way the rules
+    do not follow, or ``fun`` cannot be traced abstractly), or :class:`Unjudged` when a primitive
+    without a rule (or a failure of the analysis) decides the output: see :func:`settle_rows`."""
+    n_params = len(jax.tree.leaves(params))
+
+    def analysis(jaxpr):
+        try:
+            return row_state(jaxpr, 2 * n_params)
+        except Exception as err:  # a rule that does not fit this JAX's jaxprs: not silent either
+            return Unjudged(failure=f"{type(err).__name__}: {err}")
+
+    state = analyse(fun, params, samples, analysis)
+    if isinstance(state, Mixed):
+        return state.how
+    if isinstance(state, Unknown) and state.primitives:
+        return Unjudged(tuple(sorted(state.primitives)))
+    return state if isinstance(state, Unjudged) else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Unsettled:
+    """The numerical check could not decide (``reason``)."""
+
+    reason: str
+
+
+_CHECK_ROWS = 8  # the rows the numerical check evaluates (as the holomorphy check's)
+
+
+def settle_rows(
+    where: str, arg: str, fun: Callable, params: Any, samples: Any, unjudged: Unjudged
+) -> str | None:
+    """The conservative answer for what :func:`rows_verdict` left :class:`Unjudged`.
+
+    On concrete inputs, :func:`numerical_row_coupling` decides: how the rows are coupled, or None
+    (a decided answer is remembered for ``fun`` and the input shapes, so that later traced calls
+    use it). Otherwise (traced inputs inside ``jax.jit``, samples over several processes, a check
+    that cannot run) vmcgrad assumes the rows are independent and says so with an
+    :class:`~vmcgrad._warnings.UnknownPrimitiveWarning` that names the primitive, the assumption,
+    and how to decide or silence it.
+    """
+    key = signature_key("rows-numeric", fun, params, samples)
+    decided = recall(key)
+    if decided is not _MISSING:
+        return decided
+    reason = _not_concrete(fun, params, samples)
+    result = Unsettled(reason) if reason else numerical_row_coupling(fun, params, samples, unjudged)
+    if not isinstance(result, Unsettled):
+        remember(key, result)
+        return result
+    import warnings
+
+    from ._warnings import UnknownPrimitiveWarning, stacklevel_outside_package
+
+    head = f"vmcgrad: no row-coupling rule for {unjudged.what()}"
+    warnings.warn(
+        f"{head}, which the derivative of `{arg}(params, samples)` passes through ({where}), and "
+        f"no numerical check could decide: {result.reason}. vmcgrad assumed that row i of "
+        f"`{arg}(params, samples)` depends on sample i only, as its chunks require; if it "
+        "combines samples (a batch statistic without jax.lax.stop_gradient), the result is wrong "
+        f"and depends on chunk_size. To decide it: call {where} once with concrete (not traced) "
+        f"params and samples, outside jax.jit; a check on the first {_CHECK_ROWS} samples then "
+        "runs, and its answer is kept for this function and these shapes. To silence this "
+        f'warning: warnings.filterwarnings("ignore", message=r"{_literal(head)}", '
+        "category=vmcgrad.VmcgradWarning).",
+        UnknownPrimitiveWarning,
+        stacklevel=stacklevel_outside_package(),
+    )
+    return None
+
+
+def _literal(text: str) -> str:
+    """``text`` as a regular expression that matches it (its metacharacters escaped)."""
+    return re.sub(r"[.^$*+?{}\[\]\\|()]", r"\\\g<0>", text)
+
+
+_TRACED = "its inputs are traced (the call is inside jax.jit, jax.vmap or a derivative)"
+
+
+def _not_concrete(fun: Callable, params: Any, samples: Any) -> str:
+    """Why ``fun`` cannot be evaluated on these inputs now ("" if it can)."""
+    from ._function import split_fun
+
+    leaves = jax.tree.leaves((params, samples, split_fun(fun)[1]))
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+        return _TRACED
+    if any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves):
+        return "the samples span several processes"
+    return ""
+
+
+def _copies(rows: Any, j: int, m: int) -> Any:
+    """The batch of ``m`` copies of row ``j`` of ``rows``."""
+    return jax.tree.map(lambda x: x[j : j + 1].repeat(m, 0), rows)
+
+
+def numerical_row_coupling(
+    fun: Callable, params: Any, samples: Any, unjudged: Unjudged
+) -> str | Unsettled | None:
+    r"""How ``fun``'s rows are coupled, measured on its first rows, or None, or :class:`Unsettled`.
+
+    With a random parameter direction :math:`t` and the first :math:`m \le 8` samples
+    :math:`X = (\sigma_1 \dots \sigma_m)`, a ``fun`` whose row :math:`i` depends on sample
+    :math:`i` only has :math:`\dot f(	heta, X)[t]_j = \dot f(	heta, (\sigma_j, \dots,
+    \sigma_j))[t]_i` for every :math:`i, j`: the batch of :math:`m` copies of :math:`\sigma_j` is
+    row-wise the same computation (one compiled program, one batch shape). A batch statistic (a
+    mean, max, sort or cumulative sum over the rows) or a dependence on the row's position breaks
+    it. Coupled when a difference exceeds :math:`\sqrt{\epsilon}\max_j |\dot f(	heta, X)[t]_j|`
+    (rounding is far below it, a statistic over :math:`m` rows far above), or when a copy is not
+    finite where the row is. A pass is evidence on these rows, not a proof.
+    """
+    leaves = jax.tree.leaves(samples)
+    m = min(int(leaves[0].shape[0]), _CHECK_ROWS)
+    with jax.ensure_compile_time_eval():  # a slice of concrete arrays, also under the user's jit
+        rows = jax.tree.map(lambda x: np.asarray(x[:m]), samples)
+    if all(np.array_equal(x, x[:1].repeat(m, 0)) for x in jax.tree.leaves(rows)):
+        return Unsettled(f"the first {m} samples are all equal, which no check can separate")
+    rng = np.random.default_rng(0)  # on the host: jax.random would compile once per leaf shape
+
+    def normal(p):
+        x = rng.standard_normal(p.shape)
+        if jnp.issubdtype(p.dtype, jnp.complexfloating):
+            x = x + 1j * rng.standard_normal(p.shape)
+        return x.astype(p.dtype)
+
+    t = jax.tree.map(normal, params)
+    tangent = jax.jit(lambda p, t, x: jax.jvp(lambda q: fun(q, x), (p,), (t,))[1])
+    try:
+        full = tangent(params, t, rows)
+        if isinstance(full, jax.core.Tracer):  # fun closes over a traced value: staged, not run
+            return Unsettled(_TRACED)
+        copies = [tangent(params, t, _copies(rows, j, m)) for j in range(m)]
+        full, copies = np.asarray(full), np.stack([np.asarray(c) for c in copies])
+    except Exception as err:  # fun fails on m rows, a primitive without an implementation, ...
+        return Unsettled(f"evaluating it on {m} samples failed ({type(err).__name__}: {err})")
+    finite = np.isfinite(full)
+    if not finite.any():
+        return Unsettled(f"its derivative is not finite on the first {m} samples")
+    scale = float(np.abs(full[finite]).max())
+    dev = np.abs(copies - full[:, None])  # dev[j, i]: row i of the copies of sample j against row j
+    dev = np.where(np.isfinite(dev), dev, np.inf)[finite]
+    j, i = np.unravel_index(int(np.argmax(dev)), dev.shape)
+    if not dev[j, i] > np.sqrt(np.finfo(full.dtype).eps) * scale:
+        return None
+    j = int(np.flatnonzero(finite)[j])
+    return (
+        f"{unjudged.what()}, which vmcgrad's analysis has no rule for: a numerical check on the "
+        f"first {m} samples, along a random parameter direction, found that row {j}'s derivative "
+        f"changes by {float(dev.max()) / max(scale, np.finfo(full.dtype).tiny):.1%} of the largest "
+        f"row's when the other rows are replaced by copies of sample {j}"
+    )
+
+
 # --- complex linearity of the tangent map --------------------------------------------------------
 
 _NOT_C_LINEAR = frozenset("conj real imag abs complex sign".split())
+
+
+def primitive_names() -> frozenset[str]:
+    """Every primitive name the two analyses match by string (their tables as they are now); the
+    tests check each against the installed JAX (:func:`vmcgrad._jax_private.missing_primitives`)."""
+    return frozenset(
+        _ELEMENTWISE | _RULES.keys() | _NOT_C_LINEAR | {"scan", "while", "cond", "convert_element_type"}
+    )
 
 
 def non_holomorphic_op(jaxpr: jcore.ClosedJaxpr, n_params: int) -> str | None:

@@ -281,15 +281,18 @@ def check_rows_independent(where: str, fun: Callable, params: Any, samples: Any,
     row :math:`i`'s derivative may depend on sample :math:`i` only. A batch mean, max or logsumexp of
     log ψ subtracted without ``jax.lax.stop_gradient`` breaks it (the mean becomes a chunk mean).
     The tangent map's jaxpr is analysed on an abstract batch
-    (:func:`vmcgrad._jaxpr_checks.row_coupling`), once per function and input shapes.
+    (:func:`vmcgrad._jaxpr_checks.row_coupling`), once per function and input shapes. A primitive
+    the analysis has no rule for is checked numerically on concrete rows, else warned about
+    (:func:`vmcgrad._jaxpr_checks.settle_rows`).
     """
-    from ._jaxpr_checks import analyse, once_per_signature, row_coupling
+    from ._jaxpr_checks import Unjudged, once_per_signature, rows_verdict, settle_rows
 
     def compute():
-        n_params = len(jax.tree.leaves(params))
-        return analyse(fun, params, samples, lambda jaxpr: row_coupling(jaxpr, 2 * n_params))
+        return rows_verdict(fun, params, samples)
 
     how = once_per_signature("rows", fun, params, samples, compute)
+    if isinstance(how, Unjudged):
+        how = settle_rows(where, arg, fun, params, samples, how)
     if how is not None:
         raise ValueError(
             f"{where}: the rows of `{arg}(params, samples)` depend on each other: its derivative in "

@@ -35,7 +35,6 @@ import jax.numpy as jnp
 import netket as nk
 import numpy as np
 from flax import struct
-from jax.custom_derivatives import linear_call
 from jax.flatten_util import ravel_pytree
 from netket import jax as nkjax
 from netket.errors import HolomorphicUndeclaredWarning, IllegalHolomorphicDeclarationForRealParametersError
@@ -48,6 +47,7 @@ from netket.utils.api_utils import partial_from_kwargs
 import vmcgrad
 
 from .. import _validation as check
+from .._jax_private import linear_call
 from .._qgt import DESIGNS
 from .._qgt_modes import holomorphic_violation, to_rep
 from .._views import Views
