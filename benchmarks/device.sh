@@ -17,8 +17,9 @@
 # and traces go to OUT/race/. RACE_ARGS replaces its arguments (all but --out).
 #
 # PYTHON defaults to `python`. Every step has its own timeout (seconds: core, grad, qgt and qgt_eqmem
-# 90 each, large 200, so at most 560 s in all; race 450; SMOKE: 300, large 600, race 400, on a CPU) so one slow step
-# cannot eat the whole budget; a failed step is recorded and the others still run (the exit status is then 1).
+# 90 each, large 200, so at most 560 s in all; race 450; SMOKE: 300, large 600, race 400, on a CPU) so
+# one slow step cannot eat the whole budget; a failed step is recorded and the others still run (the
+# exit status is then 1).
 set -u
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
