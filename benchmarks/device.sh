@@ -6,33 +6,52 @@
 #   OUT=dir bash benchmarks/device.sh
 #   SMOKE=1 bash benchmarks/device.sh          # tiny sizes on CPU: a check of this script (minutes;
 #                                              # not part of the test suite)
+#   STEPS=race bash benchmarks/device.sh       # only the short race (issue 33): about 6 minutes
+#
+# STEPS (default "core grad qgt qgt_eqmem large") names the steps to run, in that order; `race` is not
+# among the defaults (with them the call would pass 10 minutes). The race is benchmarks/time_to_energy.py
+# on the 4x4 J1-J2 model, NetKet's GCNN over the space group (3 layers of 8 features, P = 16 536),
+# float64, 64 MiB per device, one seed, 1.25 minutes per contender, compilation included, 256 sampler
+# chains: NetKet's VMC_SR at the 256 samples it holds in 64 MiB (chunk 64), NetKet's on-the-fly VMC_SR
+# and vmcgrad's VMC_SR (chunk by the budget) at 1024 samples. Its table.md, results.json, energy.png
+# and traces go to OUT/race/. RACE_ARGS replaces its arguments (all but --out).
 #
 # PYTHON defaults to `python`. Every step has its own timeout (seconds: core, grad, qgt and qgt_eqmem
-# 90 each, large 200, so at most 560 s in all; SMOKE: 300, large 600, on a CPU) so one slow step
-# cannot eat the whole budget; a failed step is recorded and the others still run (the exit status is then 1).
+# 90 each, large 200, so at most 560 s in all; race 450; SMOKE: 300, large 600, race 400, on a CPU) so
+# one slow step cannot eat the whole budget; a failed step is recorded and the others still run (the
+# exit status is then 1).
 set -u
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
 OUT=${OUT:-device-bench-$(date -u +%Y%m%dT%H%M%SZ)}
 SMOKE=${SMOKE:-0}
+STEPS=${STEPS:-core grad qgt qgt_eqmem large}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 if [ "$SMOKE" = 1 ]; then
-  T_SMALL=300 T_LARGE=600
+  T_SMALL=300 T_LARGE=600 T_RACE=400
   export JAX_PLATFORMS=cpu
   CORE=(--L 8 --n-samples 256 --chunk-size 64 --repeats 1 --dtypes float64)
   GRAD=(--L 8 --n-samples 256 --chunk-size 64 --repeats 1)
   QGT=(--L 8 --n-samples 256 --chunk-size 64 --repeats 1 --memory-n 256 512)
   LARGE=(--size small --models gcnn --dtypes float64 --sizes 256 512 --budgets-mib 8 --n-max 8192
          --chunk 32 --time-n 64 --repeats 1 --impls vmcgrad "netket chunked" "VMC_SR dense")
+  RACE=(--smoke --contenders netket-vmcsr netket-vmcsr-otf vmcgrad-vmcsr
+        --n netket-vmcsr=64:32 netket-vmcsr-otf=128:32 vmcgrad-vmcsr=128:auto)
 else
-  T_SMALL=90 T_LARGE=200
+  T_SMALL=90 T_LARGE=200 T_RACE=450
   CORE=(--L 64 --n-samples 65536 --chunk-size 4096 --repeats 5)
   GRAD=(--L 48 --n-samples 65536 --chunk-size 4096 --repeats 5)
   QGT=(--L 48 --n-samples 65536 --chunk-size 4096 --repeats 5 --memory-n 65536 262144)
   LARGE=(--models gcnn vit --dtypes float32 --sizes 4096 65536 --budgets-mib 256 1024
          --chunk 256 --time-n 4096 --repeats 3)
+  RACE=(--problem j1j2 --model gcnn --layers 3 --features 8 --dtype float64 --budget-mib 64
+        --minutes 1.25 --seeds 0 --chains 256 --contenders netket-vmcsr netket-vmcsr-otf vmcgrad-vmcsr
+        --n netket-vmcsr=256:64 netket-vmcsr-otf=1024:64 vmcgrad-vmcsr=1024:auto)
+fi
+if [ -n "${RACE_ARGS:-}" ]; then
+  read -r -a RACE <<<"$RACE_ARGS"
 fi
 
 status=0
@@ -51,21 +70,41 @@ step() {  # step NAME TIMEOUT SCRIPT ARGS...
 
 "$PYTHON" -c 'import jax; d = jax.devices()[0]; print(f"{jax.device_count()} x {d.platform} {d.device_kind}")' \
   >"$OUT/device.txt" 2>&1 || status=1
-step core "$T_SMALL" benchmarks/bench_core.py "${CORE[@]}"
-step grad "$T_SMALL" benchmarks/bench_grad.py "${GRAD[@]}"
-step qgt "$T_SMALL" benchmarks/bench_qgt.py "${QGT[@]}" --only same-chunk memory
-# issue 18: at equal compiled memory, QGT(chunk_size="auto") picks its design and chunk
-step qgt_eqmem "$T_SMALL" benchmarks/bench_qgt.py "${QGT[@]}" --only equal-memory
-step large "$T_LARGE" benchmarks/bench_large.py "${LARGE[@]}"
+race() {  # the short race: time_to_energy.py writes its own files into OUT/race/
+  local t0=$SECONDS
+  echo "== race: $PYTHON benchmarks/time_to_energy.py ${RACE[*]} --out $OUT/race" | tee -a "$OUT/log.txt"
+  if timeout "$T_RACE" "$PYTHON" benchmarks/time_to_energy.py "${RACE[@]}" --out "$OUT/race" >"$OUT/race.txt" 2>&1; then
+    echo "   ok in $((SECONDS - t0)) s" | tee -a "$OUT/log.txt"
+  else
+    echo "   FAILED (status $?) after $((SECONDS - t0)) s; see $OUT/race.txt" | tee -a "$OUT/log.txt"
+    status=1
+  fi
+}
+
+for name in $STEPS; do
+  case $name in
+    core) step core "$T_SMALL" benchmarks/bench_core.py "${CORE[@]}" ;;
+    grad) step grad "$T_SMALL" benchmarks/bench_grad.py "${GRAD[@]}" ;;
+    qgt) step qgt "$T_SMALL" benchmarks/bench_qgt.py "${QGT[@]}" --only same-chunk memory ;;
+    # issue 18: at equal compiled memory, QGT(chunk_size="auto") picks its design and chunk
+    qgt_eqmem) step qgt_eqmem "$T_SMALL" benchmarks/bench_qgt.py "${QGT[@]}" --only equal-memory ;;
+    large) step large "$T_LARGE" benchmarks/bench_large.py "${LARGE[@]}" ;;
+    race) race ;;
+    *) echo "STEPS: unknown step '$name' (expected core grad qgt qgt_eqmem large race)" | tee -a "$OUT/log.txt"
+       status=1 ;;
+  esac
+done
 
 {
   echo "vmcgrad device benchmarks, $(date -u +%Y-%m-%dT%H:%MZ), device: $(tail -n 1 "$OUT/device.txt")"
   echo "smoke=$SMOKE; per-benchmark JSON and full output in $OUT/"
-  for name in core grad qgt qgt_eqmem large; do
+  for name in $STEPS; do
     echo
     echo "### $name"
     if [ "$name" = large ]; then  # its tables follow the last progress line
       sed -n '/device(s)/,$p' "$OUT/$name.txt"
+    elif [ "$name" = race ]; then  # its table, or the end of its output when it wrote none
+      cat "$OUT/race/table.md" 2>/dev/null || tail -n 30 "$OUT/race.txt"
     else
       grep -v -i "warn" "$OUT/$name.txt" | tail -n 30
     fi

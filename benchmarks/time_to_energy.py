@@ -42,6 +42,13 @@ Usage (PYTHONPATH=. in a checkout)::
         --n netket-vmcsr=256:64 netket-vmcsr-otf=256:64 netket-sr-cg=1024:64 vmcgrad-sr=1024:auto \
         vmcgrad-vmcsr=1024:auto --out tte-j1j2-64mib
     python benchmarks/time_to_energy.py --smoke --out /tmp/tte-smoke      # about a minute: a check
+
+**On an accelerator** (``benchmarks/device.sh``'s ``race`` step runs a short form): ``--platform cuda``
+makes a worker fail rather than fall back to the CPU, ``--chains`` gives the sampler more chains than
+the CPU's 16, and each row also records the device and its allocator's peak bytes
+(``jax.devices()[0].memory_stats()["peak_bytes_in_use"]``; none on the CPU, where the peak RSS is the
+figure). A contender that fails is reported and the others still run; the table, the results and the
+plot are rewritten after each run, so a race stopped by a time limit keeps what it finished.
 """
 
 from __future__ import annotations
@@ -86,9 +93,17 @@ def parse(argv=None):
     ap.add_argument("--lr", type=float, default=0.005, help="SGD learning rate of every contender")
     ap.add_argument("--window", type=int, default=10, help="steps of the running mean")
     ap.add_argument("--out", default="time-to-energy", help="folder: results.json, table.md, energy.png")
+    ap.add_argument(
+        "--platform",
+        default=None,
+        help="JAX platform of the workers (jax_platforms: cpu, cuda, tpu, ...); default JAX's own choice",
+    )
+    ap.add_argument("--chains", type=int, default=16, help="sampler chains: min(N, CHAINS) per contender")
     ap.add_argument("--smoke", action="store_true", help="chain, tiny GCNN, 2 contenders, 24 s each")
     ap.add_argument("--worker", help=argparse.SUPPRESS)  # one run, in a process of its own
     args = ap.parse_args(argv)
+    if args.chains <= 0:
+        ap.error(f"--chains {args.chains}: expected a positive number of sampler chains")
     if args.smoke:
         args.problem, args.layers, args.features, args.minutes, args.seeds = "chain", 2, 4, 0.4, [0]
         if args.contenders == list(CONTENDERS):
@@ -168,7 +183,7 @@ def build_driver(args, name, seed, hi, g, H, model):
 
     n, chunk = args.sizes[name]
     budget = args.budget_mib * MiB
-    sampler = nk.sampler.MetropolisExchange(hi, graph=g, n_chains=min(n, 16), d_max=2)
+    sampler = nk.sampler.MetropolisExchange(hi, graph=g, n_chains=min(n, args.chains), d_max=2)
     common = dict(n_samples=n, n_discard_per_chain=4, seed=seed, sampler_seed=seed + 1000)
     opt = optax.sgd(args.lr)
     if name.startswith("vmcgrad"):
@@ -238,14 +253,44 @@ def kernel_bytes(args, name, driver, vs):
     return vmcgrad.program_bytes(lowered.compile())
 
 
+def setup_jax(platform):
+    """JAX for one worker: ``platform`` (None: JAX's choice), one CPU device, float64 on, NetKet imported.
+
+    The CPU device count only shapes the CPU backend: on an accelerator NetKet's mesh is
+    ``jax.devices()``, the accelerator's devices.
+    """
+    import jax
+    from benchlib import use_cpu_devices
+
+    if platform:
+        jax.config.update("jax_platforms", platform)
+    try:
+        use_cpu_devices(1)
+    except AttributeError:  # a JAX without the jax_num_cpu_devices option: its default is one device
+        jax.config.update("jax_enable_x64", True)
+        import netket  # noqa: F401
+
+
+def device_peak_bytes():
+    """The first device's allocator peak in bytes (``memory_stats()["peak_bytes_in_use"]``), or None
+    where the device keeps no such statistics (the CPU)."""
+    import jax
+
+    try:
+        stats = jax.devices()[0].memory_stats()
+    except Exception:  # not implemented on this platform or JAX version
+        return None
+    peak = (stats or {}).get("peak_bytes_in_use")
+    return int(peak) if peak is not None else None
+
+
 def worker(args, name, seed, trace_path):
     """One run: steps until ``args.minutes`` have passed; a JSON line per step into ``trace_path``."""
     import resource
 
     import jax
-    from benchlib import use_cpu_devices
 
-    use_cpu_devices(1)
+    setup_jax(args.platform)
     if args.dtype == "float64":
         jax.config.update("jax_enable_x64", True)
     start = time.perf_counter()
@@ -272,7 +317,10 @@ def worker(args, name, seed, trace_path):
         vs.local_estimators = timed("local", vs.local_estimators)
     limit = args.minutes * 60
     with open(trace_path, "w") as f:
-        f.write(json.dumps({"e0": e0, "n_params": vs.n_parameters, "n": vs.n_samples}) + "\n")
+        d = jax.devices()[0]
+        device = f"{jax.device_count()} x {d.platform} {d.device_kind}"
+        head = {"e0": e0, "n_params": vs.n_parameters, "n": vs.n_samples, "device": device}
+        f.write(json.dumps(head) + "\n")
         while time.perf_counter() - start < limit:
             for k in phases:
                 phases[k] = 0.0
@@ -309,7 +357,8 @@ def worker(args, name, seed, trace_path):
 
             chunk = f"auto ({auto_chunk_size(vs, vs.samples)})"
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        f.write(json.dumps({"kernel_bytes": kb, "peak_rss": peak, "chunk": str(chunk)}) + "\n")
+        tail = {"kernel_bytes": kb, "peak_rss": peak, "device_peak": device_peak_bytes(), "chunk": str(chunk)}
+        f.write(json.dumps(tail) + "\n")
 
 
 # --- the race ----------------------------------------------------------------------------------
@@ -365,6 +414,8 @@ def summarise(name, seed, trace: Path, window: int) -> dict:
         "kernel_mib": tail["kernel_bytes"] / MiB if isinstance(tail["kernel_bytes"], int) else None,
         "kernel_error": tail["kernel_bytes"] if isinstance(tail["kernel_bytes"], str) else None,
         "peak_rss_mib": tail["peak_rss"] / MiB,
+        "device": head.get("device"),
+        "device_peak_mib": tail["device_peak"] / MiB if tail.get("device_peak") is not None else None,
         "curve": [(s["t"], r) for s, r in zip(steps, running)],
     }
 
@@ -373,10 +424,12 @@ def table(rows) -> str:
     def f(x, fmt):
         return "–" if x is None else format(x, fmt)
 
+    on_device = any(r.get("device_peak_mib") is not None for r in rows)  # an accelerator's allocator
     head = (
         "| contender | seed | N | chunk | steps | "
         + " | ".join(f"t→{t:g} (s)" for t in TARGETS)
         + " | best rel | final rel ± err | step (s) | sample / local / SR (s) | kernel MiB | peak RSS MiB |"
+        + (" device peak MiB |" if on_device else "")
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
@@ -386,6 +439,7 @@ def table(rows) -> str:
             + f" | {f(r['best_rel'], '.2e')} | {f(r['final_rel'], '.2e')} ± {f(r['final_rel_err'], '.1e')}"
             f" | {f(r['step_s'], '.2f')} | {f(r['sample_s'], '.2f')} / {f(r['local_s'], '.2f')} /"
             f" {f(r['sr_s'], '.2f')} | {f(r['kernel_mib'], '.1f')} | {r['peak_rss_mib']:.0f} |"
+            + (f" {f(r.get('device_peak_mib'), '.0f')} |" if on_device else "")
         )
     return "\n".join(lines)
 
@@ -414,6 +468,24 @@ def plot(rows, path: Path, title: str) -> None:
     save_figure(fig, path)
 
 
+def write_report(args, rows, failures, out: Path) -> str:
+    """Writes table.md, results.json and energy.png of the runs so far into ``out``; returns the table."""
+    from benchlib import write_json
+
+    rows = sorted(rows, key=lambda r: (CONTENDERS.index(r["contender"]), r["seed"]))
+    title = f"{args.problem} {args.model}, {args.budget_mib:g} MiB per device, {args.minutes:g} min"
+    devices = sorted({r["device"] for r in rows if r.get("device")})
+    text = f"{title}" + (f", device: {'; '.join(devices)}" if devices else "") + f"\n\n{table(rows)}\n"
+    if failures:
+        text += "\nfailed: " + "; ".join(f"{name} seed {seed}" for name, seed, _ in failures) + "\n"
+    (out / "table.md").write_text(text)
+    config = {k: v for k, v in vars(args).items() if k != "sizes"}
+    failed = [{"contender": name, "seed": seed, "error": error} for name, seed, error in failures]
+    write_json({"config": config, "rows": rows, "failed": failed}, out / "results.json")
+    plot(rows, out / "energy.png", title)
+    return text
+
+
 def main(argv=None):
     args = parse(argv)
     if args.worker:
@@ -422,25 +494,22 @@ def main(argv=None):
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = []
+    rows, failures = [], []
     for i, seed in enumerate(args.seeds):
         order = args.contenders if i % 2 == 0 else args.contenders[::-1]  # alternate who runs first
         for name in order:
             print(f"time_to_energy: {name} seed {seed} N={args.sizes[name][0]} ...", flush=True)
-            rows.append(summarise(name, seed, run_one(args, name, seed, out), args.window))
+            try:
+                rows.append(summarise(name, seed, run_one(args, name, seed, out), args.window))
+            except (RuntimeError, subprocess.TimeoutExpired) as err:  # report it; the others still run
+                print(err, flush=True)
+                failures.append((name, seed, str(err)[-3000:]))
+                continue
             print(table([rows[-1]]).splitlines()[-1], flush=True)
-    rows.sort(key=lambda r: (CONTENDERS.index(r["contender"]), r["seed"]))
-    title = f"{args.problem} {args.model}, {args.budget_mib:g} MiB per device, {args.minutes:g} min"
-    text = f"{title}\n\n{table(rows)}\n"
-    (out / "table.md").write_text(text)
-    from benchlib import write_json
-
-    write_json(
-        {"config": {k: v for k, v in vars(args).items() if k != "sizes"}, "rows": rows}, out / "results.json"
-    )
-    plot(rows, out / "energy.png", title)
+            write_report(args, rows, failures, out)  # a race stopped later keeps this run
+    text = write_report(args, rows, failures, out)
     print(text)
-    return 0
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

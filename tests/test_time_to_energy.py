@@ -40,3 +40,62 @@ def test_smoke_race_writes_a_table_a_plot_and_runs_within_the_budget(tmp_path):
     assert (out / "energy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| vmcgrad-vmcsr | 0 | 128 |" in (out / "table.md").read_text()
     assert os.path.exists(out / "trace-vmcgrad-vmcsr-seed0.jsonl")
+
+
+# --- the report, without running a race (quick tier) ------------------------------------------
+
+
+def _fake_trace(path: Path, n: int, device_peak: int | None) -> Path:
+    """A worker's trace of three steps: the head, the steps, the tail (as ``worker`` writes them)."""
+    e0 = -18.0
+    head = {"e0": e0, "n_params": 440, "n": n, "device": "1 x gpu NVIDIA H200"}
+    steps = [
+        {"t": 10.0 + i, "step_s": 1.0, "E": e0 * (1 - 0.1 / (i + 1)), "E_err": 0.01, "var": 0.1}
+        | {"sample_s": 0.2, "local_s": 0.3, "sr_s": 0.4}
+        for i in range(3)
+    ]
+    tail = {"kernel_bytes": 2 * 2**20, "peak_rss": 2**30, "device_peak": device_peak, "chunk": "32"}
+    path.write_text("".join(json.dumps(line) + "\n" for line in [head, *steps, tail]))
+    return path
+
+
+def test_a_failed_contender_is_reported_and_the_others_still_run(tmp_path, monkeypatch):
+    import time_to_energy as tte
+
+    def run_one(args, name, seed, out):
+        if name == "netket-vmcsr":
+            raise RuntimeError(f"time_to_energy: {name} seed {seed} failed:\nXlaRuntimeError: boom")
+        return _fake_trace(out / f"trace-{name}-seed{seed}.jsonl", args.sizes[name][0], 3 * 2**20)
+
+    monkeypatch.setattr(tte, "run_one", run_one)
+    out = tmp_path / "race"
+    assert tte.main(["--smoke", "--out", str(out)]) == 1
+    results = json.loads((out / "results.json").read_text())
+    assert [r["contender"] for r in results["rows"]] == ["vmcgrad-vmcsr"]
+    assert [(f["contender"], f["seed"]) for f in results["failed"]] == [("netket-vmcsr", 0)]
+    assert "boom" in results["failed"][0]["error"]
+    text = (out / "table.md").read_text()
+    assert "| vmcgrad-vmcsr | 0 | 128 |" in text and "failed: netket-vmcsr seed 0" in text
+    assert (out / "energy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_device_peak_column_appears_only_where_a_device_reports_it(tmp_path):
+    import time_to_energy as tte
+
+    gpu = tte.summarise("vmcgrad-vmcsr", 0, _fake_trace(tmp_path / "a.jsonl", 1024, 5 * 2**20), window=2)
+    cpu = tte.summarise("netket-vmcsr", 0, _fake_trace(tmp_path / "b.jsonl", 256, None), window=2)
+    assert gpu["device_peak_mib"] == 5.0 and cpu["device_peak_mib"] is None
+    assert gpu["device"] == "1 x gpu NVIDIA H200"
+    with_gpu = tte.table([cpu, gpu]).splitlines()
+    assert with_gpu[0].endswith("| device peak MiB |")
+    assert with_gpu[2].endswith("| – |") and with_gpu[3].endswith("| 5 |")
+    assert "device peak" not in tte.table([cpu])  # the CPU's table as before: peak RSS only
+
+
+@pytest.mark.parametrize("chains", ["0", "-4"])
+def test_chains_must_be_positive(chains, capsys):
+    import time_to_energy as tte
+
+    with pytest.raises(SystemExit):
+        tte.parse(["--chains", chains])
+    assert f"--chains {chains}" in capsys.readouterr().err
