@@ -23,7 +23,10 @@ wall time (compilation included: it is part of a user's run).
 - ``netket-vmcsr`` / ``netket-vmcsr-otf``: ``nk.driver.VMC_SR(use_ntk=True, on_the_fly=False/True,
   chunk_size_bwd=c)``;
 - ``vmcgrad-sr``: ``nk.driver.VMC`` + ``vmcgrad.netket.SR`` on ``vmcgrad.netket.MCState``;
-- ``vmcgrad-vmcsr``: ``vmcgrad.netket.VMC_SR(use_ntk=True, chunk_size_bwd=c)``.
+- ``vmcgrad-vmcsr``: ``vmcgrad.netket.VMC_SR(use_ntk=True, chunk_size_bwd=c)``;
+- ``vmcgrad-vmcsr-grow``: the same, starting at N and raising it with
+  ``grow_samples=vmcgrad.netket.GrowSamples(max_samples=--grow-max, window=--grow-window)`` within the
+  budget (each step's N is in the trace; the table's N is the first).
 
 Each (contender, seed) runs in a process of its own (so its peak RSS is its own), for ``--minutes``.
 Every step records the wall time since the process began building the driver, the energy and its
@@ -63,7 +66,14 @@ import sys
 import time
 from pathlib import Path
 
-CONTENDERS = ("netket-sr-cg", "netket-vmcsr", "netket-vmcsr-otf", "vmcgrad-sr", "vmcgrad-vmcsr")
+CONTENDERS = (
+    "netket-sr-cg",
+    "netket-vmcsr",
+    "netket-vmcsr-otf",
+    "vmcgrad-sr",
+    "vmcgrad-vmcsr",
+    "vmcgrad-vmcsr-grow",
+)
 PROBLEMS = ("j1j2", "heisenberg6", "chain")
 TARGETS = (1e-2, 5e-3, 2e-3)
 MiB = 2**20
@@ -74,6 +84,7 @@ DEFAULT_N = {
     "netket-vmcsr-otf": "256:64",
     "vmcgrad-sr": "1024:auto",
     "vmcgrad-vmcsr": "1024:auto",
+    "vmcgrad-vmcsr-grow": "256:auto",
 }
 
 
@@ -90,6 +101,13 @@ def parse(argv=None):
     ap.add_argument("--contenders", nargs="+", choices=CONTENDERS, default=list(CONTENDERS))
     ap.add_argument("--n", nargs="*", default=[], metavar="NAME=N[:CHUNK]", help="per contender")
     ap.add_argument("--diag-shift", type=float, default=1e-3)
+    ap.add_argument(
+        "--grow-max",
+        type=int,
+        default=8192,
+        help="vmcgrad-vmcsr-grow: GrowSamples(max_samples=...), also capped by the budget",
+    )
+    ap.add_argument("--grow-window", type=int, default=20, help="vmcgrad-vmcsr-grow: GrowSamples(window=...)")
     ap.add_argument("--lr", type=float, default=0.005, help="SGD learning rate of every contender")
     ap.add_argument("--window", type=int, default=10, help="steps of the running mean")
     ap.add_argument("--out", default="time-to-energy", help="folder: results.json, table.md, energy.png")
@@ -203,6 +221,9 @@ def build_driver(args, name, seed, hi, g, H, model):
     kw = dict(diag_shift=args.diag_shift, variational_state=vs, use_ntk=True)
     if name == "vmcgrad-vmcsr":
         return vnk.VMC_SR(H, opt, chunk_size_bwd=chunk, memory_budget=budget, **kw), vs
+    if name == "vmcgrad-vmcsr-grow":
+        grow = vnk.GrowSamples(max_samples=args.grow_max, window=args.grow_window)
+        return vnk.VMC_SR(H, opt, chunk_size_bwd=chunk, memory_budget=budget, grow_samples=grow, **kw), vs
     return nk.driver.VMC_SR(H, opt, chunk_size_bwd=chunk, on_the_fly=name.endswith("otf"), **kw), vs
 
 
@@ -216,7 +237,7 @@ def kernel_bytes(args, name, driver, vs):
     samples = jax.lax.collapse(vs.samples, 0, vs.samples.ndim - 1)
     e = vs.local_estimators(driver._ham).reshape(-1)
     mode = str(driver.mode)
-    if name == "vmcgrad-vmcsr":
+    if name.startswith("vmcgrad-vmcsr"):  # (-grow: at the N it ended with)
         from vmcgrad.netket._expect_grad import log_psi
 
         logpsi = log_psi(vs._apply_fun, vs.model_state)
@@ -343,6 +364,7 @@ def worker(args, name, seed, trace_path):
                 "E": float(loss.mean.real),
                 "E_err": float(loss.error_of_mean),
                 "var": float(loss.variance),
+                "n": int(getattr(driver, "_n_sampled", None) or vs.n_samples),  # this step's N
                 **{f"{k}_s": v for k, v in phases.items()},
             }
             f.write(json.dumps(row) + "\n")
@@ -398,7 +420,9 @@ def summarise(name, seed, trace: Path, window: int) -> dict:
     return {
         "contender": name,
         "seed": seed,
-        "N": head["n"],
+        "N": head["n"]
+        if not steps or steps[-1].get("n", head["n"]) == head["n"]
+        else f"{head['n']}→{steps[-1]['n']}",
         "P": head["n_params"],
         "chunk": tail.get("chunk"),
         "steps": len(steps),

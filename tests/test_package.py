@@ -356,3 +356,37 @@ def test_ci_runs_the_readme_test_command():
     runs = [line for line in ci if line.startswith(f"{command} || exit 1")]  # a failure stops CI
     assert len(runs) == 1, (command, [line for line in ci if "pytest" in line])
     assert f'pip install -e ".[test]" && {command}' in (ROOT / "docs" / "getting_started.md").read_text()
+
+
+# --- the README's API list ------------------------------------------------------------------------
+
+
+def _readme_api_section() -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index("\n## API\n")
+    end = text.index("\n## ", start + 1)
+    return text[start:end]
+
+
+def test_readme_api_list_names_every_public_name():
+    """Each name of ``vmcgrad.__all__`` and ``vmcgrad.netket.__all__`` appears in the README's API list
+    as code (`vmcgrad.NAME` for the core; `NAME` or `NAME(` under the `vmcgrad.netket` item)."""
+    import vmcgrad
+
+    section = _readme_api_section()
+    core, _, adapter = section.partition("- `vmcgrad.netket`")
+    missing = [n for n in vmcgrad.__all__ if f"`vmcgrad.{n}" not in core]
+    assert not missing, f"README's API list lacks {missing}"
+    pytest.importorskip("netket")
+    import vmcgrad.netket
+
+    missing = [n for n in vmcgrad.netket.__all__ if f"`{n}" not in adapter]
+    assert not missing, f"README's API list lacks vmcgrad.netket's {missing}"
+
+
+def test_readme_api_check_fires_on_a_missing_name(monkeypatch):
+    import vmcgrad
+
+    monkeypatch.setattr(vmcgrad, "__all__", [*vmcgrad.__all__, "not_in_the_readme"])
+    with pytest.raises(AssertionError, match="not_in_the_readme"):
+        test_readme_api_list_names_every_public_name()
