@@ -182,3 +182,40 @@ def test_fullsum_state_with_use_ntk_is_refused_in_vmcgrads_words():
     H, vstate = _fullsum_setup(nk.models.RBMModPhase())
     with pytest.raises(ValueError, match=r"vmcgrad.netket.VMC_SR: use_ntk=True needs a sampled state"):
         vnk.VMC_SR(H, optax.sgd(0.02), diag_shift=0.1, variational_state=vstate, use_ntk=True)
+
+
+@pytest.mark.slow
+def test_a_budget_alone_chooses_every_chunk_within_it():
+    """``vmcgrad.netket.MCState(memory_budget=B)`` with no chunk size runs ``chunk_size="auto"`` within B,
+    and ``VMC_SR`` on it takes the same budget for its kernel's blocks: each program it runs (the
+    gradient pass, the sample-space update) compiles to at most B bytes per device, and at this tight B
+    both are chunked below the samples per device."""
+    import vmcgrad
+    from vmcgrad.netket._expect_grad import log_psi
+
+    H, _, _ = _states(np.float64)
+    hi = H.hilbert
+    sampler = nk.sampler.MetropolisLocal(hi, n_chains=2 * N_DEV)
+    budget = 640 * 2**10
+    vs = vnk.MCState(sampler, nk.models.RBM(alpha=2), n_samples=N_SAMPLES, seed=3, memory_budget=budget)
+    assert vs.vmcgrad_chunk_size == "auto" and vs.vmcgrad_memory_budget == budget
+    drv = vnk.VMC_SR(H, optax.sgd(0.02), diag_shift=1e-3, variational_state=vs, use_ntk=True)
+    assert drv.chunk_size_bwd == "auto" and drv._memory_budget == budget
+    with vmcgrad_passes() as passes:
+        drv.run(1, out=None, show_progress=False)
+    chunks = {p.chunk_size for p in passes}
+    assert chunks and all(isinstance(c, int) and c < N_SAMPLES // N_DEV for c in chunks), chunks
+    logpsi = log_psi(vs._apply_fun, vs.model_state)
+    x = jax.lax.collapse(vs.samples, 0, vs.samples.ndim - 1)
+    e = vs.local_estimators(H).reshape(-1)
+    grad = vmcgrad.lower(
+        vmcgrad.expect_grad, logpsi, vs.parameters, x, e, chunk_size="auto", memory_budget=budget
+    )
+    assert vmcgrad.program_bytes(grad.compile()) <= budget
+
+    def update(w, x, e):
+        return vmcgrad.minsr_update(
+            logpsi, w, x, e, diag_shift=1e-3, chunk_size="auto", memory_budget=budget, mode=str(drv.mode)
+        )[0]
+
+    assert vmcgrad.program_bytes(jax.jit(update).lower(vs.parameters, x, e).compile()) <= budget

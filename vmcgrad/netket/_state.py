@@ -68,7 +68,11 @@ class MCState(nkp.NetKetMCState):
             and the forward kernels use it).
         memory_budget: bytes per device for ``chunk_size="auto"`` (any positive number; stored as
             :attr:`vmcgrad_memory_budget`); None for the default (half the free device memory, or
-            2 GiB where the backend does not say), as :func:`vmcgrad.auto_chunk_size`.
+            2 GiB where the backend does not say), as :func:`vmcgrad.auto_chunk_size`. A budget given
+            without ``chunk_size`` means ``chunk_size="auto"``: every chunk is then chosen within it
+            (and ``vmcgrad.netket.VMC_SR`` on this state takes the same budget for its kernel).
+            Without either, the state runs NetKet's unchunked paths: the switch alone changes no
+            number and no memory footprint.
         **kwargs: every other keyword of ``nk.vqs.MCState`` (``n_samples``, ``seed``, ...).
     """
 
@@ -84,6 +88,8 @@ class MCState(nkp.NetKetMCState):
     ):
         self.vmcgrad_chunk_size = check.check_chunk_size(NAME, chunk_size)
         self.vmcgrad_memory_budget = check.check_memory_budget(NAME, memory_budget)
+        if self.vmcgrad_chunk_size is None and self.vmcgrad_memory_budget is not None:
+            self.vmcgrad_chunk_size = "auto"  # a budget alone chooses the chunks: never set one
         super().__init__(sampler, model, chunk_size=netket_chunk_size, **kwargs)
 
     # --- NetKet's chunk_size, as NetKet's own code reads it ---------------------------------

@@ -58,7 +58,8 @@ class VMC_SR(nk.driver.VMC_SR):
             Default: the state's vmcgrad chunk size (``vmcgrad.netket.MCState``), else its
             ``chunk_size``.
         linear_solver: NetKet's dense solver ``solver(A, b)``, or ``"cg"`` (matrix-free).
-        memory_budget: bytes per device for ``chunk_size_bwd="auto"``; with ``grow_samples`` and a
+        memory_budget: bytes per device for ``chunk_size_bwd="auto"`` (default: the state's
+            ``memory_budget``; a budget with no chunk given means ``"auto"``); with ``grow_samples`` and a
             dense solver, also the cap on N: the N×N kernel and its factor,
             :math:`2 (kN)^2` numbers (:math:`k = 2` in the 'complex' mode), must fit in it.
         grow_samples: a :class:`GrowSamples` rule: N is multiplied by its ``factor`` (a multiple of
@@ -111,10 +112,13 @@ class VMC_SR(nk.driver.VMC_SR):
                 f"{type(variational_state).__name__}, which has no number of samples to raise."
             )
         chunk = check.check_chunk_size(NAME, chunk_size_bwd)
+        budget = check.check_memory_budget(NAME, memory_budget)
+        if budget is None:  # one budget: the state's
+            budget = getattr(variational_state, "vmcgrad_memory_budget", None)
         if chunk is None:
             chunk = getattr(variational_state, "vmcgrad_chunk_size", None)
             if chunk is None:
-                chunk = variational_state.chunk_size
+                chunk = "auto" if budget is not None else variational_state.chunk_size
         use_cg = isinstance(linear_solver, str)
         if use_cg and linear_solver != "cg":
             raise ValueError(
@@ -132,7 +136,7 @@ class VMC_SR(nk.driver.VMC_SR):
         if self._cg and not self.use_ntk:
             raise ValueError(f"{NAME}: linear_solver='cg' needs use_ntk=True (the sample-space update).")
         self._chunk_size_bwd = chunk  # may be "auto", which NetKet's setter refuses
-        self._memory_budget = check.check_memory_budget(NAME, memory_budget)
+        self._memory_budget = budget
         if self.use_ntk:
             # vmcgrad's SPRING buffer: a pytree like the parameters (None: zeros).
             self._old_updates = None
