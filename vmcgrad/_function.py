@@ -285,9 +285,12 @@ def cache_key(fun: Callable | StaticFun) -> Any:
 
 
 def is_dead(key: Any) -> bool:
-    """Whether a key made by :func:`cache_key` (or a tuple holding one) names a collected object."""
+    """Whether a key made by :func:`cache_key` (or a tuple holding one), or a weak reference, names
+    a collected object."""
     if type(key) is _WeakId:
         return key.ref() is None
+    if type(key) is weakref.ref:
+        return key() is None
     if type(key) is tuple:
-        return any(is_dead(k) for k in key if type(k) in (_WeakId, tuple))
+        return any(is_dead(k) for k in key if type(k) in (_WeakId, weakref.ref, tuple))
     return False

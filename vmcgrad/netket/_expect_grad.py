@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import functools
+import weakref
 from functools import partial
 from typing import Any
 
@@ -150,24 +150,37 @@ def _log_psi(apply_fun, model_state, params, x):
 
 def log_psi(apply_fun: Any, model_state: Any) -> Any:
     """``logpsi(params, x) = apply_fun({"params": params, **model_state}, x)`` for vmcgrad, compiled
-    once per model without a cache of its own.
+    once per model.
 
     A ``jax.tree_util.Partial`` of ``apply_fun`` and the model state: vmcgrad traces its arrays (new
-    model-state values do not recompile) and keys the rest by identity (:mod:`vmcgrad._function`),
-    weakly in its caches (:mod:`vmcgrad._cache`). A ``functools.partial`` (NetKet's
-    ``HashablePartial``, which its callers make anew at every call, equal by value) is unpacked
-    into a ``Partial`` of the same function and arguments, so that equal partials of the same
-    objects compile once.
+    model-state values do not recompile) and keys the rest by identity (:mod:`vmcgrad._function`).
+    NetKet's apply functions are equal by value instead (``HashablePartial``: the same code and
+    equal arguments; its callers make them anew, a new state of the same model has its own), so
+    ``apply_fun`` is first replaced by the live one equal to it that was seen first
+    (:func:`_first_equal`).
     """
-    return jax.tree_util.Partial(_log_psi, _unpacked(apply_fun), model_state)
+    return jax.tree_util.Partial(_log_psi, _first_equal(apply_fun), model_state)
 
 
-def _unpacked(fun: Any) -> Any:
-    """``fun``, with every ``functools.partial`` in it a ``jax.tree_util.Partial`` (a pytree)."""
-    if isinstance(fun, functools.partial) and not isinstance(fun, jax.tree_util.Partial):
-        args = tuple(_unpacked(a) for a in fun.args)
-        return jax.tree_util.Partial(_unpacked(fun.func), *args, **fun.keywords)
-    return fun
+#: Weak references to NetKet apply functions, each to itself: equal (and so found) by the value of
+#: the function it names while that function lives (:func:`_first_equal`).
+_APPLY_FUNS = Cache(maxsize=64, name="vmcgrad.netket: the first live apply function of each value")
+
+
+def _first_equal(apply_fun: Any) -> Any:
+    """The live apply function equal to ``apply_fun`` seen first (``apply_fun`` itself if none, or
+    if it cannot be hashed or weakly referenced). Held weakly: the table keeps no model alive."""
+    try:
+        ref = weakref.ref(apply_fun)
+        hash(ref)
+    except TypeError:
+        return apply_fun
+    seen = _APPLY_FUNS.get(ref)  # weak references compare their live objects' values
+    first = seen() if seen is not None else None
+    if first is None:
+        _APPLY_FUNS[ref] = ref
+        return apply_fun
+    return first
 
 
 @partial(jax.jit, static_argnames=("kernel", "apply_fun", "chunk_size"))
