@@ -196,23 +196,29 @@ def _holders(caches: dict, targets: list) -> list[str]:
 
 
 def test_every_cache_forgets_a_dead_function_and_stays_within_its_bound():
-    """Each cache, filled through its own key past its bound with closures: it keeps at most its
-    bound, and once the closures are dropped nothing of theirs is alive."""
+    """Each cache, filled through its own key past its bound with live closures, keeps at most its
+    bound; once the closures are dropped nothing of theirs is alive, and the next insertion drops
+    the entries of the dead ones."""
     caches = find_caches(package_modules())
     assert Cache is not None and all(isinstance(c, Cache) for c in caches.values())
     for name, cache in caches.items():
         saved = cache.snapshot()
         try:
-            refs = []
+            cache.clear()
+            funs, refs = [], []
             for i in range(cache.maxsize + 3):
                 held = _Closed()
                 refs.append(weakref.ref(held))
-                cache[cache.key(lambda x, held=held: x, i)] = i
+                funs.append(lambda x, held=held: x)
+                cache[cache.key(funs[-1], i)] = i
                 del held
-            assert len(cache) <= cache.maxsize, name
+            assert len(cache) == cache.maxsize, name
+            del funs
             gc.collect()
             alive = sum(r() is not None for r in refs)
             assert alive == 0, f"{name}: {alive} of {len(refs)} closures alive"
+            cache[cache.key(_closure_routes, "live")] = 0  # a module-level function: alive
+            assert len(cache) == 1, f"{name}: {len(cache) - 1} entries of dead functions kept"
         finally:
             cache.restore(saved)
 
