@@ -302,3 +302,31 @@ def test_netket_log_psi_compiles_once_and_keeps_no_model_alive():
     jax.clear_caches()
     gc.collect()
     assert ref() is None, ("the model is alive, held by", _holders(find_caches(package_modules()), [ref()]))
+
+
+def test_cache_key_keys_as_the_compiled_programs_do_without_holding():
+    """``cache_key`` is equal where the static part of the function is (a fresh bound method of the
+    same instance, a new ``Partial`` of the same function with other array values), differs for
+    another function, accepts what is not a callable (validation reports it later), and is the
+    same for a function and for its static part; a key whose function died equals only itself."""
+    from vmcgrad._function import cache_key, is_dead, split_fun
+
+    class Model:
+        def apply(self, p, x):
+            return x @ p
+
+    model, f, g = Model(), (lambda p, x: x @ p), (lambda p, x: x @ p)
+    assert cache_key(model.apply) == cache_key(model.apply)
+    assert cache_key(model.apply) != cache_key(Model().apply)
+    assert cache_key(f) == cache_key(split_fun(f)[0]) and cache_key(f) != cache_key(g)
+    part = jax.tree_util.Partial(f, jnp.ones(3))
+    assert cache_key(part) == cache_key(jax.tree_util.Partial(f, jnp.zeros(3)))
+    assert (
+        cache_key(part) == cache_key(split_fun(part)[0]) != cache_key(jax.tree_util.Partial(g, jnp.ones(3)))
+    )
+    assert cache_key(None) == cache_key(None) and cache_key(3) != cache_key(4)
+    key, method_key, part_key = cache_key(f), cache_key(model.apply), cache_key(part)
+    del f, part, model
+    gc.collect()
+    assert is_dead(key) and is_dead(method_key) and key == key and key != cache_key(g)
+    assert is_dead(part_key) and part_key == part_key and not is_dead(cache_key(g))

@@ -128,7 +128,7 @@ class StaticFun:
     def weak_key(self) -> Any:
         """:func:`cache_key` of this function: its key, holding no callable."""
         treedef, traced, leaf_keys, node_callables = self._key
-        if treedef.num_nodes == 1 and not traced[0]:  # a lone static leaf: the function itself
+        if treedef.num_nodes == treedef.num_leaves == 1 and not traced[0]:  # a lone static leaf
             return _weak_obj(self.static[0])
         return (
             weak_structure(treedef),
