@@ -8,10 +8,11 @@ array) neither compile again nor go stale. Everything else is static and is the 
 - callables and other objects (a plain function, a callable instance, a ``Partial``'s function, a
   bound method's instance) by **identity**, as ``jax.jit`` keys the function it wraps: two
   instances whose ``__eq__`` ignores a constant get their own programs, and an unhashable callable
-  is accepted. The key holds the object, so its ``id`` cannot be reused by a new object while any
-  compiled program or cache entry keyed by it exists (a collected callable never aliases a new
-  one); a bound method is keyed by its instance and function, not by the fresh method object
-  every attribute access makes;
+  is accepted. A compiled program's key holds the object, so its ``id`` cannot be reused by a new
+  object while the program exists; vmcgrad's own caches key it by :func:`cache_key`, which holds
+  it weakly and, once it is collected, equals only itself (a collected callable never aliases a
+  new one either way). A bound method is keyed by its instance and function, not by the fresh
+  method object every attribute access makes;
 - Python ``int``, ``bool``, ``str``, ``bytes``, ``None``, types and dtypes by value: they are
   static on purpose (shapes, loop counts, flags in Python control flow) and equal values give the
   same program;
