@@ -197,8 +197,8 @@ def _holders(caches: dict, targets: list) -> list[str]:
 
 def test_every_cache_forgets_a_dead_function_and_stays_within_its_bound():
     """Each cache, filled through its own key past its bound with live closures, keeps at most its
-    bound; once the closures are dropped nothing of theirs is alive, and the next insertion drops
-    the entries of the dead ones."""
+    bound; once the closures are dropped nothing of theirs is alive, and the next insertion into
+    the full cache drops the entries of the dead ones (not a live one)."""
     caches = find_caches(package_modules())
     assert Cache is not None and all(isinstance(c, Cache) for c in caches.values())
     for name, cache in caches.items():
@@ -247,7 +247,7 @@ def _closure_routes(big) -> dict:
     }
     refs = {}
     for name, run in routes.items():
-        for make in (plain, plain, partial):  # two plain closures: the second must not find the first
+        for make in (plain, partial):
             held = _Closed()
             held.big = big
             jax.block_until_ready(run(make(held)))

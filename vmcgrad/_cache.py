@@ -2,9 +2,9 @@
 
 Every module-level memo of the package is a :class:`Cache`: a least-recently-used map with a fixed
 bound, whose keys name the user's function through :func:`vmcgrad._function.cache_key` (a weak
-reference for a function that is not a pytree). An entry whose function was collected can no longer
-be found (its key equals only itself) and is dropped at the next insertion. The values must not hold
-the function either: they are chunk sizes, shapes and verdicts.
+reference for every callable in it). An entry whose function was collected can no longer be found
+(its key equals only itself), holds nothing of it, and is the first dropped when the cache is full.
+The values must not hold the function either: they are chunk sizes, shapes and verdicts.
 
 jax.jit's own caches do hold the functions of compiled programs (as for any jitted function);
 ``jax.clear_caches()`` empties them. :func:`registry` lists every cache, for the test that checks
@@ -58,16 +58,17 @@ class Cache:
         return self._data[key]
 
     def __setitem__(self, key: Hashable | None, value: Any) -> None:
-        """Stores ``value``, then drops the entries of collected functions and the least recently
-        used beyond the bound."""
+        """Stores ``value``; beyond the bound, drops the entries of collected functions first, then
+        the least recently used."""
         if key is None:
             return
         self._data[key] = value
         self._data.move_to_end(key)
-        for dead in [k for k in self._data if is_dead(k)]:
-            del self._data[dead]
-        while len(self._data) > self.maxsize:
-            self._data.popitem(last=False)
+        if len(self._data) > self.maxsize:
+            for dead in [k for k in self._data if is_dead(k)]:
+                del self._data[dead]
+            while len(self._data) > self.maxsize:
+                self._data.popitem(last=False)
 
     def __contains__(self, key: Hashable | None) -> bool:
         return key is not None and key in self._data
