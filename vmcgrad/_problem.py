@@ -144,10 +144,9 @@ def _signature(name: str, fun: Callable, params: Any, samples: Any, arg: str) ->
 
     Everything the checks read: the entry point and argument names, the function
     (:func:`vmcgrad._function.cache_key`: by weak references, so that the cache keeps no closure
-    alive), the tree
-    structures, and every array's shape, dtype, weak type and sharding (the function's own arrays
-    included), the x64 flag and the mesh in context. Only concrete JAX arrays are cached (not
-    tracers, not NumPy or Python values).
+    alive), the tree structures, and every array's shape, dtype, weak type and sharding (the
+    function's own arrays included), the x64 flag and the mesh in context. Only concrete JAX arrays
+    are cached (not tracers, not NumPy or Python values).
     """
     leaves = jax.tree.leaves((params, samples))
     if not leaves or not all(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) for x in leaves):
