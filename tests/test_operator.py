@@ -63,7 +63,25 @@ def test_the_operators_share_the_base(build):
 
 @pytest.mark.parametrize("build", [vmcgrad.QGT, vmcgrad.NTK], ids=["QGT", "NTK"])
 def test_auto_chunk_size_resolves_to_a_chunk(build):
-    w, x = _inputs()
-    A = build(logpsi, w, x, chunk_size="auto")
-    assert A.problem.chunk_size == "auto"
-    assert isinstance(A.chunk_size, int) and 1 <= A.chunk_size
+    """``chunk_size="auto"`` resolves to the largest power of two, at most the samples per device,
+    whose sizing program (compiled, not run) needs at most ``memory_budget`` bytes per device
+    (temporaries, arguments and outputs: :func:`vmcgrad._auto_chunk.program_bytes`): that chunk
+    fits, twice it does not. The budget is the program's own bytes at chunk 8 of 64 rows (samples
+    on one device), so the answer is neither 1 nor all rows."""
+    from vmcgrad._auto_chunk import program_bytes
+
+    def wide(w, x):  # per-chunk temporaries of 32 values a row: the bytes grow with the chunk
+        return jnp.tanh(x @ w).sum(-1)
+
+    w, x = jnp.linspace(0.1, 0.4, 96).reshape(3, 32), jnp.arange(3.0 * 64).reshape(64, 3) / (3 * 64)
+
+    def sized_bytes(A, chunk):
+        program, prob, *args = A._sizing_call()
+        return program_bytes(program.lower(prob.at_chunk(chunk), *args).compile())
+
+    budget = sized_bytes(build(wide, w, x, chunk_size=8), 8)
+    A = build(wide, w, x, chunk_size="auto", memory_budget=budget)
+    assert A.problem.chunk_size == "auto" and A.problem.n_local == 64
+    c = A.chunk_size
+    assert isinstance(c, int) and c & (c - 1) == 0 and 8 <= c < 64, (build.__name__, c)
+    assert sized_bytes(A, c) <= budget < sized_bytes(A, 2 * c)

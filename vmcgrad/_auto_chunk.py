@@ -13,8 +13,9 @@ so a search over the powers of two finds the largest fitting chunk. It compiles 
 candidate first (one compilation where all of a device's samples fit in one chunk), then candidates
 interpolated from a straight line through the bytes measured so far, and bisects after three
 compilations. It finds the chunk a bisection finds, in fewer compilations (tests/test_scale.py
-counts them). Choices are cached per program, shapes, dtypes, shardings and budget, so a training
-loop compiles the candidates once.
+counts them). Choices are cached per program, function, shapes, dtypes, shardings and budget, so a
+training loop compiles the candidates once; the cache is bounded and holds the function weakly
+(:mod:`vmcgrad._cache`).
 
 Every entry point takes the budget as ``memory_budget=`` (bytes per device). The default budget is
 half the device's free memory where the backend reports it (``device.memory_stats()``: GPUs, TPUs),
@@ -29,6 +30,7 @@ from typing import Any
 
 import jax
 
+from ._cache import Cache
 from ._warnings import ChunkRetryWarning
 
 #: Budget in bytes per device when the backend does not report its free memory (CPU): 2 GiB.
@@ -36,7 +38,8 @@ DEFAULT_MEMORY_BUDGET = 2 * 2**30
 #: Fraction of the reported free device memory used as the default budget.
 FREE_MEMORY_FRACTION = 0.5
 
-_cache: dict[Hashable, int] = {}
+#: The chunk chosen per (program, function, inputs' signature, samples per device, budget).
+_cache = Cache(maxsize=256, name="chunk_size='auto': the chosen chunk")
 
 
 def default_memory_budget(device: Any = None) -> int:
@@ -75,7 +78,8 @@ def choose_chunk(
     """The largest power-of-two chunk (at most ``n_local``) whose program fits ``budget`` bytes.
 
     Args:
-        key: cache key identifying the program and its inputs (see :func:`signature`).
+        key: cache key identifying the program, the function and its inputs (see :func:`signature`),
+            holding no user function (:func:`vmcgrad._function.cache_key`).
         n_local: samples per device.
         compile_at: ``chunk -> jax.stages.Compiled`` (lowered and compiled, not run).
         budget: bytes per device.
@@ -87,7 +91,7 @@ def choose_chunk(
     """
     key = (key, n_local, budget)
     if key in _cache:
-        return _cache[key]
+        return _cache.get(key)
     candidates = [2**k for k in range(n_local.bit_length())]  # 1, 2, 4, ... <= n_local
     probed: dict[int, tuple[int, int]] = {}  # candidate index -> (bytes, bytes that do not grow with c)
     lo, hi = 0, len(candidates) - 1  # bytes(c) is non-decreasing in c: candidates[:lo] fit, [hi+1:] not

@@ -8,10 +8,11 @@ array) neither compile again nor go stale. Everything else is static and is the 
 - callables and other objects (a plain function, a callable instance, a ``Partial``'s function, a
   bound method's instance) by **identity**, as ``jax.jit`` keys the function it wraps: two
   instances whose ``__eq__`` ignores a constant get their own programs, and an unhashable callable
-  is accepted. The key holds the object, so its ``id`` cannot be reused by a new object while any
-  compiled program or cache entry keyed by it exists (a collected callable never aliases a new
-  one); a bound method is keyed by its instance and function, not by the fresh method object
-  every attribute access makes;
+  is accepted. A compiled program's key holds the object, so its ``id`` cannot be reused by a new
+  object while the program exists; vmcgrad's own caches key it by :func:`cache_key`, which holds
+  it weakly and, once it is collected, equals only itself (a collected callable never aliases a
+  new one either way). A bound method is keyed by its instance and function, not by the fresh
+  method object every attribute access makes;
 - Python ``int``, ``bool``, ``str``, ``bytes``, ``None``, types and dtypes by value: they are
   static on purpose (shapes, loop counts, flags in Python control flow) and equal values give the
   same program;
@@ -26,6 +27,7 @@ equinox ``Module``, a flax ``struct.dataclass``) to be traced.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import types
 import weakref
@@ -124,6 +126,18 @@ class StaticFun:
     def __repr__(self) -> str:
         return f"StaticFun({self.treedef}, {self._key[2]})"
 
+    def weak_key(self) -> Any:
+        """:func:`cache_key` of this function: its key, holding no callable."""
+        treedef, traced, leaf_keys, node_callables = self._key
+        if treedef.num_nodes == treedef.num_leaves == 1 and not traced[0]:  # a lone static leaf
+            return _weak_obj(self.static[0])
+        return (
+            weak_structure(treedef),
+            traced,
+            tuple(_weak_of_key(k) for k in leaf_keys),
+            tuple(_weak_of_key(k) for k in node_callables),
+        )
+
 
 def split_fun(fun: Callable) -> tuple[StaticFun, tuple]:
     """Returns ``(static, leaves)``: the hashable static part and the array-like leaves to trace."""
@@ -171,10 +185,113 @@ def _context(name: str, x: Any, n: int, chunk_size: Any) -> str:
     )
 
 
-def cache_key(fun: Callable) -> Any:
-    """A key for vmcgrad's own bounded caches (validation, jaxpr analyses) that keeps nothing alive:
-    a weak reference for a plain function (a dead reference equals only itself, so a new function
-    at the same address never aliases it), else the static part of :func:`split_fun`."""
-    if isinstance(fun, types.FunctionType):
-        return weakref.ref(fun)
-    return split_fun(fun)[0]
+class _WeakId:
+    """An object keyed by identity without holding it: equal only to a key of the same live object
+    (a key whose object died equals only itself, so a new object at the same address never aliases
+    it)."""
+
+    __slots__ = ("_hash", "ref")
+
+    def __init__(self, obj: Any):
+        self.ref, self._hash = weakref.ref(obj), id(obj)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: Any) -> bool:
+        if other is self:
+            return True
+        if type(other) is not _WeakId:
+            return False
+        obj = self.ref()
+        return obj is not None and obj is other.ref()
+
+    def __repr__(self) -> str:
+        obj = self.ref()
+        return "<dead>" if obj is None else f"<weak {type(obj).__name__} at {self._hash:#x}>"
+
+
+def _weak(obj: Any) -> Any:
+    """A key of ``obj`` that does not hold it where Python allows a weak reference, else :func:`_key`."""
+    if isinstance(obj, _VALUES) and not isinstance(obj, _ARRAYS):
+        return (type(obj), obj)
+    try:
+        return _WeakId(obj)
+    except TypeError:  # no weak references to it (a builtin, a class with __slots__)
+        return _key(obj)
+
+
+def _weak_obj(obj: Any) -> Any:
+    """:func:`_weak`, a bound method by its parts (a new method object at every attribute access)."""
+    if isinstance(obj, types.MethodType):
+        return (types.MethodType, _weak(obj.__self__), _weak(obj.__func__))
+    return _weak(obj)
+
+
+def _weak_of_key(key: Any) -> Any:
+    """A :func:`_key` with its identity keys made weak."""
+    if type(key) is _Id:
+        return _weak(key.obj)
+    if type(key) is tuple and len(key) == 3 and key[0] is types.MethodType:
+        return (types.MethodType, _weak_of_key(key[1]), _weak_of_key(key[2]))
+    return key
+
+
+def _weak_aux(aux: Any) -> Any:
+    """A pytree node's static data as a key holding no callable: callables by :func:`_weak_obj`,
+    containers and frozen dataclasses (a static ``Problem``) field by field, values as they are."""
+    if isinstance(aux, StaticFun):
+        return aux.weak_key()
+    if type(aux).__name__ == "_HashableCallableShim" and hasattr(aux, "fun"):
+        return _weak_aux(aux.fun)  # a Partial's function (see _collect)
+    if isinstance(aux, (tuple, list)):
+        return (type(aux), tuple(_weak_aux(a) for a in aux))
+    if isinstance(aux, dict):
+        return (dict, tuple((k, _weak_aux(v)) for k, v in aux.items()))
+    params = getattr(type(aux), "__dataclass_params__", None)
+    if params is not None and params.frozen and params.eq:
+        fields = dataclasses.fields(aux)
+        return (type(aux), tuple(_weak_aux(getattr(aux, f.name)) for f in fields if f.compare))
+    if callable(aux) and not isinstance(aux, type):
+        return _weak_obj(aux)
+    return aux
+
+
+def weak_structure(treedef: Any) -> Any:
+    """``treedef`` as a key that holds nothing of its node data but values (:func:`_weak_aux`):
+    equal for equal structures whose callables are the same live objects."""
+    data = treedef.node_data()
+    if data is None:  # a leaf
+        return None
+    kind, aux = data
+    return kind, _weak_aux(aux), tuple(weak_structure(child) for child in treedef.children())
+
+
+def cache_key(fun: Callable | StaticFun) -> Any:
+    """A key of ``fun`` for vmcgrad's own caches (:mod:`vmcgrad._cache`) that keeps it alive nowhere.
+
+    The key equals another as :class:`StaticFun` does (callables by identity, values by value,
+    the pytree structure), but holds every callable and object by weak reference: while it lives,
+    by identity; once it is collected the key equals only itself, so the entry can no longer be
+    found (and :class:`vmcgrad._cache.Cache` drops it). An object Python cannot reference weakly
+    (a builtin, a class with ``__slots__``) is held, up to the cache's bound. ``fun`` may also be
+    the static part of :func:`split_fun`: the key is the same.
+    """
+    if isinstance(fun, types.FunctionType):  # the common case, without flattening
+        return _weak(fun)
+    if isinstance(fun, types.MethodType):
+        return _weak_obj(fun)
+    static = fun if isinstance(fun, StaticFun) else split_fun(fun)[0]
+    return static.weak_key()
+
+
+def is_dead(key: Any) -> bool:
+    """Whether a key made by :func:`cache_key` (or a tuple holding one), or a weak reference, names
+    a collected object."""
+    if type(key) is _WeakId:
+        return key.ref() is None
+    if type(key) is weakref.ref:
+        return key() is None
+    if type(key) is tuple:
+        return any(is_dead(k) for k in key if type(k) in (_WeakId, weakref.ref, tuple))
+    return False

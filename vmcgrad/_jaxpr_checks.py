@@ -31,7 +31,6 @@ data flow equation by equation, into ``jit``, ``scan``, ``while``, ``cond``, ``c
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import re
 from collections.abc import Callable, Sequence
@@ -906,8 +905,12 @@ def _linear_eqn(eqn: Any, ins: list) -> list:
 
 # --- once per signature -----------------------------------------------------------------------------
 
-_CACHE: collections.OrderedDict = collections.OrderedDict()
+# imported here, with the cache it serves (the analyses above need nothing of it)
+from ._cache import Cache  # noqa: E402
+
 _CACHE_SIZE = 512
+#: The analyses' verdicts per function and input signature (:func:`signature_key`).
+_CACHE = Cache(maxsize=_CACHE_SIZE, name="jaxpr analyses per function and input signature")
 
 
 def _avals(tree: Any) -> tuple:
@@ -916,17 +919,13 @@ def _avals(tree: Any) -> tuple:
 
 
 def signature_key(kind: str, fun: Callable, params: Any, samples: Any) -> Any:
-    """The cache key of ``kind`` for ``fun`` (its static part, as the compiled programs key it) and
-    the shapes and dtypes of ``fun``'s arrays, ``params`` and ``samples``; None if unhashable."""
-    from ._function import cache_key, split_fun
+    """The cache key of ``kind`` for ``fun`` (:func:`vmcgrad._function.cache_key`: held weakly
+    where it can be) and the shapes and dtypes of ``fun``'s arrays, ``params`` and ``samples``;
+    None if unhashable."""
+    from ._function import split_fun
 
     _, data = split_fun(fun)
-    key = (kind, cache_key(fun), _avals(data), _avals(params), _avals(samples))
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
+    return Cache.key(fun, kind, _avals(data), _avals(params), _avals(samples))
 
 
 _MISSING = object()
@@ -934,18 +933,11 @@ _MISSING = object()
 
 def recall(key: Any) -> Any:
     """The value remembered for ``key``, or ``_MISSING``."""
-    if key is None or key not in _CACHE:
-        return _MISSING
-    _CACHE.move_to_end(key)
-    return _CACHE[key]
+    return _CACHE.get(key, _MISSING)
 
 
 def remember(key: Any, value: Any) -> None:
-    if key is None:
-        return
     _CACHE[key] = value
-    if len(_CACHE) > _CACHE_SIZE:
-        _CACHE.popitem(last=False)
 
 
 def once_per_signature(kind: str, fun: Callable, params: Any, samples: Any, compute: Callable) -> Any:

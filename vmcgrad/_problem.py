@@ -20,7 +20,6 @@ the compiled program's memory and halving once after an out-of-memory error.
 
 from __future__ import annotations
 
-import collections
 import contextvars
 import dataclasses
 from collections.abc import Callable
@@ -31,8 +30,9 @@ import numpy as np
 
 from . import _validation as check
 from ._auto_chunk import choose_chunk, default_memory_budget, remember, run_with_oom_retry, signature
+from ._cache import Cache
 from ._chunking import Space
-from ._function import cache_key, join_fun, on_chunks, split_fun
+from ._function import cache_key, join_fun, on_chunks, split_fun, weak_structure
 from ._sharding import (
     SampleAxis,
     check_not_in_shard_map,
@@ -132,20 +132,21 @@ def problem(
     return prob, Inputs(data, params, samples), extra
 
 
+#: The bound of :data:`_CHECKED`, read at every insertion (0 switches the cache off).
+_CHECKED_MAX = 32
 #: ``check_problem``'s results (``n``, the output's shape and dtype) per input signature, least
 #: recently used last out: what ``jax.jit`` caches a trace by (see :func:`_signature`).
-_CHECKED: collections.OrderedDict = collections.OrderedDict()
-_CHECKED_MAX = 32
+_CHECKED = Cache(maxsize=_CHECKED_MAX, name="check_problem's result per input signature")
 
 
 def _signature(name: str, fun: Callable, params: Any, samples: Any, arg: str) -> Any:
     """The key of ``check_problem``'s result, or None when it must not be cached.
 
-    Everything the checks read: the entry point and argument names, the function's static part
-    (plain functions by weak reference, so that the cache keeps no closure alive; other callables by
-    equality, as ``jax.jit``'s static arguments), the tree structures, and every array's shape,
-    dtype, weak type and sharding (the function's own arrays included), the x64 flag and the mesh
-    in context. Only concrete JAX arrays are cached (not tracers, not NumPy or Python values).
+    Everything the checks read: the entry point and argument names, the function
+    (:func:`vmcgrad._function.cache_key`: by weak references, so that the cache keeps no closure
+    alive), the tree structures, and every array's shape, dtype, weak type and sharding (the
+    function's own arrays included), the x64 flag and the mesh in context. Only concrete JAX arrays
+    are cached (not tracers, not NumPy or Python values).
     """
     leaves = jax.tree.leaves((params, samples))
     if not leaves or not all(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) for x in leaves):
@@ -180,14 +181,11 @@ def _check_problem_cached(name: str, fun: Callable, params: Any, samples: Any, a
     calling an estimator every step with new values of the same shapes validates once. Failures
     are not cached (bad input raises every time)."""
     key = _signature(name, fun, params, samples, arg)
-    if key is not None and key in _CHECKED:
-        _CHECKED.move_to_end(key)
-        return (params, samples, *_CHECKED[key])
+    if key in _CHECKED:
+        return (params, samples, *_CHECKED.get(key))
     params, samples, n, out = check.check_problem(name, fun, params, samples, arg=arg)
-    if key is not None:
-        _CHECKED[key] = (n, out)
-        while len(_CHECKED) > _CHECKED_MAX:
-            _CHECKED.popitem(last=False)
+    _CHECKED.maxsize = _CHECKED_MAX
+    _CHECKED[key] = (n, out)
     return params, samples, n, out
 
 
@@ -231,7 +229,13 @@ def _budget(prob: Problem) -> int:
 
 
 def _key(program: Any, prob: Problem, args: tuple) -> Any:
-    return (program, prob.at_chunk("auto"), signature(args))
+    """The automatic chunk's cache key: the program, the problem and the arguments' signature, the
+    user's function in it through :func:`vmcgrad._function.cache_key` only (held weakly where it can
+    be), also where a problem is static data of an argument (an operator's: the arguments' tree
+    structure by :func:`vmcgrad._function.weak_structure`)."""
+    structure, leaves = signature(args)
+    unkeyed = dataclasses.replace(prob, fun=None, chunk_size="auto")
+    return Cache.key(prob.fun, program, unkeyed, weak_structure(structure), leaves)
 
 
 def _abstract(tree: Any) -> Any:

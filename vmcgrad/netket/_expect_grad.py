@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import functools
+import weakref
 from functools import partial
 from typing import Any
 
@@ -14,6 +14,7 @@ from netket.vqs.mc import get_local_kernel, get_local_kernel_arguments
 
 import vmcgrad
 from vmcgrad._auto_chunk import run_with_oom_retry
+from vmcgrad._cache import Cache
 
 from .. import _validation as check
 from . import _nk_private as nkp
@@ -82,13 +83,13 @@ def covariance_grad(vstate: Any, operator: Any, chunk_size: int | str | None) ->
         return step(chunk_size)
     # the core's rule: the chunk whose gradient program fits the budget; halved once after an OOM,
     # and the smaller chunk kept for these shapes
-    key = (nkp.apply_fun(vstate), tuple(sigma.shape), str(sigma.dtype))
+    key = Cache.key(nkp.apply_fun(vstate), tuple(sigma.shape), str(sigma.dtype))
     chunk = _SHRUNK.get(key) or auto_chunk_size(vstate, sigma)
     return run_with_oom_retry(step, chunk, lambda c: _SHRUNK.__setitem__(key, c), NAME)
 
 
 #: Automatic chunks halved after an out-of-memory error, per (model, sample shape and dtype).
-_SHRUNK: dict = {}
+_SHRUNK = Cache(maxsize=64, name="vmcgrad.netket: chunk halved after an out-of-memory error")
 
 
 def auto_chunk_size(vstate: Any, sigma: Any) -> int:
@@ -147,31 +148,39 @@ def _log_psi(apply_fun, model_state, params, x):
     return apply_fun({"params": params, **model_state}, x)
 
 
-def _log_psi_no_state(apply_fun, state_def, params, x):
-    return apply_fun({"params": params, **jax.tree.unflatten(state_def, [])}, x)
-
-
 def log_psi(apply_fun: Any, model_state: Any) -> Any:
-    """``logpsi(params, x)`` for vmcgrad, compiled once per model.
+    """``logpsi(params, x) = apply_fun({"params": params, **model_state}, x)`` for vmcgrad, compiled
+    once per model.
 
-    vmcgrad keys a callable by identity (:mod:`vmcgrad._function`), so the callable is one object
-    per ``(apply_fun, model-state structure)`` (:func:`_log_psi_of`; NetKet's own jitted functions
-    take ``apply_fun`` as a static argument, equal by value, and so does this cache). With
-    model-state arrays: a ``jax.tree_util.Partial`` of it whose arrays are traced (new values do not
-    recompile).
+    A ``jax.tree_util.Partial`` of ``apply_fun`` and the model state: vmcgrad traces its arrays (new
+    model-state values do not recompile) and keys the rest by identity (:mod:`vmcgrad._function`).
+    NetKet's apply functions are equal by value instead (``HashablePartial``: the same code and
+    equal arguments; its callers make them anew, a new state of the same model has its own), so
+    ``apply_fun`` is first replaced by the live one equal to it that was seen first
+    (:func:`_first_equal`).
     """
-    if jax.tree.leaves(model_state):
-        return jax.tree_util.Partial(_log_psi_of(apply_fun, None), model_state)
-    return _log_psi_of(apply_fun, jax.tree.structure(model_state))
+    return jax.tree_util.Partial(_log_psi, _first_equal(apply_fun), model_state)
 
 
-@functools.lru_cache(maxsize=64)
-def _log_psi_of(apply_fun: Any, state_def: Any) -> Any:
-    """One ``HashablePartial`` per model: ``_log_psi`` with the state traced (``state_def`` None),
-    else ``_log_psi_no_state``."""
-    if state_def is None:
-        return HashablePartial(_log_psi, apply_fun)
-    return HashablePartial(_log_psi_no_state, apply_fun, state_def)
+#: Weak references to NetKet apply functions, each to itself: equal (and so found) by the value of
+#: the function it names while that function lives (:func:`_first_equal`).
+_APPLY_FUNS = Cache(maxsize=64, name="vmcgrad.netket: the first live apply function of each value")
+
+
+def _first_equal(apply_fun: Any) -> Any:
+    """The live apply function equal to ``apply_fun`` seen first (``apply_fun`` itself if none, or
+    if it cannot be hashed or weakly referenced). Held weakly: the table keeps no model alive."""
+    try:
+        ref = weakref.ref(apply_fun)
+        hash(ref)
+    except TypeError:
+        return apply_fun
+    seen = _APPLY_FUNS.get(ref)  # weak references compare their live objects' values
+    first = seen() if seen is not None else None
+    if first is None:
+        _APPLY_FUNS[ref] = ref
+        return apply_fun
+    return first
 
 
 @partial(jax.jit, static_argnames=("kernel", "apply_fun", "chunk_size"))

@@ -16,10 +16,12 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from .._cache import Cache
 from .._warnings import VmcgradWarning
 
 _FALLBACK = "Ignoring chunk_size"
-_warned: set = set()
+#: The keys already warned about (a bounded record: a key evicted long ago may warn again).
+_warned = Cache(maxsize=256, name="vmcgrad.netket: warnings given once")
 
 
 class NetKetChunkFallbackError(NotImplementedError):
@@ -54,7 +56,7 @@ def divisor_at_most(n: int, chunk_size: int) -> int:
 
 
 def warn_once(key: Any, message: str) -> None:
-    """A :class:`vmcgrad.VmcgradWarning`, once per ``key`` in this process."""
+    """A :class:`vmcgrad.VmcgradWarning`, once per ``key`` (hashable values) in this process."""
     if key not in _warned:
-        _warned.add(key)
+        _warned[key] = True
         warnings.warn(message, VmcgradWarning, stacklevel=3)
