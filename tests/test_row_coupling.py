@@ -33,6 +33,8 @@ COUPLED = {
     "cumsum": lambda w, x: jnp.cumsum(x @ w),
     "jitted_mean": jax.jit(lambda w, x: x @ w - jnp.mean(x @ w)),
     "batch_norm": lambda w, x: (x @ w - jnp.mean(x @ w)) / jnp.std(x @ w),
+    # row i is sample i+1's: tile along the sample axis is not followed, the numerical check decides
+    "tile_shift": lambda w, x: jnp.tile(jnp.tanh(x @ w), 2)[1 : x.shape[0] + 1],
 }
 DECOUPLED = {
     "stop_gradient_mean": lambda w, x: x @ w - jax.lax.stop_gradient(jnp.mean(x @ w)),
@@ -46,6 +48,8 @@ DECOUPLED = {
     ].sum(-1),
     "fori_over_layers": lambda w, x: jax.lax.fori_loop(0, 3, lambda i, h: jnp.tanh(h * w), x).sum(-1),
     "flatten_and_back": lambda w, x: (x.reshape(-1) * jnp.tile(w, x.shape[0])).reshape(x.shape[0], 3).sum(-1),
+    "tile_features": lambda w, x: jnp.tanh(jnp.tile(x, (1, 2)) @ jnp.tile(w, 2)),
+    "tile_samples_first_copy": lambda w, x: jnp.tile(jnp.tanh(x @ w), 2)[: x.shape[0]],
 }
 
 ESTIMATORS = {
@@ -336,3 +340,14 @@ def test_a_failing_analysis_is_not_silent(monkeypatch):
         vmcgrad.batched_vjp(lambda w, x: x @ w - jnp.mean(x @ w), W, X, CT, chunk_size=4)
     with pytest.warns(UnknownPrimitiveWarning, match="analysis failed on"):
         jax.jit(lambda w: vmcgrad.batched_vjp(lambda w, x: jnp.sin(x @ w), w, X, CT, chunk_size=4))(W)
+
+
+@pytest.mark.filterwarnings("error::vmcgrad.VmcgradWarning")
+def test_tile_of_other_axes_is_judged_without_a_numerical_check():
+    """``jnp.tile`` over the features has a rule (the rows stay put): judged under ``jax.jit`` too,
+    where no numerical check can run, with no warning; tiled along the samples it is left to the
+    numerical check (here: concrete, and row-wise for the first copy)."""
+    fun = DECOUPLED["tile_features"]
+    (ref,) = jax.vjp(lambda w: fun(w, X), W)[1](CT)
+    got = jax.jit(lambda w: vmcgrad.batched_vjp(fun, w, X, CT, chunk_size=4))(W)
+    assert_tree_allclose(got, ref, rtol=1e-12, atol=1e-13)

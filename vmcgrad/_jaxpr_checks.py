@@ -334,6 +334,18 @@ def _broadcast_in_dim(eqn, ins):
     return Rows(eqn.params["broadcast_dimensions"][s.dim], s.block)
 
 
+def _tile(eqn, ins):
+    """``tile[reps]`` (reps aligned with the operand's axes): other axes tiled keep the rows; a
+    sample axis tiled repeats them, which the later operations may or may not undo (a slice of the
+    first copy is row-wise, a shifted slice is not): not followed, the numerical check decides."""
+    s = _only(ins)
+    if not isinstance(s, Rows):
+        return UNKNOWN
+    if tuple(eqn.params["reps"])[s.dim] != 1:
+        return Unknown(frozenset({"tile along the sample axis"}))
+    return s
+
+
 def _transpose(eqn, ins):
     s = ins[0]
     return Rows(tuple(eqn.params["permutation"]).index(s.dim), s.block)
@@ -523,6 +535,7 @@ _RULES: dict[str, Callable] = {
     "fft": _fft,
     "broadcast_in_dim": _broadcast_in_dim,
     "transpose": _transpose,
+    "tile": _tile,
     "squeeze": _squeeze,
     "reshape": _reshape,
     "slice": _slice,
@@ -737,11 +750,11 @@ def numerical_row_coupling(
 
     With a random parameter direction :math:`t` and the first :math:`m \le 8` samples
     :math:`X = (\sigma_1 \dots \sigma_m)`, a ``fun`` whose row :math:`i` depends on sample
-    :math:`i` only has :math:`\dot f(	heta, X)[t]_j = \dot f(	heta, (\sigma_j, \dots,
+    :math:`i` only has :math:`\dot f(\theta, X)[t]_j = \dot f(\theta, (\sigma_j, \dots,
     \sigma_j))[t]_i` for every :math:`i, j`: the batch of :math:`m` copies of :math:`\sigma_j` is
     row-wise the same computation (one compiled program, one batch shape). A batch statistic (a
     mean, max, sort or cumulative sum over the rows) or a dependence on the row's position breaks
-    it. Coupled when a difference exceeds :math:`\sqrt{\epsilon}\max_j |\dot f(	heta, X)[t]_j|`
+    it. Coupled when a difference exceeds :math:`\sqrt{\epsilon}\max_j |\dot f(\theta, X)[t]_j|`
     (rounding is far below it, a statistic over :math:`m` rows far above), or when a copy is not
     finite where the row is. A pass is evidence on these rows, not a proof.
     """
