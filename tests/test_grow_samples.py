@@ -103,16 +103,32 @@ def test_vmc_sr_raises_n_when_settled_and_logs_it(netket_mesh):
     assert drv.state.samples.reshape(-1, 6).shape[0] == 3 * n0
 
 
+@pytest.mark.heavy  # a bisection over compiled programs
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_vmc_sr_growth_is_capped_by_what_the_budget_holds(netket_mesh):
-    """With a dense solver the N×N kernel and its factor must fit the budget: 2 N² float64 numbers."""
+    """With a dense solver the N×N kernel and its factor must fit the budget (2 N² float64 numbers:
+    the bound), and the raise is halved until the compiled update at the new N fits."""
     n0 = _driver(None).state.n_samples
     budget = 2 * 8 * (n0 + n0 // 2) ** 2  # holds 1.5 n0, not 2 n0
     drv = _driver(GrowSamples(max_samples=8 * n0, window=3, tolerance=1e9), memory_budget=budget)
     assert drv.max_samples_in_budget() == n0 + n0 // 2
     drv.run(4, out=None, show_progress=False)
     chains = drv.state.sampler.n_chains
-    assert drv.grown == [(2, n0, (n0 + n0 // 2) // chains * chains)]
+    assert len(drv.grown) == 1, drv.grown
+    step, old, new = drv.grown[0]
+    assert (step, old) == (2, n0) and n0 < new <= n0 + n0 // 2 and new % chains == 0, drv.grown
+    assert drv._update_fits(new)  # the compiled update at the raised N fits the budget
+    # the smallest budget that holds N = n0 (chunks chosen within it), and so nothing larger: no raise
+    probe = _driver(GrowSamples(max_samples=8 * n0), memory_budget=budget, chunk_size_bwd="auto")
+    probe._loss_stats = probe.state.expect(probe._ham)
+    lo, hi = 1, budget
+    while lo < hi:  # bisection on the compiled update at n0
+        mid = (lo + hi) // 2
+        probe._memory_budget = mid
+        lo, hi = (lo, mid) if probe._update_fits(n0) else (mid + 1, hi)
+    tight = _driver(GrowSamples(max_samples=8 * n0, window=3, tolerance=1e9), memory_budget=lo)
+    tight.run(4, out=None, show_progress=False)
+    assert tight.grown == [] and tight.state.n_samples == n0
     cg = _driver(GrowSamples(max_samples=8 * n0), memory_budget=budget, linear_solver="cg")
     assert cg.max_samples_in_budget() is None  # matrix-free: no N×N matrix to fit
 

@@ -64,7 +64,8 @@ class VMC_SR(nk.driver.VMC_SR):
             :math:`2 (kN)^2` numbers (:math:`k = 2` in the 'complex' mode), must fit in it.
         grow_samples: a :class:`GrowSamples` rule: N is multiplied by its ``factor`` (a multiple of
             the sampler's chains) whenever the energy has settled to its error bar over its
-            ``window`` of steps, up to its ``max_samples`` and to what ``memory_budget`` holds. Each
+            ``window`` of steps, up to its ``max_samples`` and to what ``memory_budget`` holds (the
+            raise is halved until the update's compiled program at the new N fits it). Each
             step logs ``n_samples``; :attr:`grown` lists the raises as ``(step, old N, new N)``.
 
     Example::
@@ -202,15 +203,49 @@ class VMC_SR(nk.driver.VMC_SR):
         cap = self.max_samples_in_budget()
         if new is not None and cap is not None and new > cap:
             new = cap - cap % granule
+        while new is not None and new > n and not self._update_fits(new):
+            new = n + (new - n) // 2 // granule * granule  # halve the raise until the program fits
         if new is None or new <= n:
             return
         self.state.n_samples = new
         self._grow_history = []  # W more steps at the new N before the next decision
         self.grown.append((int(self.step_count), int(n), int(new)))
 
+    def _update_fits(self, n: int) -> bool:
+        """Whether the update's compiled program at N = ``n`` fits ``memory_budget`` (compiled, not run,
+        on abstract samples sharded like the state's; True without a budget)."""
+        if self._memory_budget is None:
+            return True
+        import numpy as np
+
+        samples = self.state.samples
+        rows = jax.ShapeDtypeStruct((n, samples.shape[-1]), samples.dtype, sharding=samples.sharding)
+        e = jax.ShapeDtypeStruct((n,), np.result_type(self._loss_stats.mean), sharding=samples.sharding)
+        logpsi = log_psi(nkp.apply_fun(self.state), self.state.model_state)
+
+        def update(w, x, e_loc):
+            return vmcgrad.minsr_update(
+                logpsi,
+                w,
+                x,
+                e_loc,
+                diag_shift=0.0,
+                mode=str(self.mode),
+                solver="cg" if self._cg else self._linear_solver,
+                chunk_size=self.chunk_size_bwd,
+                memory_budget=self._memory_budget,
+            )[0]
+
+        try:
+            compiled = jax.jit(update).lower(self.state.parameters, rows, e).compile()
+        except MemoryError:  # chunk_size="auto" found no chunk that fits
+            return False
+        return vmcgrad.program_bytes(compiled) <= self._memory_budget
+
     def max_samples_in_budget(self) -> int | None:
-        """The largest N whose dense N×N kernel and factor fit ``memory_budget`` (None: no cap, with no
-        budget or with the matrix-free ``"cg"`` solver, which stores no N×N matrix)."""
+        """An upper bound on the N whose update fits ``memory_budget``: the dense N×N kernel and its
+        factor alone must fit (None: no bound, with no budget or with the matrix-free ``"cg"`` solver,
+        which stores no N×N matrix). A raise is then checked on the compiled program itself."""
         if self._memory_budget is None or self._cg or not self.use_ntk:
             return None
         params = jax.tree_util.tree_leaves(self.state.parameters)
