@@ -33,3 +33,17 @@ def gloo_tcp_collectives_module() -> Any:
     if module is None or getattr(module, "make_gloo_tcp_collectives", None) is None:
         raise _missing("jax._src.xla_bridge._jax.make_gloo_tcp_collectives")
     return module
+
+
+def cluster_env() -> Any:
+    """JAX's ``ClusterEnv`` (``jax._src.clusters``): the launcher environments that
+    ``jax.distributed.initialize()`` detects, in ``ClusterEnv._cluster_types``, and its detection,
+    ``ClusterEnv.auto_detect_unset_distributed_params``."""
+    try:
+        from jax._src import clusters
+    except ImportError as err:
+        raise _missing("jax._src.clusters", err) from None
+    env = getattr(clusters, "ClusterEnv", None)
+    if not all(hasattr(env, a) for a in ("_cluster_types", "auto_detect_unset_distributed_params")):
+        raise _missing("jax._src.clusters.ClusterEnv.auto_detect_unset_distributed_params")
+    return env
