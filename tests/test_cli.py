@@ -120,6 +120,7 @@ def test_short_run_writes_log_and_plot(tmp_path):
         "seed": 3,
         "devices": N_DEVICES,
         "out": str(out),
+        "distributed": None,
         "coordinator": None,
         "num_processes": None,
         "process_id": None,
@@ -155,10 +156,13 @@ def test_exact_energy_off_the_table():
 
 MP = ["--num-processes", "2", "--process-id"]
 BAD = [
-    (["--system", "kagome"], "argument --system: invalid choice: 'kagome' (choose from 'heisenberg1d'"),
+    (
+        ["--system", "kagome"],
+        "argument --system: expected one of heisenberg1d, heisenberg2d, ising1d, j1j2, or MODULE:FACTORY",
+    ),
     (
         ["--model", "cnn"],
-        "argument --model: invalid choice: 'cnn' (choose from 'rbm', 'rbm-phase', 'mlp', 'rbm-symm'",
+        "argument --model: expected one of rbm, rbm-phase, mlp, rbm-symm, gcnn, or MODULE:FACTORY",
     ),
     (["--L", "0"], "argument --L: must be a positive integer; got 0"),
     (["--L", "seven"], "argument --L: expected a positive integer; got 'seven'"),
