@@ -122,6 +122,7 @@ def test_short_run_writes_log_and_plot(tmp_path):
         "out": str(out),
         "checkpoint_every": 10,
         "resume": None,
+        "distributed": None,
         "coordinator": None,
         "num_processes": None,
         "process_id": None,
@@ -163,10 +164,13 @@ def test_exact_energy_off_the_table():
 
 MP = ["--num-processes", "2", "--process-id"]
 BAD = [
-    (["--system", "kagome"], "argument --system: invalid choice: 'kagome' (choose from 'heisenberg1d'"),
+    (
+        ["--system", "kagome"],
+        "argument --system: expected one of heisenberg1d, heisenberg2d, ising1d, j1j2, or MODULE:FACTORY",
+    ),
     (
         ["--model", "cnn"],
-        "argument --model: invalid choice: 'cnn' (choose from 'rbm', 'rbm-phase', 'mlp', 'rbm-symm'",
+        "argument --model: expected one of rbm, rbm-phase, mlp, rbm-symm, gcnn, or MODULE:FACTORY",
     ),
     (["--L", "0"], "argument --L: must be a positive integer; got 0"),
     (["--L", "seven"], "argument --L: expected a positive integer; got 'seven'"),

@@ -101,6 +101,18 @@ INTERNALS: tuple[Internal, ...] = (
         "vmcgrad.initialize_distributed (CPU collectives bound to 127.0.0.1)",
         lazy=True,
     ),
+    Internal(
+        "jax._src.clusters",
+        "ClusterEnv._cluster_types",
+        "vmcgrad vmc --distributed auto (the launchers JAX detects, in its order)",
+        lazy=True,
+    ),
+    Internal(
+        "jax._src.clusters",
+        "ClusterEnv.auto_detect_unset_distributed_params",
+        "vmcgrad vmc --distributed auto (the coordinator, process count and id from the launcher)",
+        lazy=True,
+    ),
 )
 
 #: Where the installed JAX defines its primitives (for :func:`missing_primitives`).
@@ -201,6 +213,17 @@ def gloo_tcp_collectives_module() -> Any:
     return xla_bridge._jax
 
 
+def cluster_env() -> Any:
+    """JAX's ``ClusterEnv`` (``jax._src.clusters``): the launcher environments that
+    ``jax.distributed.initialize()`` detects, in ``ClusterEnv._cluster_types``, and its detection,
+    ``ClusterEnv.auto_detect_unset_distributed_params``."""
+    require("jax._src.clusters.ClusterEnv._cluster_types")
+    require("jax._src.clusters.ClusterEnv.auto_detect_unset_distributed_params")
+    from jax._src import clusters
+
+    return clusters.ClusterEnv
+
+
 check_internals()
 
 # what vmcgrad's modules import from here (after the check)
@@ -222,6 +245,7 @@ __all__ = [
     "ad",
     "batching",
     "check_internals",
+    "cluster_env",
     "gloo_tcp_collectives_module",
     "jaxpr_as_fun",
     "linear_call",

@@ -45,6 +45,7 @@ MAY_CHANGE = frozenset(
         "resume",
         "checkpoint_every",
         "minutes",
+        "distributed",
         "coordinator",
         "process_id",
         "distributed_timeout",

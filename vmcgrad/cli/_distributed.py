@@ -1,4 +1,5 @@
-"""Multi-process runs of the command line on JAX's distributed runtime (``--coordinator`` and friends).
+"""Multi-process runs of the command line on JAX's distributed runtime (``--coordinator`` and friends,
+or ``--distributed auto`` under a cluster launcher).
 
 Every process runs the same command with its own ``--process-id``; together they form one JAX program
 whose devices are all processes' devices (``jax.devices()`` is global), so NetKet's sample mesh, the
@@ -6,11 +7,19 @@ chains and vmcgrad's one reduction per gradient span them all. The runtime must 
 computes anything and before NetKet is imported (its mesh is built from ``jax.devices()`` at import).
 A process that never joins, or is lost during the run, ends every other process within
 ``--distributed-timeout`` seconds, with one line naming it (:mod:`._supervise`).
+
+With ``--distributed auto`` the launcher's environment gives every process its place, as it does for
+``jax.distributed.initialize()`` without arguments: the same detection (JAX's ``ClusterEnv`` classes,
+:func:`detect_launcher`) runs before anything else, and its coordinator address, number of processes
+and process id then take the place of the three flags, so the supervisor, the lock of ``--out`` and
+the messages are those of a run started by hand.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+from dataclasses import dataclass
 
 from .._distributed import DEFAULT_TIMEOUT
 
@@ -56,13 +65,24 @@ def non_negative_int(text: str) -> int:
 
 
 def add_arguments(p) -> None:
-    """Adds ``--coordinator``, ``--num-processes`` and ``--process-id`` to the parser ``p``."""
+    """Adds ``--distributed``, ``--coordinator``, ``--num-processes``, ``--process-id`` and
+    ``--distributed-timeout`` to the parser ``p``."""
     from ._args import positive_int
 
     g = p.add_argument_group(
-        "multiple processes (JAX distributed runtime; give all three or none)",
-        "Start the same command once per process. Process 0 hosts the coordinator, writes the "
-        "output and shows the progress; --devices then counts each process's own CPU devices.",
+        "multiple processes (JAX distributed runtime: --distributed auto under a launcher, or all three "
+        "of --coordinator, --num-processes and --process-id)",
+        "Start the same command once per process: through a cluster launcher (srun -n N vmcgrad vmc "
+        "--distributed auto ..., or mpirun -n N), or by hand with the three flags. Process 0 hosts the "
+        "coordinator, writes the output and shows the progress; --devices then counts each process's "
+        "own CPU devices.",
+    )
+    g.add_argument(
+        "--distributed",
+        choices=("auto",),
+        default=None,
+        help="auto: take the coordinator, number of processes and process id from the launcher's "
+        "environment, as jax.distributed.initialize() does (SLURM's srun, Open MPI's mpirun, ...)",
     )
     g.add_argument(
         "--coordinator",
@@ -87,7 +107,11 @@ def add_arguments(p) -> None:
 
 
 def check(args, parser) -> None:
-    """All three options or none, and a process id below the number of processes."""
+    """All three options or none, and a process id below the number of processes; with
+    ``--distributed auto``, none of them, and the three taken from the launcher (:func:`use_launcher`)."""
+    if args.distributed == "auto":
+        use_launcher(args, parser)
+        return
     given = {
         "--coordinator": args.coordinator,
         "--num-processes": args.num_processes,
@@ -107,6 +131,100 @@ def check(args, parser) -> None:
         )
 
 
+@dataclass(frozen=True)
+class Launch:
+    """This process's place in a launched job, as JAX's cluster detection reads it.
+
+    Attributes:
+        launcher: JAX's name of the environment (``"slurm"``, ``"ompi"``, ...).
+        coordinator: ``HOST:PORT`` of process 0's coordinator.
+        num_processes, process_id: the job's size and this process's index.
+        local_device_ids: the devices JAX would restrict this process to (GPUs: one per local
+            process); None for all.
+    """
+
+    launcher: str
+    coordinator: str
+    num_processes: int
+    process_id: int
+    local_device_ids: tuple[int, ...] | None
+
+
+def detect_launcher(timeout: int) -> Launch | None:
+    """The launcher environment ``jax.distributed.initialize()`` would detect here, or None.
+
+    The same steps as JAX's own: ``JAX_COORDINATOR_ADDRESS`` and ``JAX_LOCAL_DEVICE_IDS`` when set,
+    the first present, not opt-in, environment among JAX's ``ClusterEnv`` classes for the rest (its
+    coordinator port from ``JAX_COORDINATOR_PORT`` or derived from the job id). JAX 0.10.2 reads, for
+    SLURM, ``SLURM_JOB_ID``, ``SLURM_STEP_NODELIST`` (first host), ``SLURM_NTASKS``, ``SLURM_PROCID``
+    and ``SLURM_LOCALID``; for Open MPI, ``OMPI_MCA_orte_hnp_uri`` (first address), ``OMPI_COMM_WORLD_SIZE``,
+    ``OMPI_COMM_WORLD_RANK`` and ``OMPI_COMM_WORLD_LOCAL_RANK``.
+
+    Raises:
+        RuntimeError, ValueError, KeyError: the environment is present but JAX cannot read it.
+    """
+    from .._jax_private import cluster_env
+
+    cluster = cluster_env()
+    env = next((e for e in cluster._cluster_types if not e.opt_in_only_method and e.is_env_present()), None)
+    if env is None:
+        return None
+    ids = os.environ.get("JAX_LOCAL_DEVICE_IDS")
+    coordinator, n, pid, local = cluster.auto_detect_unset_distributed_params(
+        os.environ.get("JAX_COORDINATOR_ADDRESS"),
+        None,
+        None,
+        [int(i) for i in ids.split(",")] if ids else None,
+        None,
+        timeout,
+    )
+    local = None if local is None else tuple(int(i) for i in local)
+    return Launch(getattr(env, "name", "") or env.__name__, coordinator, int(n), int(pid), local)
+
+
+def use_launcher(args, parser) -> None:
+    """``--distributed auto``: sets ``args.coordinator``, ``num_processes`` and ``process_id`` from the
+    launcher (:func:`detect_launcher`; left None for a job of one process, which runs without the
+    runtime), and ``args._launch``; a usage error when the flags are given too, or no launcher is found."""
+    given = [
+        f"--{n.replace('_', '-')}"
+        for n in ("coordinator", "num_processes", "process_id")
+        if getattr(args, n) is not None
+    ]
+    if given:
+        parser.error(
+            f"argument --distributed: not allowed with {', '.join(given)}: auto takes them from the "
+            "launcher's environment. Fix: drop one or the other"
+        )
+    try:
+        launch = detect_launcher(args.distributed_timeout)
+    except (RuntimeError, ValueError, KeyError) as error:
+        parser.error(f"argument --distributed: cannot read the launcher's environment: {error}")
+    if launch is None:
+        parser.error(
+            "argument --distributed: auto found no cluster launcher in the environment (JAX detects SLURM's "
+            "srun, Open MPI's mpirun, Kubernetes and Cloud TPU: see docs/multidevice.md). Fix: start it "
+            "as srun -n N vmcgrad vmc --distributed auto ..., or give --coordinator, --num-processes and "
+            "--process-id"
+        )
+    try:
+        coordinator = coordinator_address(launch.coordinator)
+    except argparse.ArgumentTypeError as error:
+        parser.error(f"argument --distributed: the {launch.launcher} launcher's coordinator address: {error}")
+    if not 0 <= launch.process_id < launch.num_processes:
+        parser.error(
+            f"argument --distributed: the {launch.launcher} launcher gives process {launch.process_id} of "
+            f"{launch.num_processes}; expected 0..{launch.num_processes - 1}"
+        )
+    args._launch = launch
+    if launch.num_processes > 1:
+        args.coordinator, args.num_processes, args.process_id = (
+            coordinator,
+            launch.num_processes,
+            launch.process_id,
+        )
+
+
 def initialize(args, parser) -> None:
     """Joins the distributed runtime when ``--coordinator`` is given; must run before JAX computes.
 
@@ -117,15 +235,45 @@ def initialize(args, parser) -> None:
     """
     if args.coordinator is None:
         return
+    launch = getattr(args, "_launch", None)
     try:
-        from .. import initialize_distributed
+        if launch is None:
+            from .. import initialize_distributed
 
-        initialize_distributed(
-            args.coordinator, args.num_processes, args.process_id, timeout=args.distributed_timeout
-        )
+            initialize_distributed(
+                args.coordinator, args.num_processes, args.process_id, timeout=args.distributed_timeout
+            )
+        else:
+            _initialize_launched(args.coordinator, launch, args.distributed_timeout)
     except RuntimeError as error:  # JAX already computed in this process, or initialize ran twice
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         parser.error(f"argument --coordinator: cannot join the distributed runtime: {first}")
+
+
+def _initialize_launched(coordinator: str, launch: Launch, timeout: int) -> None:
+    """``jax.distributed.initialize`` with the launcher's values, as JAX would call it, and the
+    timeouts of :func:`vmcgrad.initialize_distributed`. A loopback coordinator (one machine) and gloo
+    are bound to loopback; on a cluster the coordinator listens on its port on process 0's node (JAX's
+    default: every interface, since the launcher names the node, not the interface), gloo on the
+    address the node's hostname resolves to."""
+    import jax
+
+    from .._distributed import _pin_gloo_to_loopback, is_loopback
+
+    loopback = is_loopback(coordinator.rsplit(":", 1)[0])
+    if loopback:
+        _pin_gloo_to_loopback()
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=coordinator,
+        coordinator_bind_address=coordinator if loopback else None,
+        num_processes=launch.num_processes,
+        process_id=launch.process_id,
+        local_device_ids=None if launch.local_device_ids is None else list(launch.local_device_ids),
+        initialization_timeout=timeout,
+        heartbeat_timeout_seconds=timeout,
+        shutdown_timeout_seconds=timeout,
+    )
 
 
 def shutdown(args) -> None:
@@ -149,6 +297,7 @@ def supervise(args, argv, prog: str, on_failure, on_interrupt) -> int:
             num_processes=args.num_processes,
             coordinator=args.coordinator,
             timeout=args.distributed_timeout,
+            launcher=getattr(getattr(args, "_launch", None), "launcher", None),
         )
 
     return _supervise.run_child(

@@ -46,10 +46,17 @@ def is_child() -> bool:
 
 
 def diagnose(
-    stderr: str, *, process_id: int, num_processes: int, coordinator: str, timeout: int
+    stderr: str,
+    *,
+    process_id: int,
+    num_processes: int,
+    coordinator: str,
+    timeout: int,
+    launcher: str | None = None,
 ) -> str | None:
     """One line saying which process was lost and the fix, from the standard error of a child that
-    JAX's distributed runtime ended; None when JAX did not end it.
+    JAX's distributed runtime ended; None when JAX did not end it. ``launcher``: JAX's name of the
+    launcher that started the processes (``--distributed auto``), or None when they were started by hand.
 
     Examples:
         >>> jax_said = "The following tasks are unhealthy (stopped sending heartbeats):\\n1\\nThe tasks..."
@@ -75,6 +82,12 @@ def diagnose(
     if _FATAL in stderr and "RegisterTask" in stderr:
         others = [i for i in range(n) if i != me]
         who = _processes(others) if len(others) == 1 else f"one of {_processes(others)}"
+        if launcher is not None:
+            return (
+                f"{who} of {n} did not join the coordinator at {coordinator} within --distributed-timeout "
+                f"{timeout} s ({launcher} launcher). Fix: start the command through the launcher, once per "
+                f"process (srun -n {n} ..., mpirun -n {n} ...), with --distributed auto in every process"
+            )
         return (
             f"{who} of {n} did not join the coordinator at {coordinator} within --distributed-timeout "
             f"{timeout} s. Fix: start the same command once per process, with --process-id 0 to {n - 1} "

@@ -1,4 +1,5 @@
-"""The lattice models and networks ``vmcgrad vmc`` knows, and their exact ground-state energies.
+"""The lattice models and networks ``vmcgrad vmc`` knows, their exact ground-state energies, and the
+V-score of a run whose exact energy is unknown.
 
 Energies are in NetKet's units: ``nk.operator.Heisenberg`` uses Pauli matrices, so its energies are 4× the
 spin-½ :math:`\\vec S_i\\cdot\\vec S_j` values. NetKet is imported inside the functions only.
@@ -29,6 +30,8 @@ MODEL_HELP = {
 _CHAIN = {"L": 16, "model": "rbm", "samples": 1024, "chunk_size": 256, "lr": 0.03, "diag_shift": 0.01}
 _SQUARE = {"L": 4, "model": "rbm-symm", "samples": 1024, "chunk_size": 256, "lr": 0.005, "diag_shift": 0.01}
 DEFAULTS = {"heisenberg1d": _CHAIN, "ising1d": _CHAIN, "heisenberg2d": _SQUARE, "j1j2": _SQUARE}
+#: The defaults with a user's ``--system MODULE:FACTORY`` (its size is the factory's).
+USER_DEFAULTS = {k: v for k, v in _CHAIN.items() if k != "L"}
 
 
 class _PerSystem:
@@ -43,10 +46,19 @@ PER_SYSTEM = _PerSystem()
 
 
 def fill_defaults(args) -> None:
-    """Sets every option in :data:`DEFAULTS` that ``args`` leaves at :data:`PER_SYSTEM` (or None)."""
-    for name, value in DEFAULTS[args.system].items():
+    """Sets every option in :data:`DEFAULTS` (:data:`USER_DEFAULTS` for a user's system, whose ``L`` is
+    then None unless given) that ``args`` leaves at :data:`PER_SYSTEM` (or None)."""
+    user = is_user_system(args.system)
+    for name, value in (USER_DEFAULTS if user else DEFAULTS[args.system]).items():
         if getattr(args, name) is PER_SYSTEM or getattr(args, name) is None:
             setattr(args, name, value)
+    if user and args.L is PER_SYSTEM:
+        args.L = None
+
+
+def is_user_system(system: str) -> bool:
+    """Whether ``--system`` names a user's factory (``MODULE:FACTORY``) rather than a built-in system."""
+    return ":" in system
 
 
 def defaults_help() -> str:
@@ -94,8 +106,14 @@ def n_sites(system: str, L: int) -> int:
     return L if system in ("heisenberg1d", "ising1d") else L * L
 
 
-def size_problem(system: str, L: int) -> str | None:
+def size_problem(system: str, L: int | None) -> str | None:
     """Why ``L`` does not fit ``system`` (a message for ``--L``), or None when it does."""
+    if is_user_system(system):
+        if L is None:
+            return None
+        return (
+            f"applies to the built-in systems only; {system} sets its own size (got --L {L}). Fix: drop --L"
+        )
     if L < 2:
         return f"must be at least 2 for {system}; got {L}"
     if system != "ising1d" and L % 2:
@@ -116,18 +134,22 @@ class System:
         make_sampler: ``make_sampler(n_chains)`` → spin exchanges along the bonds in the total-Sz = 0
             sector for the Heisenberg models, single spin flips for Ising.
         n_sites: number of spins.
-        bonds: ``(i, j, J)`` for every coupled pair, from the graph's edges.
+        bonds: ``(i, j, J)`` for every coupled pair, from the graph's edges; None for a user's system.
         field: transverse field ``h`` (Ising) or 0.
         graph: the NetKet lattice (its symmetries feed the symmetric models).
+        description: one line for the header and ``log.json``.
+        exact: the exact ground-state energy a user's system factory gave, or None.
     """
 
     hilbert: Any
     hamiltonian: Any
     make_sampler: Callable[[int], Any]
     n_sites: int
-    bonds: tuple[tuple[int, int, float], ...]
+    bonds: tuple[tuple[int, int, float], ...] | None
     field: float
     graph: Any = None
+    description: str = ""
+    exact: float | None = None
 
 
 def build(system: str, L: int) -> System:
@@ -156,6 +178,7 @@ def build(system: str, L: int) -> System:
             bonds,
             1.0,
             graph,
+            DESCRIPTIONS[system].format(L=L),
         )
     hilbert = nk.hilbert.Spin(0.5, N=graph.n_nodes, total_sz=0)
     if system == "j1j2":
@@ -171,6 +194,7 @@ def build(system: str, L: int) -> System:
         bonds,
         0.0,
         graph,
+        DESCRIPTIONS[system].format(L=L),
     )
 
 
@@ -210,12 +234,16 @@ def make_model(name: str, system: System | None = None):
     raise AssertionError(name)
 
 
-def exact_energy(system: str, L: int, built: System) -> tuple[float | None, str | None]:
-    """The exact ground-state energy and where it comes from: ``"table"``, ``"lanczos"`` or None.
+def exact_energy(system: str, L: int | None, built: System) -> tuple[float | None, str | None]:
+    """The exact ground-state energy and where it comes from: ``"table"``, ``"lanczos"``,
+    ``"system factory"`` or None.
 
-    The table is used when it has the system; otherwise :func:`lanczos_energy` for up to
-    :data:`LANCZOS_MAX_SITES` spins; otherwise the energy is unknown.
+    A user's system has the energy its factory gave, or none. For a built-in one the table is used when
+    it has the system; otherwise :func:`lanczos_energy` for up to :data:`LANCZOS_MAX_SITES` spins;
+    otherwise the energy is unknown.
     """
+    if built.bonds is None:
+        return (built.exact, "system factory") if built.exact is not None else (None, None)
     known = EXACT_ENERGIES.get((system, L))
     if known is not None:
         return known, "table"
@@ -274,3 +302,61 @@ def lanczos_energy(n_sites: int, bonds, field: float = 0.0) -> float:
         return float(np.linalg.eigvalsh(H.toarray())[0])
     v0 = np.random.default_rng(0).standard_normal(dim)
     return float(scipy.sparse.linalg.eigsh(H, k=1, which="SA", v0=v0, tol=1e-11)[0][0])
+
+
+#: :func:`infinite_temperature_energy` sums the diagonal exactly up to this many basis states.
+TRACE_MAX_STATES = 1 << 16
+#: Otherwise it averages the diagonal over this many uniformly drawn basis states.
+TRACE_SAMPLES = 4096
+
+
+def infinite_temperature_energy(hilbert, hamiltonian) -> tuple[float | None, float, str]:
+    r"""The infinite-temperature energy :math:`E_\infty = \mathrm{Tr}\,H / \dim` on ``hilbert`` (its
+    constrained sector, if any), its standard error, and how it was obtained.
+
+    Exact (error 0) when the space has at most :data:`TRACE_MAX_STATES` basis states: the mean of all
+    diagonal elements :math:`\langle\sigma|H|\sigma\rangle`, read from ``hamiltonian.get_conn_padded``.
+    Otherwise the mean over :data:`TRACE_SAMPLES` basis states drawn uniformly, with its standard error
+    (NetKet's ``random_state`` is uniform for spaces without a constraint and for spin-½ with a fixed total
+    magnetisation); for other constrained spaces it is unknown (None).
+    """
+    import jax
+    import numpy as np
+
+    if hilbert.is_indexable and hilbert.n_states <= TRACE_MAX_STATES:
+        states = np.asarray(hilbert.all_states())
+        diagonal = np.concatenate(
+            [_diagonal(hamiltonian, states[i : i + 4096]) for i in range(0, len(states), 4096)]
+        )
+        return float(diagonal.mean()), 0.0, f"exact: mean of the {len(states)} diagonal elements"
+    constraint = getattr(hilbert, "constraint", None)
+    local = getattr(hilbert, "local_size", None)
+    uniform = constraint is None or (local == 2 and type(constraint).__name__ == "SumConstraint")
+    if not uniform:
+        return None, 0.0, f"unknown: no uniform sampler of the constrained space {hilbert}"
+    states = np.asarray(hilbert.random_state(jax.random.key(0), TRACE_SAMPLES))
+    diagonal = _diagonal(hamiltonian, states)
+    error = float(diagonal.std(ddof=1) / np.sqrt(len(diagonal)))
+    return float(diagonal.mean()), error, f"estimated from {TRACE_SAMPLES} uniformly drawn basis states"
+
+
+def _diagonal(hamiltonian, states):
+    """:math:`\\langle\\sigma|H|\\sigma\rangle` for each row σ of ``states`` (real part)."""
+    import numpy as np
+
+    connected, elements = hamiltonian.get_conn_padded(states)
+    connected, elements = np.asarray(connected), np.asarray(elements)
+    same = np.all(connected == states[:, None, :], axis=-1)
+    return np.real(np.where(same, elements, 0).sum(axis=-1))
+
+
+def v_score(n_sites: int, energy: float, variance: float, e_infinity: float) -> float | None:
+    r"""The V-score :math:`N\,\mathrm{Var}\,E / (E - E_\infty)^2` (Wu et al. 2024, "Variational
+    benchmarks for quantum many-body problems"); None when :math:`E = E_\infty`.
+
+    Examples:
+        >>> v_score(4, -2.0, 0.1, 0.0)
+        0.1
+    """
+    gap = energy - e_infinity
+    return None if gap == 0 else n_sites * variance / gap**2

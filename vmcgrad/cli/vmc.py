@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import _checkpoint, _distributed, _interrupt, _output, _systems
+from . import _checkpoint, _distributed, _interrupt, _output, _systems, _user_problem
 from ._args import HelpFormatter, byte_size, chunk_size, non_negative_float, positive_float, positive_int
 
 #: Samples per Metropolis chain are at least this many: chains per device = min(16, samples / devices / this).
@@ -63,14 +63,28 @@ def add_parser(commands) -> None:
         epilog=_systems.defaults_help(),
         formatter_class=HelpFormatter,
     )
-    p.add_argument("--system", choices=_systems.SYSTEMS, default="heisenberg1d", help="lattice model")
+    p.add_argument(
+        "--system",
+        type=_user_problem.option_type(_systems.SYSTEMS, "system"),
+        default="heisenberg1d",
+        metavar="SYSTEM",
+        help=f"lattice model: {', '.join(_systems.SYSTEMS)}, or MODULE:FACTORY, a function in a module or "
+        ".py file that returns your own (docs/getting_started.md)",
+    )
     p.add_argument(
         "--L",
         type=positive_int,
         default=_systems.PER_SYSTEM,
         help="linear size: sites of a chain, side of a square",
     )
-    p.add_argument("--model", choices=_systems.MODELS, default=_systems.PER_SYSTEM, help="network for log ψ")
+    p.add_argument(
+        "--model",
+        type=_user_problem.option_type(_systems.MODELS, "model"),
+        default=_systems.PER_SYSTEM,
+        metavar="MODEL",
+        help=f"network for log ψ: {', '.join(_systems.MODELS)}, or MODULE:FACTORY, a function that "
+        "returns your own flax module",
+    )
     p.add_argument(
         "--samples", type=positive_int, default=_systems.PER_SYSTEM, help="Monte Carlo samples per step"
     )
@@ -313,12 +327,11 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
     # Under the distributed runtime every process runs the same steps on global arrays; process 0 alone
     # prints, shows the progress and writes the files.
     main = jax.process_index() == 0
-    system = _systems.build(args.system, args.L)
+    system, model = _user_problem.system_and_model(args)  # a user's that does not fit: one line, exit 2
     n_devices = jax.device_count()  # all processes' devices
     per_device = max(1, min(_CHAINS_PER_DEVICE, args.samples // n_devices))
     n_chains = per_device * n_devices
     n_samples = math.ceil(args.samples / n_chains) * n_chains  # what NetKet would round to
-    model = _systems.make_model(args.model, system)
     vstate = vnk.MCState(
         system.make_sampler(n_chains),
         model,
@@ -336,9 +349,13 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
         chunks, qgt_design = snap["info"]["chunk_size"], snap["info"]["qgt_design"]
     vstate.vmcgrad_chunk_size = chunks["gradient"]
     exact, exact_source = _systems.exact_energy(args.system, args.L, system) if main else (None, None)
+    e_inf = None  # without an exact energy the run reports the V-score, which needs Tr H / dim
+    if main and exact is None:
+        value, error, source = _systems.infinite_temperature_energy(system.hilbert, system.hamiltonian)
+        e_inf = {"value": value, "error": error, "source": source}
 
     info = {
-        "description": _systems.DESCRIPTIONS[args.system].format(L=args.L),
+        "description": system.description,
         "n_sites": system.n_sites,
         "n_parameters": int(vstate.n_parameters),
         "n_samples": n_samples,
@@ -350,6 +367,7 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
         "driver": DRIVERS[args.driver],
         "memory_budget": args.memory_budget,
         "exact_energy_source": exact_source,
+        "infinite_temperature_energy": e_inf,
         "versions": {"vmcgrad": _version(), "netket": nk.__version__, "jax": jax.__version__},
         "resumed_at": [] if snap is None else [*snap["info"].get("resumed_at", []), int(snap["step"])],
     }
@@ -412,7 +430,11 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
             f"exact {exact:.6f}, relative error {recorder.relative_error:.2e}"
         )
     elif n:
-        print(f"final energy {recorder.final_energy:.6f} (mean of the last {recorder.n_final} steps)")
+        print(
+            f"final energy {recorder.final_energy:.6f} ± {recorder.final_energy_error:.6f}, variance "
+            f"{recorder.final_variance:.6f} (means of the last {recorder.n_final} steps), "
+            + _v_score_text(recorder)
+        )
     if recorder.failed:
         raise _output.OutputError(recorder.failure())
     wall = time.perf_counter() - t_start
@@ -534,12 +556,28 @@ def _print_header(args, info: dict, exact: float | None, exact_source: str | Non
             "compiled programs fit the memory budget; the QGT's design is the faster one within it)"
         )
     if exact is None:
-        print(
-            f"exact energy: unknown (not in the table; Lanczos only up to {_systems.LANCZOS_MAX_SITES} spins)"
+        why = (
+            "not given by the system factory"
+            if _systems.is_user_system(args.system)
+            else f"not in the table; Lanczos only up to {_systems.LANCZOS_MAX_SITES} spins"
         )
+        e_inf = info["infinite_temperature_energy"]
+        basis = (
+            f"E_inf = Tr H / dim = {e_inf['value']:.6f} ({e_inf['source']})"
+            if e_inf["value"] is not None
+            else f"E_inf = Tr H / dim {e_inf['source']}"
+        )
+        print(f"exact energy: unknown ({why}); the run reports the V-score, {basis}")
     else:
         print(f"exact energy: {exact:.10f} ({exact_source})")
     sys.stdout.flush()
+
+
+def _v_score_text(recorder) -> str:
+    """``V-score ...`` for the final line, or why there is none."""
+    if recorder.v_score is None:
+        return "V-score unknown (Tr H / dim unknown)"
+    return f"V-score {recorder.v_score:.3e} (N Var E / (E - E_inf)^2, E_inf {recorder.e_infinity:.6f})"
 
 
 class _StopRequested(Exception):
@@ -589,6 +627,9 @@ class _Recorder:
         self.status = "running"
         self.error: str | None = None  # an unexpected exception, as "TypeName: message"
         self.final_energy = self.relative_error = None
+        self.final_energy_error = self.final_variance = self.v_score = None
+        e_inf = (info or {}).get("infinite_temperature_energy") or {}
+        self.e_infinity = e_inf.get("value")  # Tr H / dim, when the V-score is reported
         self.n_final = 0
         self.n_logged = 0  # steps in the last log.json that was written
         self.log_error: _output.OutputError | None = None
@@ -704,6 +745,9 @@ class _Recorder:
             "exact_energy": self.exact,
             "final_energy": self.final_energy,
             "relative_error": self.relative_error,
+            "final_energy_error": self.final_energy_error,
+            "final_variance": self.final_variance,
+            "v_score": self.v_score,
             "status": self.status,
             "error": self.error,
             "config": self.config,
@@ -733,14 +777,23 @@ class _Recorder:
         self.t_plot = time.perf_counter()
 
     def finish(self, status: str) -> None:
-        """The status, and the energy averaged over the last tenth of the steps and its relative error."""
+        """The status, and over the last tenth of the steps: the mean energy, its error (the steps'
+        errors combined as independent), the mean variance, and the relative error to the exact energy
+        or, without one, the V-score."""
         self.status = status
         records = list(self.records)
         if records:
-            self.n_final = max(1, len(records) // 10)
-            self.final_energy = sum(r[0] for r in records[-self.n_final :]) / self.n_final
+            self.n_final = n = max(1, len(records) // 10)
+            last = records[-n:]
+            self.final_energy = sum(r[0] for r in last) / n
+            self.final_energy_error = math.sqrt(sum(r[1] ** 2 for r in last)) / n
+            self.final_variance = sum(r[2] for r in last) / n
             if self.exact is not None:
                 self.relative_error = abs(self.final_energy - self.exact) / abs(self.exact)
+            elif self.e_infinity is not None:
+                self.v_score = _systems.v_score(
+                    self.info["n_sites"], self.final_energy, self.final_variance, self.e_infinity
+                )
 
     def close(self, status: str) -> None:
         """Final figures and files."""
