@@ -13,7 +13,7 @@ wall time (compilation included: it is part of a user's run).
 
 **Models** (``--model``): NetKet's ``GCNN`` over the lattice's space group (``--layers``,
 ``--features``; 3 × 8 on the 4×4 lattice: P = 16 536), or the benchmarks' ViT
-(:mod:`benchlib._vit`); real parameters, complex log ψ.
+(:class:`benchlib.ViT`); real parameters, complex log ψ.
 
 **Contenders** (``--contenders``; each at its own N and chunk, given as ``NAME=N[:CHUNK]`` with
 ``--n``; chunk ``auto`` means vmcgrad's choice at ``--budget-mib``):
@@ -185,7 +185,7 @@ def build_model(args, g):
     if args.model == "gcnn":
         features = (args.features,) * args.layers
         return nk.models.GCNN(symmetries=g, layers=args.layers, features=features, param_dtype=dt)
-    from benchlib._vit import ViT
+    from benchlib import ViT
 
     L = math.isqrt(g.n_nodes)
     return ViT(L=L, param_dtype=dt)
@@ -227,20 +227,32 @@ def build_driver(args, name, seed, hi, g, H, model):
     return nk.driver.VMC_SR(H, opt, chunk_size_bwd=chunk, on_the_fly=name.endswith("otf"), **kw), vs
 
 
-def kernel_bytes(args, name, driver, vs):
-    """Per-device compiled bytes of the sample-space kernel and its solve at the contender's N."""
+def log_psi(vs):
+    """``logpsi(params, x) = vs.model.apply({"params": params, **vs.model_state}, x)``: the state's
+    log-amplitude as vmcgrad takes it (a ``jax.tree_util.Partial``, as ``vmcgrad vmc`` builds it).
+
+    For the flax models here ``vs.model`` is the module NetKet applies: on a batch of samples this is
+    the function NetKet's kernels call (``MCState``'s apply function adds only the scalar output of a
+    single sample)."""
+    import jax
+
+    apply = vs.model.apply
+    return jax.tree_util.Partial(lambda ms, w, x: apply({"params": w, **ms}, x), vs.model_state)
+
+
+def kernel_bytes(args, name, driver, vs, H):
+    """Per-device compiled bytes of the sample-space kernel and its solve at the contender's N, for
+    the Hamiltonian ``H`` the driver optimises."""
     import jax
     import netket as nk
 
     import vmcgrad
 
     samples = jax.lax.collapse(vs.samples, 0, vs.samples.ndim - 1)
-    e = vs.local_estimators(driver._ham).reshape(-1)
+    e = vs.local_estimators(H).reshape(-1)
     mode = str(driver.mode)
     if name.startswith("vmcgrad-vmcsr"):  # (-grow: at the N it ended with)
-        from vmcgrad.netket._expect_grad import log_psi
-
-        logpsi = log_psi(vs._apply_fun, vs.model_state)
+        logpsi = log_psi(vs)
 
         def update(w, x, e):
             return vmcgrad.minsr_update(
@@ -268,7 +280,8 @@ def kernel_bytes(args, name, driver, vs):
         )
         if not name.endswith("otf"):
             kw["use_ntk"] = True
-        lowered = kernel.lower(vs._apply_fun, e, vs.parameters, vs.model_state, samples, **kw)
+        # the kernels take NetKet's log_psi(variables, x): the flax module's apply
+        lowered = kernel.lower(vs.model.apply, e, vs.parameters, vs.model_state, samples, **kw)
     else:
         return None
     return vmcgrad.program_bytes(lowered.compile())
@@ -312,6 +325,8 @@ def worker(args, name, seed, trace_path):
     import jax
 
     setup_jax(args.platform)
+    import netket as nk
+
     if args.dtype == "float64":
         jax.config.update("jax_enable_x64", True)
     start = time.perf_counter()
@@ -330,10 +345,10 @@ def worker(args, name, seed, trace_path):
         return wrapper
 
     vs.sample = timed("sample", vs.sample)
-    is_vmc = hasattr(driver, "_preconditioner")
+    is_vmc = isinstance(driver, nk.driver.VMC)
     if is_vmc:  # VMC: expect_and_grad, then the preconditioner
         vs.expect_and_grad = timed("local", vs.expect_and_grad)
-        driver._preconditioner = timed("sr", driver._preconditioner)
+        driver.preconditioner = timed("sr", driver.preconditioner)
     else:  # VMC_SR: local energies, then the kernel and solve (the rest of the update)
         vs.local_estimators = timed("local", vs.local_estimators)
     limit = args.minutes * 60
@@ -345,6 +360,7 @@ def worker(args, name, seed, trace_path):
         while time.perf_counter() - start < limit:
             for k in phases:
                 phases[k] = 0.0
+            n = vs.n_samples  # this step's N (VMC_SR's grow_samples may raise it for the next step)
             t = time.perf_counter()
             driver.reset_step()
             if not is_vmc:  # VMC_SR reads the samples inside local_estimators: sample them first
@@ -356,28 +372,35 @@ def worker(args, name, seed, trace_path):
                 phases["local"] -= phases["sample"]
             else:
                 phases["sr"] = total - phases["sample"] - phases["local"]
+            # The loop is NetKet's ``driver.run`` step, timed by phase. The step count it would also
+            # advance (no public setter) is left at 0: it feeds only schedules of diag_shift,
+            # proj_reg and momentum (constants here; the optimiser counts its own steps) and the
+            # step label of vmcgrad's ``VMC_SR.grown``, which this race does not read.
             driver.update_parameters(dp)
-            driver._step_count += 1
             row = {
                 "t": time.perf_counter() - start,
                 "step_s": total,
                 "E": float(loss.mean.real),
                 "E_err": float(loss.error_of_mean),
                 "var": float(loss.variance),
-                "n": int(getattr(driver, "_n_sampled", None) or vs.n_samples),  # this step's N
+                "n": int(n),
                 **{f"{k}_s": v for k, v in phases.items()},
             }
             f.write(json.dumps(row) + "\n")
             f.flush()
         try:
-            kb = kernel_bytes(args, name, driver, vs)
+            kb = kernel_bytes(args, name, driver, vs, H)
         except Exception as err:  # a kernel that cannot be lowered apart: say why, keep the run
             kb = f"{type(err).__name__}: {str(err)[:100]}"
         chunk = getattr(driver, "chunk_size_bwd", None) or getattr(vs, "vmcgrad_chunk_size", vs.chunk_size)
-        if chunk == "auto":
-            from vmcgrad.netket._expect_grad import auto_chunk_size
+        if chunk == "auto":  # the gradient pass's chunk at the state's budget, as the state chooses it
+            import vmcgrad
 
-            chunk = f"auto ({auto_chunk_size(vs, vs.samples)})"
+            flat = jax.lax.collapse(vs.samples, 0, vs.samples.ndim - 1)
+            budget = getattr(vs, "vmcgrad_memory_budget", None)
+            chunk = (
+                f"auto ({vmcgrad.auto_chunk_size(log_psi(vs), vs.parameters, flat, memory_budget=budget)})"
+            )
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         tail = {"kernel_bytes": kb, "peak_rss": peak, "device_peak": device_peak_bytes(), "chunk": str(chunk)}
         f.write(json.dumps(tail) + "\n")
@@ -444,28 +467,34 @@ def summarise(name, seed, trace: Path, window: int) -> dict:
     }
 
 
-def table(rows) -> str:
-    def f(x, fmt):
-        return "–" if x is None else format(x, fmt)
+def race_table(rows) -> str:
+    """The race's table (:func:`benchlib.table`): one line per (contender, seed); the device's
+    allocator peak only where an accelerator reports one."""
+    from benchlib import Column, table
 
-    on_device = any(r.get("device_peak_mib") is not None for r in rows)  # an accelerator's allocator
-    head = (
-        "| contender | seed | N | chunk | steps | "
-        + " | ".join(f"t→{t:g} (s)" for t in TARGETS)
-        + " | best rel | final rel ± err | step (s) | sample / local / SR (s) | kernel MiB | peak RSS MiB |"
-        + (" device peak MiB |" if on_device else "")
-    )
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for r in rows:
-        lines.append(
-            f"| {r['contender']} | {r['seed']} | {r['N']} | {r['chunk']} | {r['steps']} | "
-            + " | ".join(f(r[f"t_{t:g}"], ".0f") for t in TARGETS)
-            + f" | {f(r['best_rel'], '.2e')} | {f(r['final_rel'], '.2e')} ± {f(r['final_rel_err'], '.1e')}"
-            f" | {f(r['step_s'], '.2f')} | {f(r['sample_s'], '.2f')} / {f(r['local_s'], '.2f')} /"
-            f" {f(r['sr_s'], '.2f')} | {f(r['kernel_mib'], '.1f')} | {r['peak_rss_mib']:.0f} |"
-            + (f" {f(r.get('device_peak_mib'), '.0f')} |" if on_device else "")
-        )
-    return "\n".join(lines)
+    def f(x, fmt):
+        return "-" if x is None else format(x, fmt)
+
+    columns = [
+        Column("contender", "contender", align="<"),
+        Column("seed", "seed"),
+        Column("N", "N"),
+        Column("chunk", "chunk"),
+        Column("steps", "steps"),
+        *(Column(f"t→{t:g} (s)", f"t_{t:g}", ".0f") for t in TARGETS),
+        Column("best rel", "best_rel", ".2e"),
+        Column("final rel ± err", lambda r: f"{f(r['final_rel'], '.2e')} ± {f(r['final_rel_err'], '.1e')}"),
+        Column("step (s)", "step_s", ".2f"),
+        Column(
+            "sample / local / SR (s)",
+            lambda r: " / ".join(f(r[k], ".2f") for k in ("sample_s", "local_s", "sr_s")),
+        ),
+        Column("kernel MiB", "kernel_mib", ".1f"),
+        Column("peak RSS MiB", "peak_rss_mib", ".0f"),
+    ]
+    if any(r.get("device_peak_mib") is not None for r in rows):  # an accelerator's allocator
+        columns.append(Column("device peak MiB", "device_peak_mib", ".0f"))
+    return table(rows, columns)
 
 
 def plot(rows, path: Path, title: str) -> None:
@@ -473,7 +502,7 @@ def plot(rows, path: Path, title: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from benchlib._io import save_figure
+    from benchlib import save_figure
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     colours = {c: f"C{i}" for i, c in enumerate(CONTENDERS)}
@@ -499,7 +528,11 @@ def write_report(args, rows, failures, out: Path) -> str:
     rows = sorted(rows, key=lambda r: (CONTENDERS.index(r["contender"]), r["seed"]))
     title = f"{args.problem} {args.model}, {args.budget_mib:g} MiB per device, {args.minutes:g} min"
     devices = sorted({r["device"] for r in rows if r.get("device")})
-    text = f"{title}" + (f", device: {'; '.join(devices)}" if devices else "") + f"\n\n{table(rows)}\n"
+    text = (
+        f"{title}"
+        + (f", device: {'; '.join(devices)}" if devices else "")
+        + f"\n\n```\n{race_table(rows)}\n```\n"
+    )
     if failures:
         text += "\nfailed: " + "; ".join(f"{name} seed {seed}" for name, seed, _ in failures) + "\n"
     (out / "table.md").write_text(text)
@@ -529,7 +562,7 @@ def main(argv=None):
                 print(err, flush=True)
                 failures.append((name, seed, str(err)[-3000:]))
                 continue
-            print(table([rows[-1]]).splitlines()[-1], flush=True)
+            print(race_table([rows[-1]]), flush=True)
             write_report(args, rows, failures, out)  # a race stopped later keeps this run
     text = write_report(args, rows, failures, out)
     print(text)

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,21 @@ import pytest
 from conftest import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _table_rows(text: str) -> dict[str, list[str]]:
+    """The cells of each line of a :func:`benchlib.table` (columns apart by two spaces or more), by
+    the line's first cell; the header's key is ``"contender"``."""
+    lines = [line for line in text.splitlines() if line and not set(line) <= {"-"}]
+    return {cells[0]: cells for cells in (re.split(r"\s{2,}", line.strip()) for line in lines)}
+
+
+def _table_md(out: Path) -> tuple[str, dict[str, list[str]]]:
+    """table.md's text and the rows of the table in its fenced code block."""
+    text = (out / "table.md").read_text()
+    block = re.search(r"```\n(.*?)\n```", text, re.S)
+    assert block, text
+    return text, _table_rows(block.group(1))
 
 
 @pytest.mark.slow
@@ -38,7 +54,9 @@ def test_smoke_race_writes_a_table_a_plot_and_runs_within_the_budget(tmp_path):
         assert r["kernel_mib"] is not None and 0 < r["kernel_mib"] <= budget_mib, r
         assert r["peak_rss_mib"] > 0
     assert (out / "energy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "| vmcgrad-vmcsr | 0 | 128 |" in (out / "table.md").read_text()
+    _, table = _table_md(out)
+    assert table["vmcgrad-vmcsr"][:3] == ["vmcgrad-vmcsr", "0", "128"], table
+    assert table["netket-vmcsr"][:4] == ["netket-vmcsr", "0", "64", "32"], table
     assert os.path.exists(out / "trace-vmcgrad-vmcsr-seed0.jsonl")
 
 
@@ -74,8 +92,9 @@ def test_a_failed_contender_is_reported_and_the_others_still_run(tmp_path, monke
     assert [r["contender"] for r in results["rows"]] == ["vmcgrad-vmcsr"]
     assert [(f["contender"], f["seed"]) for f in results["failed"]] == [("netket-vmcsr", 0)]
     assert "boom" in results["failed"][0]["error"]
-    text = (out / "table.md").read_text()
-    assert "| vmcgrad-vmcsr | 0 | 128 |" in text and "failed: netket-vmcsr seed 0" in text
+    text, table = _table_md(out)
+    assert table["vmcgrad-vmcsr"][:5] == ["vmcgrad-vmcsr", "0", "128", "32", "3"], table
+    assert "netket-vmcsr" not in table and "failed: netket-vmcsr seed 0" in text
     assert (out / "energy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -86,10 +105,11 @@ def test_the_device_peak_column_appears_only_where_a_device_reports_it(tmp_path)
     cpu = tte.summarise("netket-vmcsr", 0, _fake_trace(tmp_path / "b.jsonl", 256, None), window=2)
     assert gpu["device_peak_mib"] == 5.0 and cpu["device_peak_mib"] is None
     assert gpu["device"] == "1 x gpu NVIDIA H200"
-    with_gpu = tte.table([cpu, gpu]).splitlines()
-    assert with_gpu[0].endswith("| device peak MiB |")
-    assert with_gpu[2].endswith("| – |") and with_gpu[3].endswith("| 5 |")
-    assert "device peak" not in tte.table([cpu])  # the CPU's table as before: peak RSS only
+    with_gpu = _table_rows(tte.race_table([cpu, gpu]))
+    assert with_gpu["contender"][-2:] == ["peak RSS MiB", "device peak MiB"]
+    assert with_gpu["netket-vmcsr"][-2:] == ["1024", "-"] and with_gpu["vmcgrad-vmcsr"][-2:] == ["1024", "5"]
+    cpu_only = _table_rows(tte.race_table([cpu]))  # the CPU's table: peak RSS only
+    assert cpu_only["contender"][-1] == "peak RSS MiB" and cpu_only["netket-vmcsr"][-1] == "1024"
 
 
 @pytest.mark.parametrize("chains", ["0", "-4"])

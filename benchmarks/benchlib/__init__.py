@@ -19,7 +19,9 @@ from ._harness import format_table as format_table
 from ._harness import measure as measure
 from ._harness import use_cpu_devices as use_cpu_devices
 from ._io import json_safe as json_safe
+from ._io import save_figure as save_figure
 from ._io import write_json as write_json
 from ._scripts import rows_for_device_counts as rows_for_device_counts
 from ._table import Column as Column
 from ._table import table as table
+from ._vit import ViT as ViT
