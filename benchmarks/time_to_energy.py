@@ -26,7 +26,7 @@ wall time (compilation included: it is part of a user's run).
 - ``vmcgrad-vmcsr``: ``vmcgrad.netket.VMC_SR(use_ntk=True, chunk_size_bwd=c)``;
 - ``vmcgrad-vmcsr-grow``: the same, starting at N and raising it with
   ``grow_samples=vmcgrad.netket.GrowSamples(max_samples=--grow-max, window=--grow-window)`` within the
-  budget (each step's N is in the trace; the table's N is the first).
+  budget (each step's N is in the trace; the table's N is the first, then the last where it grew).
 
 Each (contender, seed) runs in a process of its own (so its peak RSS is its own), for ``--minutes``.
 Every step records the wall time since the process began building the driver, the energy and its
@@ -319,7 +319,8 @@ def device_peak_bytes():
 
 
 def worker(args, name, seed, trace_path):
-    """One run: steps until ``args.minutes`` have passed; a JSON line per step into ``trace_path``."""
+    """One run: steps until ``args.minutes`` have passed (at least one, however long the set-up took);
+    a JSON line per step into ``trace_path``."""
     import resource
 
     import jax
@@ -357,7 +358,8 @@ def worker(args, name, seed, trace_path):
         device = f"{jax.device_count()} x {d.platform} {d.device_kind}"
         head = {"e0": e0, "n_params": vs.n_parameters, "n": vs.n_samples, "device": device}
         f.write(json.dumps(head) + "\n")
-        while time.perf_counter() - start < limit:
+        n_steps = 0
+        while n_steps < 1 or time.perf_counter() - start < limit:  # at least one step, then the limit
             for k in phases:
                 phases[k] = 0.0
             n = vs.n_samples  # this step's N (VMC_SR's grow_samples may raise it for the next step)
@@ -388,6 +390,7 @@ def worker(args, name, seed, trace_path):
             }
             f.write(json.dumps(row) + "\n")
             f.flush()
+            n_steps += 1
         try:
             kb = kernel_bytes(args, name, driver, vs, H)
         except Exception as err:  # a kernel that cannot be lowered apart: say why, keep the run
