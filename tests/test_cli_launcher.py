@@ -209,7 +209,13 @@ def test_two_processes_start_from_the_launchers_environment_alone(tmp_path):
     port = job % 4096 + PORT_BASE
     assert log["config"]["distributed"] == "auto"
     assert (log["config"]["coordinator"], log["config"]["process_id"]) == (f"127.0.0.1:{port}", 0)
-    assert sorted(p.name for p in out.iterdir()) == ["energy.png", "log.json"]  # process 1 wrote nothing
+    # process 1 wrote nothing
+    assert sorted(p.name for p in out.iterdir()) == [
+        "checkpoint.mpack",
+        "energy.png",
+        "log.json",
+        "params.mpack",
+    ]
     reported = re.search(r"process 1 of 2: finished after 3 steps, final energy (\S+);", out1)
     assert reported and float(reported.group(1)) == log["final_energy"], out1
     assert "in 2 processes" in out0 and "relative error" in out0 and "Traceback" not in err0 + err1
@@ -254,4 +260,5 @@ def test_a_launched_process_killed_mid_run_ends_the_other_with_one_line(tmp_path
     assert waited < LOST_BOUND and "    @ 0x" not in err
     log = json.loads((out / "log.json").read_text())
     assert log["status"] == "failed" and log["error"].startswith("lost process 1 of 2"), log
-    assert {p.name for p in out.iterdir()} <= {"energy.png", "log.json"}  # no lock file left
+    # no lock file left
+    assert {p.name for p in out.iterdir()} <= {"energy.png", "log.json", "checkpoint.mpack", "params.mpack"}
