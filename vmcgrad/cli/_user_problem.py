@@ -271,14 +271,13 @@ def build_model(spec: str, system: _systems.System):
     Raises:
         UserProblemError: for an import, a call, a returned value or an output shape that does not fit.
     """
-    import flax.linen as nn
     import jax
     import jax.numpy as jnp
 
     option = "--model"
     factory, where = load_factory(spec, option)
     model = _call(factory, spec, option, where)
-    if not isinstance(model, nn.Module):
+    if not (callable(getattr(model, "init", None)) and callable(getattr(model, "apply", None))):
         raise UserProblemError(
             option,
             f"{spec}() returned a {type(model).__name__}; expected a flax.linen.Module whose "
