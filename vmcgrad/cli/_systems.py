@@ -341,7 +341,7 @@ def infinite_temperature_energy(hilbert, hamiltonian) -> tuple[float | None, flo
 
 
 def _diagonal(hamiltonian, states):
-    """:math:`\\langle\\sigma|H|\\sigma\rangle` for each row σ of ``states`` (real part)."""
+    r""":math:`\langle\sigma|H|\sigma\rangle` for each row σ of ``states`` (real part)."""
     import numpy as np
 
     connected, elements = hamiltonian.get_conn_padded(states)

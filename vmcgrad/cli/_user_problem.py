@@ -95,7 +95,10 @@ def _is_file(module: str) -> bool:
     return module.endswith(".py") or "/" in module or "\\" in module
 
 
-_MODULES: dict[str, object] = {}
+def _unique_name(path: Path) -> str:
+    """The name a module file is imported under (its entry in ``sys.modules``: Python's own cache,
+    so that ``--system`` and ``--model`` from one file run it once)."""
+    return f"_vmcgrad_user_{path.stem}_{abs(hash(str(path))):x}"
 
 
 def load_factory(spec: str, option: str) -> tuple[Callable, str]:
@@ -107,10 +110,9 @@ def load_factory(spec: str, option: str) -> tuple[Callable, str]:
     """
     module_name, _, name = spec.rpartition(":")
     key = str(Path(module_name).resolve()) if _is_file(module_name) else module_name
-    module = _MODULES.get(key)
+    module = sys.modules.get(_unique_name(Path(key))) if _is_file(module_name) else None
     if module is None:
         module = _import(module_name, key, option)
-        _MODULES[key] = module
     where = getattr(module, "__file__", None) or module_name
     factory = getattr(module, name, None)
     if factory is None:
@@ -131,7 +133,7 @@ def _import(module_name: str, key: str, option: str):
     try:
         if _is_file(module_name):
             path = Path(key)
-            unique = f"_vmcgrad_user_{path.stem}_{abs(hash(key)):x}"
+            unique = _unique_name(path)
             spec = importlib.util.spec_from_file_location(unique, path)
             if spec is None or spec.loader is None:
                 raise UserProblemError(option, f"{module_name!r} cannot be loaded as a Python module")
