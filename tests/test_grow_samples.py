@@ -82,7 +82,12 @@ def _driver(rule, **kw):
     )
     H = nk.operator.Ising(hi, nk.graph.Chain(6), h=1.0)
     return vnk.VMC_SR(
-        H, optax.sgd(0.02), diag_shift=1e-2, variational_state=vs, use_ntk=True, grow_samples=rule, **kw
+        H,
+        optax.sgd(0.02),
+        diag_shift=1e-2,
+        variational_state=vs,
+        grow_samples=rule,
+        **{"use_ntk": True, **kw},
     )
 
 
@@ -136,3 +141,5 @@ def test_vmc_sr_growth_is_capped_by_what_the_budget_holds(netket_mesh):
 def test_vmc_sr_grow_samples_bad_input(netket_mesh):
     with pytest.raises(TypeError, match=r"`grow_samples` must be a vmcgrad\.netket\.GrowSamples"):
         _driver(4096)
+    with pytest.raises(ValueError, match=r"`grow_samples` needs use_ntk=True"):
+        _driver(GrowSamples(max_samples=4096), use_ntk=False)

@@ -136,6 +136,11 @@ class VMC_SR(nk.driver.VMC_SR):
         self._cg = use_cg
         if self._cg and not self.use_ntk:
             raise ValueError(f"{NAME}: linear_solver='cg' needs use_ntk=True (the sample-space update).")
+        if grow_samples is not None and not self.use_ntk:
+            raise ValueError(
+                f"{NAME}: `grow_samples` needs use_ntk=True (the sample-space update, whose kernel holds "
+                "N within the budget); got use_ntk=False. Fix: pass use_ntk=True."
+            )
         self._chunk_size_bwd = chunk  # may be "auto", which NetKet's setter refuses
         self._memory_budget = budget
         if self.use_ntk:
