@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from conftest import child_env
+from test_cli_multiprocess import _kill_all, _steps_in
 
 from vmcgrad.cli import _supervise, build_parser
 
@@ -167,20 +168,6 @@ def _start(args, cwd, launcher_env):
         text=True,
         start_new_session=True,  # its own process group: killed as a whole
     )
-
-
-def _kill_all(procs):
-    for p in procs:  # every child, whatever happened (their JAX children die with them)
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.communicate()
-
-
-def _steps_in(log_path):
-    try:
-        return len(json.loads(log_path.read_text())["energy_mean"])
-    except (OSError, ValueError, KeyError):
-        return 0
 
 
 @pytest.mark.slow
