@@ -68,8 +68,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument(
         "--before",
         action="store_true",
-        help="also time the switch with its per-signature validation cache off (vmcgrad._problem: every "
-        "call validates its inputs again, as before issue 18), interleaved with the other two",
+        help="also time the switch with its per-signature validation cache off (vmcgrad._problem.problem: "
+        "every call validates its inputs again, as before issue 18), interleaved with the other two",
     )
     return ap.parse_args()
 
@@ -141,7 +141,7 @@ def advance(driver, steps):
 @contextlib.contextmanager
 def validation_cache(on):
     """vmcgrad's per-signature validation cache as it is (``on``), or off: every call validates."""
-    from vmcgrad import _problem
+    from vmcgrad._problem import problem as _problem
 
     kept = _problem._CHECKED_MAX
     if not on:

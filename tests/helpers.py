@@ -161,8 +161,9 @@ def compile_count() -> int:
 
 def traced_without_mesh():
     """The notice vmcgrad gives when samples are traced under ``jax.jit`` with no mesh and several
-    devices (``vmcgrad._sharding``'s ``warn_if_sharding_unseen``), asserted where it is due: a test that
-    jits an estimator without a mesh on purpose wraps the call in this (nothing is expected on 1 device)."""
+    devices (``vmcgrad._problem.sharding``'s ``warn_if_sharding_unseen``), asserted where it is due: a
+    test that jits an estimator without a mesh on purpose wraps the call in this (nothing is expected
+    on 1 device)."""
     import pytest
 
     import vmcgrad

@@ -65,7 +65,7 @@ def batches():
 @contextlib.contextmanager
 def vmcgrad_passes():
     """Yields the list of vmcgrad chunked passes (the primitive's ``space``) bound inside the block."""
-    from vmcgrad import _chunked
+    from vmcgrad._runner import primitive as _chunked
 
     prim, passes = _chunked.chunked_p, []
 

@@ -158,11 +158,11 @@ def test_the_walker_flags_planted_caches(tmp_path, monkeypatch):
     )
     assert len(policy_violations(found)) == 5
 
-    from vmcgrad import _auto_chunk
+    from vmcgrad._chunks import budget as _auto_chunk
 
     monkeypatch.setattr(_auto_chunk, "_planted_cache", {}, raising=False)
     problems = policy_violations(find_caches([_auto_chunk]))
-    assert any("_auto_chunk._planted_cache: a dict" in p for p in problems), problems
+    assert any("budget._planted_cache: a dict" in p for p in problems), problems
     if Cache is not None:
         unbounded = Cache(maxsize=4)
         unbounded.maxsize = None
@@ -309,7 +309,7 @@ def test_cache_key_keys_as_the_compiled_programs_do_without_holding():
     same instance, a new ``Partial`` of the same function with other array values), differs for
     another function, accepts what is not a callable (validation reports it later), and is the
     same for a function and for its static part; a key whose function died equals only itself."""
-    from vmcgrad._function import cache_key, is_dead, split_fun
+    from vmcgrad._problem.function import cache_key, is_dead, split_fun
 
     class Model:
         def apply(self, p, x):

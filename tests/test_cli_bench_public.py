@@ -26,7 +26,7 @@ ALLOWED = {
     for name in ("large.py", "bench_minsr.py", "time_to_energy.py")
 }
 #: Private names a script may use: ``bench_switch.py --before`` turns vmcgrad's per-signature
-#: validation cache off (``vmcgrad._problem``) to time the per-step work that cache removed.
+#: validation cache off (``vmcgrad._problem.problem``) to time the per-step work that cache removed.
 ALLOWED_NAMES = {"bench_switch.py": {"_problem", "_CHECKED", "_CHECKED_MAX"}}
 
 
@@ -71,8 +71,9 @@ def test_the_checker_sees_private_use(tmp_path):
     """The checks above can fail: each forbidden form is found in a sample."""
     sample = tmp_path / "sample.py"  # its own package's ._x modules are allowed
     sample.write_text(
-        "import sys\nsys.path.insert(0, '.')\nfrom vmcgrad._auto_chunk import choose_for\n"
-        "from ..netket import _qgt\nvs._samples = 1\nimport vmcgrad._hlo\nfrom ._harness import measure\n"
+        "import sys\nsys.path.insert(0, '.')\nfrom vmcgrad._chunks.budget import choose_for\n"
+        "from ..netket import _qgt\nvs._samples = 1\nimport vmcgrad._checks.hlo\n"
+        "from ._harness import measure\n"
     )
     assert len(_problems(sample)) == 5, _problems(sample)
 

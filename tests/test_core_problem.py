@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import vmcgrad
-from vmcgrad._chunking import Chunks, plan_chunks
+from vmcgrad._chunks.plan import Chunks, plan_chunks
 
 N_DEV = jax.device_count()
 N = 37 * N_DEV + 3  # not divisible by the devices: padded rows must get weight 0
@@ -143,7 +143,7 @@ def test_auto_chunk_halves_once_after_out_of_memory_in_every_estimator(name):
     """16 samples, a budget that fits them all: "auto" picks 16, the run fails, 8 is retried and works.
 
     The QGT's construction (its Ō pass) and its product each retry; ``diagonal``/``to_dense`` go
-    through the same :func:`vmcgrad._problem.call` (their per-row Jacobian hides the chunk from a
+    through the same :func:`vmcgrad._problem.problem.call` (their per-row Jacobian hides the chunk from a
     callback, so they are not simulated here)."""
     base, params, samples = make_case("r2c", 16)
     fun = oom_above(8, base)
@@ -349,8 +349,8 @@ def test_models_that_branch_on_data_run_in_every_estimator(mesh_kind):
 
 
 def _counting_checks(monkeypatch):
-    from vmcgrad import _problem
-    from vmcgrad import _validation as check
+    from vmcgrad._problem import problem as _problem
+    from vmcgrad._problem import validation as check
 
     calls = []
     real = check.check_problem
@@ -367,7 +367,7 @@ def _counting_checks(monkeypatch):
 def test_problem_validates_once_per_input_signature(monkeypatch):
     """A second call with new values of the same shapes, dtypes and shardings reuses the checks
     (a driver's every step); any change in the signature checks again; results stay exact."""
-    from vmcgrad import _problem
+    from vmcgrad._problem import problem as _problem
 
     calls = _counting_checks(monkeypatch)
     fun, params, samples = make_case("r2c", N)
@@ -422,7 +422,7 @@ def test_problem_validation_cache_is_bounded_and_keeps_no_closure_alive(monkeypa
     import gc
     import weakref
 
-    from vmcgrad import _problem
+    from vmcgrad._problem import problem as _problem
 
     _counting_checks(monkeypatch)
     _, params, samples = make_case("r2c", N)

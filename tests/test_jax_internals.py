@@ -10,7 +10,8 @@ import sys
 import jax
 import pytest
 
-from vmcgrad import _jax_private, _jaxpr_checks
+from vmcgrad import _jax_private
+from vmcgrad._checks import jaxpr as _jaxpr_checks
 
 PACKAGE = pathlib.Path(_jax_private.__file__).parent
 PRIVATE = PACKAGE / "_jax_private.py"
@@ -43,7 +44,7 @@ def test_import_fails_with_vmcgrads_name_when_jax_lacks_one():
     assert run.returncode != 0
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith("vmcgrad._jax_private.PrivateJaxAPIError: vmcgrad: the installed jax"), last
-    assert "jax.new_ref (used by vmcgrad._chunked" in last and _jax_private.SUPPORTED_JAX in last
+    assert "jax.new_ref (used by vmcgrad._runner.primitive" in last and _jax_private.SUPPORTED_JAX in last
 
 
 def test_lazy_internal_checked_where_used(monkeypatch):

@@ -134,7 +134,7 @@ def test_expect_and_grad_matches_netket(model_name, system_name):
 @pytest.mark.heavy
 def test_numba_operator_and_chunk_sizes():
     """A non-jax (numba) operator goes through NetKet's numba kernel; chunk sizes 1..beyond N (a chunk
-    over N plans one chunk, as None does: vmcgrad._chunking.plan_chunks)."""
+    over N plans one chunk, as None does: vmcgrad._chunks.plan.plan_chunks)."""
     H, vs = make_state("rbm_modphase", "ising_chain")
     H = H.to_local_operator()
     expected_stats, expected_grad = vs.expect_and_grad(H)

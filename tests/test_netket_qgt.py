@@ -32,7 +32,7 @@ N_DEV = jax.device_count()
 N_CHAINS = 4 * N_DEV
 N_SAMPLES = 63 * N_CHAINS  # 252 per device on 4 devices, 1008 on 1: 37 divides neither
 # one chunk, and chunks that divide neither the samples per device nor N (NetKet's own tests also take
-# 4096: a chunk over N plans one chunk exactly as None does, vmcgrad._chunking.plan_chunks, which
+# 4096: a chunk over N plans one chunk exactly as None does, vmcgrad._chunks.plan.plan_chunks, which
 # test_vjp_jvp.py's chunk 1000 covers)
 CHUNKS = [None, 37]
 
@@ -610,7 +610,7 @@ def test_memory_budget_changes_the_pick(monkeypatch):
     the argument the state's ``memory_budget`` is used; an explicit one overrides it."""
     from test_qgt_design import _bytes
 
-    from vmcgrad import _qgt
+    from vmcgrad._sr import qgt as _qgt
     from vmcgrad.netket import _nk_private as nkp
     from vmcgrad.netket._expect_grad import log_psi
 

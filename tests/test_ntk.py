@@ -242,7 +242,7 @@ def _jacobians_derived(n, devices, chunk):
     """Samples whose Jacobian ``to_dense`` derives: NetKet's mean-Jacobian subset, each row chunk's rows,
     and, per row chunk, the column blocks (of the chunk's size) from the one holding its first counted
     row to the last, except the block that is the chunk itself (its rows reused). The plan and the row
-    weights follow vmcgrad._chunking: balanced chunks, the last shifted back, padded and re-read rows
+    weights follow vmcgrad._chunks.plan: balanced chunks, the last shifted back, padded and re-read rows
     not counted. Also returns the cost of walking every column block for every chunk (before)."""
     n_local = -(-n // devices)
     count = -(-n_local // (chunk or n_local))

@@ -1,6 +1,7 @@
-"""The operators' shared base, :class:`vmcgrad._operator.AbstractOperator`: both :class:`vmcgrad.QGTOperator`
-and :class:`vmcgrad.NTKOperator` are immutable pytrees with the same accessors, the same ``replace`` of
-their shifts (checked, refused for anything else) and the same ``chunk_size="auto"`` resolution.
+"""The operators' shared base, :class:`vmcgrad._sr.operator.AbstractOperator`: both
+:class:`vmcgrad.QGTOperator` and :class:`vmcgrad.NTKOperator` are immutable pytrees with the same
+accessors, the same ``replace`` of their shifts (checked, refused for anything else) and the same
+``chunk_size="auto"`` resolution.
 
 The products themselves are tested against dense Jacobians in test_qgt.py and test_ntk.py.
 """
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 import vmcgrad
-from vmcgrad._operator import AbstractOperator
+from vmcgrad._sr.operator import AbstractOperator
 
 N = 10
 
@@ -65,10 +66,10 @@ def test_the_operators_share_the_base(build):
 def test_auto_chunk_size_resolves_to_a_chunk(build):
     """``chunk_size="auto"`` resolves to the largest power of two, at most the samples per device,
     whose sizing program (compiled, not run) needs at most ``memory_budget`` bytes per device
-    (temporaries, arguments and outputs: :func:`vmcgrad._auto_chunk.program_bytes`): that chunk
+    (temporaries, arguments and outputs: :func:`vmcgrad._chunks.budget.program_bytes`): that chunk
     fits, twice it does not. The budget is the program's own bytes at chunk 8 of 64 rows (samples
     on one device), so the answer is neither 1 nor all rows."""
-    from vmcgrad._auto_chunk import program_bytes
+    from vmcgrad._chunks.budget import program_bytes
 
     def wide(w, x):  # per-chunk temporaries of 32 values a row: the bytes grow with the chunk
         return jnp.tanh(x @ w).sum(-1)

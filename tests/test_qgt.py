@@ -11,7 +11,7 @@ from jax.flatten_util import ravel_pytree
 
 import vmcgrad
 from vmcgrad import collective_report
-from vmcgrad._chunking import plan_chunks
+from vmcgrad._chunks.plan import plan_chunks
 
 # The README command's 1-device pass runs this module's first instances (tests/conftest.py).
 pytestmark = pytest.mark.one_device_smoke
@@ -317,7 +317,7 @@ def test_solve_with_kept_linearisations(case):
         jax.block_until_ready(S.solve(b, tol=0.0, maxiter=3))
         # recomputed: one forward per chunk per iteration, and, where the 2 chunks re-read a row (N
         # odd), one forward-mode pass over the chunk holding it, which looks for a row whose
-        # derivative is finite to stand in for it (vmcgrad._chunked._finite_stand_ins)
+        # derivative is finite to stand in for it (vmcgrad._runner.primitive._finite_stand_ins)
         plan = plan_chunks(N, N // 2 + 1)
         assert len(calls) == 2 * 3 + (3 if plan.count * plan.size != N else 0)
         calls.clear()
@@ -363,7 +363,7 @@ def test_kept_linearisations_share_the_operators_methods():
     with pytest.raises(TypeError, match=rf"{named} \(v\): `v` must be a pytree like `params`"):
         lin @ [1.0]
 
-    from vmcgrad._operator import AbstractOperator
+    from vmcgrad._sr.operator import AbstractOperator
 
     def subclasses(cls):
         return [c for s in cls.__subclasses__() for c in (s, *subclasses(s))]
@@ -404,7 +404,7 @@ def test_one_reduction_per_product(kind, case):
         solve = collective_report(jax.jit(lambda S, v: S.solve(v, maxiter=5)).lower(S, v).compile())
         assert set(solve.in_loops) == {"all-reduce"} and solve.in_loops["all-reduce"] <= n_dtypes, solve
         # kept linearisations: the same, and the linearising pass reduces nothing (per-chunk slots)
-        from vmcgrad._qgt_linearized import _linearize_program
+        from vmcgrad._sr.qgt_linearized import _linearize_program
 
         lin = S.linearize()
         kept = collective_report(_linearize_program.lower(S.problem, S).compile())

@@ -10,10 +10,10 @@ from jax.flatten_util import ravel_pytree
 from test_qgt import MODES, Dense, N, close, tree_like
 
 import vmcgrad
-from vmcgrad import _qgt
-from vmcgrad._auto_chunk import program_bytes
-from vmcgrad._qgt import PASSES, choose_design
-from vmcgrad._qgt_apply import matmul_program
+from vmcgrad._chunks.budget import program_bytes
+from vmcgrad._sr import qgt as _qgt
+from vmcgrad._sr.qgt import PASSES, choose_design
+from vmcgrad._sr.qgt_apply import matmul_program
 
 N_DEV = jax.device_count()
 CASES = [(c, jnp.float64) for c in MODES] + [(c, jnp.float32) for c in ("r2c", "c2c_holo", "c2c_nonholo")]
@@ -75,7 +75,7 @@ def _bytes(S, design, chunk):
 
 def _largest_fit(S, design, budget):
     """The largest power-of-two chunk whose program fits ``budget`` (a plain scan, independent of the
-    search in vmcgrad._auto_chunk)."""
+    search in vmcgrad._chunks.budget)."""
     best, c = None, 1
     while c <= S.problem.n_local:
         if _bytes(S, design, c) <= budget:

@@ -3,7 +3,7 @@
 Every estimator calls ``fun`` on chunks of rows, so a batch statistic inside ``fun`` (``y - mean(y)``
 without ``stop_gradient``) silently becomes a per-chunk one (relative error 0.9 at chunk 4 before
 this check). The refusal comes from a jaxpr analysis of the tangent map
-(:mod:`vmcgrad._jaxpr_checks`); it must not fire on the stop-gradient fix, per-sample models, NetKet's
+(:mod:`vmcgrad._checks.jaxpr`); it must not fire on the stop-gradient fix, per-sample models, NetKet's
 models, attention over sites, scans over layers, vmap inside the model, or pytree samples.
 """
 
@@ -16,7 +16,7 @@ import pytest
 from helpers import assert_tree_allclose
 
 import vmcgrad
-from vmcgrad import _jaxpr_checks
+from vmcgrad._checks import jaxpr as _jaxpr_checks
 
 # The README command's 1-device pass runs this module's first instances (tests/conftest.py).
 pytestmark = pytest.mark.one_device_smoke

@@ -11,8 +11,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import vmcgrad
-from vmcgrad import _auto_chunk, _qgt
-from vmcgrad._auto_chunk import run_with_oom_retry
+from vmcgrad._chunks import budget as _auto_chunk
+from vmcgrad._chunks.budget import run_with_oom_retry
+from vmcgrad._sr import qgt as _qgt
 
 N_DEV = jax.device_count()
 N = 37 * N_DEV
@@ -278,7 +279,7 @@ def test_auto_chunk_size_errors():
 
 def test_auto_chunk_default_budget():
     """Half the free memory where the backend reports it (GPU, TPU), else the documented 2 GiB."""
-    from vmcgrad._auto_chunk import DEFAULT_MEMORY_BUDGET, default_memory_budget
+    from vmcgrad._chunks.budget import DEFAULT_MEMORY_BUDGET, default_memory_budget
 
     stats = jax.devices()[0].memory_stats()
     if stats and "bytes_limit" in stats:

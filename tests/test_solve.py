@@ -1,4 +1,4 @@
-"""The conjugate-gradient solver (vmcgrad._solve.cg) and QGT.solve: answers against dense solves and
+"""The conjugate-gradient solver (vmcgrad._sr.solve.cg) and QGT.solve: answers against dense solves and
 jax.scipy's CG, and `converged` that is true only for a true solution."""
 
 import jax
@@ -9,7 +9,7 @@ from helpers import assert_tree_allclose, make_case, random_like, setup
 from jax.flatten_util import ravel_pytree
 
 import vmcgrad
-from vmcgrad._solve import cg
+from vmcgrad._sr.solve import cg
 
 # The README command's 1-device pass runs this module's first instances (tests/conftest.py).
 pytestmark = pytest.mark.one_device_smoke
@@ -345,7 +345,7 @@ def test_good_solve_arguments(small):
 @pytest.mark.parametrize("solver", ["cg", "gmres"])
 def test_jax_scipy_solvers_run_on_the_qgt_product(case, solver):
     """``jax.scipy.sparse.linalg.cg``/``gmres`` on ``lambda v: S @ v`` (jitted, the operator a traced
-    argument) solve S_eff x = b: what vmcgrad/_solve.py and vmcgrad/netket/_qgt.py say; and the
+    argument) solve S_eff x = b: what vmcgrad/_sr/solve.py and vmcgrad/netket/_qgt.py say; and the
     product's transpose is :math:`\\overline{S_\\text{eff} \\bar v}` (``jax.linear_transpose``)."""
     fun, params, samples = make_case(case, N)
     holomorphic = True if case == "c2c_holo" else None

@@ -1,7 +1,7 @@
 """Every estimator under jax.vmap / jvp / jacfwd / grad / vjp / checkpoint (issue 12, item 1).
 
 ``vmcgrad.batched_vjp``, ``batched_jvp``, ``expect_grad``, ``QGT @ v`` and ``QGT.solve`` are bound as
-one chunked map-reduce primitive (:mod:`vmcgrad._chunked`), whose rules bind it again: every
+one chunked map-reduce primitive (:mod:`vmcgrad._runner.primitive`), whose rules bind it again: every
 transformation of a chunked estimator is itself chunked, with one reduction. Each is compared with
 the same transformation of the plain, unchunked reference (``jax.vjp`` / ``jax.jvp`` on the whole
 batch, a dense ``jax.jacfwd`` QGT), in float64, at 1e-10; with no mesh, an Auto-axis mesh (NetKet's
@@ -23,8 +23,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import vmcgrad
-from vmcgrad._chunked import map_reduce
-from vmcgrad._chunking import Space
+from vmcgrad._chunks.plan import Space
+from vmcgrad._runner.primitive import map_reduce
 
 N_DEV = jax.device_count()
 N = 7 * N_DEV  # 7 samples per device; chunk 3 -> 3 chunks, the last shifted back over 2 samples
@@ -403,7 +403,7 @@ def test_linearized_qgt_vmaps():
 
 def innermost_loop_collectives(text):
     """Collectives reachable from while bodies that contain no further while (the chunk loops)."""
-    from vmcgrad import _hlo
+    from vmcgrad._checks import hlo as _hlo
 
     comps, _ = _hlo._parse(text)
     roots = [
@@ -481,7 +481,7 @@ def test_chunk_function_contract_sums_and_maps():
 
     where = None
     if N_DEV > 1:
-        from vmcgrad._sharding import SampleAxis
+        from vmcgrad._problem.sharding import SampleAxis
 
         where = SampleAxis(auto_mesh(), "S")
     space = Space(where, n, -(-n // N_DEV) if where else n, CHUNK)

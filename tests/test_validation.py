@@ -11,7 +11,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import vmcgrad
-from vmcgrad._validation import check_memory_budget, describe
+from vmcgrad._problem.validation import check_memory_budget, describe
 
 FUN, PARAMS, SAMPLES = make_case("r2c", 8)
 CT = jnp.ones(8, jnp.complex128)

@@ -14,23 +14,23 @@ __version__ = "0.1.0"
 
 #: Public name -> the private module that defines it.
 _EXPORTS = {
-    "QGT": "._qgt",
-    "CGInfo": "._solve",
-    "CollectiveReport": "._hlo",
-    "LinearizedQGT": "._qgt_linearized",
-    "NTK": "._ntk",
-    "NTKOperator": "._ntk",
-    "QGTOperator": "._qgt",
-    "VmcgradWarning": "._warnings",
-    "auto_chunk_size": "._auto",
-    "batched_jvp": "._jvp",
-    "batched_vjp": "._vjp",
-    "collective_report": "._hlo",
-    "expect_grad": "._grad",
-    "initialize_distributed": "._distributed",
-    "lower": "._lower",
-    "minsr_update": "._ntk",
-    "program_bytes": "._auto_chunk",
+    "QGT": "vmcgrad._sr.qgt",
+    "CGInfo": "vmcgrad._sr.solve",
+    "CollectiveReport": "vmcgrad._checks.hlo",
+    "LinearizedQGT": "vmcgrad._sr.qgt_linearized",
+    "NTK": "vmcgrad._sr.ntk",
+    "NTKOperator": "vmcgrad._sr.ntk",
+    "QGTOperator": "vmcgrad._sr.qgt",
+    "VmcgradWarning": "vmcgrad._warnings",
+    "auto_chunk_size": "vmcgrad._estimators.chunk_size",
+    "batched_jvp": "vmcgrad._estimators.jvp",
+    "batched_vjp": "vmcgrad._estimators.vjp",
+    "collective_report": "vmcgrad._checks.hlo",
+    "expect_grad": "vmcgrad._estimators.grad",
+    "initialize_distributed": "vmcgrad._problem.distributed",
+    "lower": "vmcgrad._estimators.lower",
+    "minsr_update": "vmcgrad._sr.ntk",
+    "program_bytes": "vmcgrad._chunks.budget",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -40,7 +40,7 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'vmcgrad' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
+    value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # imported once
     return value
 
@@ -50,20 +50,20 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
-    from ._auto import auto_chunk_size as auto_chunk_size
-    from ._auto_chunk import program_bytes as program_bytes
-    from ._distributed import initialize_distributed as initialize_distributed
-    from ._grad import expect_grad as expect_grad
-    from ._hlo import CollectiveReport as CollectiveReport
-    from ._hlo import collective_report as collective_report
-    from ._jvp import batched_jvp as batched_jvp
-    from ._lower import lower as lower
-    from ._ntk import NTK as NTK
-    from ._ntk import NTKOperator as NTKOperator
-    from ._ntk import minsr_update as minsr_update
-    from ._qgt import QGT as QGT
-    from ._qgt import QGTOperator as QGTOperator
-    from ._qgt_linearized import LinearizedQGT as LinearizedQGT
-    from ._solve import CGInfo as CGInfo
-    from ._vjp import batched_vjp as batched_vjp
-    from ._warnings import VmcgradWarning as VmcgradWarning
+    from vmcgrad._checks.hlo import CollectiveReport as CollectiveReport
+    from vmcgrad._checks.hlo import collective_report as collective_report
+    from vmcgrad._chunks.budget import program_bytes as program_bytes
+    from vmcgrad._estimators.chunk_size import auto_chunk_size as auto_chunk_size
+    from vmcgrad._estimators.grad import expect_grad as expect_grad
+    from vmcgrad._estimators.jvp import batched_jvp as batched_jvp
+    from vmcgrad._estimators.lower import lower as lower
+    from vmcgrad._estimators.vjp import batched_vjp as batched_vjp
+    from vmcgrad._problem.distributed import initialize_distributed as initialize_distributed
+    from vmcgrad._sr.ntk import NTK as NTK
+    from vmcgrad._sr.ntk import NTKOperator as NTKOperator
+    from vmcgrad._sr.ntk import minsr_update as minsr_update
+    from vmcgrad._sr.qgt import QGT as QGT
+    from vmcgrad._sr.qgt import QGTOperator as QGTOperator
+    from vmcgrad._sr.qgt_linearized import LinearizedQGT as LinearizedQGT
+    from vmcgrad._sr.solve import CGInfo as CGInfo
+    from vmcgrad._warnings import VmcgradWarning as VmcgradWarning

@@ -45,8 +45,8 @@ class Internal:
         return f"{self.module}.{self.attr}"
 
 
-_CHUNKED = "vmcgrad._chunked (the chunked map-reduce primitive)"
-_CHECKS = "vmcgrad._jaxpr_checks (the row-coupling and holomorphy analyses of fun's jaxpr)"
+_CHUNKED = "vmcgrad._runner.primitive (the chunked map-reduce primitive)"
+_CHECKS = "vmcgrad._checks.jaxpr (the row-coupling and holomorphy analyses of fun's jaxpr)"
 
 #: Every JAX internal vmcgrad relies on.
 INTERNALS: tuple[Internal, ...] = (

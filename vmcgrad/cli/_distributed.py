@@ -21,7 +21,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from .._distributed import DEFAULT_TIMEOUT
+from vmcgrad._problem.distributed import DEFAULT_TIMEOUT
 
 
 def coordinator_address(text: str) -> str:
@@ -163,7 +163,7 @@ def detect_launcher(timeout: int) -> Launch | None:
     Raises:
         RuntimeError, ValueError, KeyError: the environment is present but JAX cannot read it.
     """
-    from .._jax_private import cluster_env
+    from vmcgrad._jax_private import cluster_env
 
     cluster = cluster_env()
     env = next((e for e in cluster._cluster_types if not e.opt_in_only_method and e.is_env_present()), None)
@@ -258,7 +258,7 @@ def _initialize_launched(coordinator: str, launch: Launch, timeout: int) -> None
     address the node's hostname resolves to."""
     import jax
 
-    from .._distributed import _pin_gloo_to_loopback, is_loopback
+    from vmcgrad._problem.distributed import _pin_gloo_to_loopback, is_loopback
 
     loopback = is_loopback(coordinator.rsplit(":", 1)[0])
     if loopback:

@@ -11,7 +11,8 @@ import netket as nk
 from netket.operator import Squared
 from netket.vqs.mc import get_local_kernel_arguments
 
-from .. import _validation as check
+from vmcgrad._problem import validation as check
+
 from . import _nk_private as nkp
 from ._expect_grad import auto_chunk_size, check_state, log_psi
 from ._local_values import forward_kernel

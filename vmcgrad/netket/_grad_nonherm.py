@@ -42,7 +42,8 @@ from netket.operator import Squared
 from netket.utils import HashablePartial
 from netket.vqs.mc import get_local_kernel_arguments
 
-from .. import _validation as check
+from vmcgrad._problem import validation as check
+
 from . import _nk_private as nkp
 from ._expect_grad import auto_chunk_size, check_state
 from ._forces import check_operator

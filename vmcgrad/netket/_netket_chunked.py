@@ -16,8 +16,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from .._cache import Cache
-from .._warnings import VmcgradWarning
+from vmcgrad._cache import Cache
+from vmcgrad._warnings import VmcgradWarning
 
 _FALLBACK = "Ignoring chunk_size"
 #: The keys already warned about (a bounded record: a key evicted long ago may warn again).

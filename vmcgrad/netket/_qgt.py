@@ -45,13 +45,13 @@ from netket.utils import HashablePartial
 from netket.utils.api_utils import partial_from_kwargs
 
 import vmcgrad
+from vmcgrad._jax_private import linear_call
+from vmcgrad._problem import validation as check
+from vmcgrad._sr.qgt import DESIGNS
+from vmcgrad._sr.qgt_modes import holomorphic_violation, to_rep
+from vmcgrad._sr.views import Views
+from vmcgrad._warnings import VmcgradWarning
 
-from .. import _validation as check
-from .._jax_private import linear_call
-from .._qgt import DESIGNS
-from .._qgt_modes import holomorphic_violation, to_rep
-from .._views import Views
-from .._warnings import VmcgradWarning
 from . import _nk_private as nkp
 from ._expect_grad import log_psi
 
@@ -115,7 +115,7 @@ def QGTOnTheFly(
             (one linearisation per chunk), ``"jvp_vjp"`` (a jvp, then the pullback of a second
             forward pass: fewer bytes per row, one more pass), or None: at ``chunk_size="auto"``
             the (design, chunk) pair that is fastest within ``memory_budget``
-            (:func:`vmcgrad._qgt.choose_design`), else ``"fused"``. Both give the same matrix; the
+            (:func:`vmcgrad._sr.qgt.choose_design`), else ``"fused"``. Both give the same matrix; the
             operator's ``qgt.design`` says which one it uses.
         memory_budget: bytes per device for ``chunk_size="auto"`` (compiled ``memory_analysis()``
             of one product), or None: ``vstate.vmcgrad_memory_budget`` on a

@@ -12,7 +12,8 @@ from netket.vqs import expect as nk_expect
 from netket.vqs import expect_and_forces as nk_expect_and_forces
 from netket.vqs import expect_and_grad as nk_expect_and_grad
 
-from .. import _validation as check
+from vmcgrad._problem import validation as check
+
 from . import _nk_private as nkp
 from ._expect_grad import auto_chunk_size, covariance_grad
 from ._forces import expect_and_forces

@@ -37,9 +37,9 @@ import netket as nk
 from netket.utils import struct, timing
 
 import vmcgrad
+from vmcgrad._problem import validation as check
+from vmcgrad._warnings import VmcgradWarning
 
-from .. import _validation as check
-from .._warnings import VmcgradWarning
 from . import _nk_private as nkp
 from ._expect_grad import log_psi
 from ._grow import GrowSamples

@@ -1,12 +1,12 @@
 r"""The chunk functions behind :class:`~vmcgrad.QGTOperator` and :class:`~vmcgrad.LinearizedQGT`.
 
 Each has the signature ``chunk(fun, params, x, w, *extra) -> (sums, maps)`` (or ``(sums, maps,
-slots)``) of :func:`vmcgrad._chunked.map_reduce_problem` (:func:`kept_product_chunk`, which needs no
-samples, that of :func:`vmcgrad._chunked.map_reduce`) and returns one chunk's sums (``w`` the row
+slots)``) of :func:`vmcgrad._runner.primitive.map_reduce_problem` (:func:`kept_product_chunk`, which needs no
+samples, that of :func:`vmcgrad._runner.primitive.map_reduce`) and returns one chunk's sums (``w`` the row
 mask); the primitive walks the chunks and adds the one reduction, and JAX's transformations act on
 them. The bodies work on the representation :math:`\tilde\theta` of the parameters
-(:mod:`vmcgrad._qgt_modes`) through :math:`g(\tilde\theta, x) = f(\mathrm{from\_rep}(\tilde\theta),
-x)`. Rows carry the weights of :mod:`vmcgrad._chunking` (0 for padded rows and rows an earlier chunk
+(:mod:`vmcgrad._sr.qgt_modes`) through :math:`g(\tilde\theta, x) = f(\mathrm{from\_rep}(\tilde\theta),
+x)`. Rows carry the weights of :mod:`vmcgrad._chunks.plan` (0 for padded rows and rows an earlier chunk
 covered).
 
 - :func:`mean_chunk`: :math:`\sum_i w_i O_i` (real and imaginary parts by two pullbacks of one
@@ -34,9 +34,9 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
-from ._chunked import Pullback
-from ._chunking import cast_like, promote
-from ._qgt_modes import from_rep, to_rep
+from vmcgrad._chunks.plan import cast_like, promote
+from vmcgrad._runner.primitive import Pullback
+from vmcgrad._sr.qgt_modes import from_rep, to_rep
 
 
 def _on_rep(fun: Callable, params: Any, mode: str) -> tuple[Callable, Any]:
@@ -65,7 +65,7 @@ def _dot(a: Any, b: Any) -> jax.Array:
 
 def mean_chunk(fun, params, x, w, *, mode: str, out_dtype) -> tuple[Pullback, tuple]:
     r"""One chunk's :math:`\sum_i w_i O_i`, shaped like the representation, as a
-    :class:`~vmcgrad._chunked.Pullback` (added into the accumulators through ``with_refs``): the
+    :class:`~vmcgrad._runner.primitive.Pullback` (added into the accumulators through ``with_refs``): the
     pullback with the weights as cotangent.
 
     Where :math:`O` is complex over a real representation, the sums are the pair
@@ -74,7 +74,9 @@ def mean_chunk(fun, params, x, w, *, mode: str, out_dtype) -> tuple[Pullback, tu
     :func:`join_mean`).
     """
     g, theta = _on_rep(fun, params, mode)
-    wide = promote(theta)  # pullbacks arrive in the accumulators' dtype (see vmcgrad._vjp.vjp_chunk)
+    wide = promote(
+        theta
+    )  # pullbacks arrive in the accumulators' dtype (see vmcgrad._estimators.vjp.vjp_chunk)
     weights = w.astype(out_dtype)
     at = lambda p: g(cast_like(p, theta), x)
     if not split_imag(theta, out_dtype):
@@ -94,7 +96,7 @@ def join_mean(total: Any, theta_like: Any, out_dtype: Any) -> Any:
 def product_chunk(fun, params, x, w, obar, v, *, mode: str) -> tuple[Pullback, tuple]:
     r"""One chunk's :math:`\sum_i \overline{O_i}\,w_i (O_i v - \bar O\cdot v)` (real part for a real
     :math:`\tilde\theta`): one forward pass with its jvp, and the pullback of the same forward pass
-    with cotangent :math:`\overline{\Delta w}` (a :class:`~vmcgrad._chunked.Pullback`: added into the
+    with cotangent :math:`\overline{\Delta w}` (a :class:`~vmcgrad._runner.primitive.Pullback`: added into the
     accumulators through ``with_refs``; for a real :math:`\tilde\theta` JAX's pullback of a
     real-to-complex map takes the real part, which is :math:`\mathrm{Re}\,O^\dagger w`)."""
     g, theta = _on_rep(fun, params, mode)
@@ -111,7 +113,7 @@ def product_chunk(fun, params, x, w, obar, v, *, mode: str) -> tuple[Pullback, t
 def product_jvp_vjp_chunk(fun, params, x, w, obar, v, *, mode: str) -> tuple[Pullback, tuple]:
     r""":func:`product_chunk`'s sum by two linearisations of the chunk (the jvp-then-vjp design):
     :math:`\Delta w_i = w_i (O_i v - \bar O\cdot v)` by a jvp, then the pullback of a second forward
-    pass with cotangent :math:`\overline{\Delta w}` (a :class:`~vmcgrad._chunked.Pullback`).
+    pass with cotangent :math:`\overline{\Delta w}` (a :class:`~vmcgrad._runner.primitive.Pullback`).
 
     Two things keep XLA from merging the two forward passes back into the fused one (it does so
     across ``lax.optimization_barrier`` when XLA CPU's YNN fusion is on): the jvp runs inside a

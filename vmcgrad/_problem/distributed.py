@@ -82,7 +82,7 @@ def initialize_distributed(
 def _pin_gloo_to_loopback() -> None:
     # The only place jax 0.10.2 builds the CPU gloo collectives (a private hook, found through
     # vmcgrad._jax_private, which fails loudly if it moved rather than silently listen elsewhere).
-    from ._jax_private import gloo_tcp_collectives_module
+    from vmcgrad._jax_private import gloo_tcp_collectives_module
 
     module = gloo_tcp_collectives_module()
     make = module.make_gloo_tcp_collectives

@@ -1,6 +1,6 @@
 """Vector views of a QGT: a parameter pytree, its flat ravel, or the mode's flat real representation.
 
-A QGT acts on vectors in the representation :math:`\\tilde v` of its mode (:mod:`vmcgrad._qgt_modes`).
+A QGT acts on vectors in the representation :math:`\\tilde v` of its mode (:mod:`vmcgrad._sr.qgt_modes`).
 Users hand vectors in one of three *kinds*, and get the same kind back:
 
 - ``"tree"``: a pytree like the parameters (same structure, shapes and dtypes);
@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
-from ._qgt_modes import from_rep, to_rep
-from ._validation import as_arrays, describe
+from vmcgrad._problem.validation import as_arrays, describe
+from vmcgrad._sr.qgt_modes import from_rep, to_rep
 
 
 def _is_complex(x: Any) -> bool:

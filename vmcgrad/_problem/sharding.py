@@ -15,7 +15,7 @@ same way whatever the device count); its ``psum`` is a no-op.
 Leaves (parameters, vectors like them) are replicated or split along one dimension over the sample
 axis (parameter-sharded, FSDP-like models): :func:`layout_of` reads which, :func:`gather` all-gathers
 split leaves once before the loop and :func:`reduce` is the one reduction after it (``psum``, or
-``psum_scatter`` back to the shards). The per-device runner that uses them is :mod:`vmcgrad._runner`.
+``psum_scatter`` back to the shards). The per-device runner that uses them is :mod:`vmcgrad._runner.runner`.
 
 Before anything is traced, the placement of the inputs is read here too: :func:`check_not_in_shard_map`
 (no call inside the user's ``shard_map``), :func:`warn_if_sharding_unseen` (traced samples whose split
@@ -35,8 +35,8 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._validation import describe
-from ._warnings import VmcgradWarning
+from vmcgrad._problem.validation import describe
+from vmcgrad._warnings import VmcgradWarning
 
 
 class SampleAxis(NamedTuple):
@@ -150,7 +150,7 @@ def pad_to_devices(tree: Any, where: SampleAxis | None) -> Any:
     """Pads the leading axis of every leaf to a multiple of the device count with copies of its last row.
 
     Only when the global count does not divide over the devices (a sharded array always does). The
-    padded rows are valid inputs for the function and get weight 0 (:mod:`vmcgrad._chunking`).
+    padded rows are valid inputs for the function and get weight 0 (:mod:`vmcgrad._chunks.plan`).
     """
     n = jax.tree.leaves(tree)[0].shape[0]
     if where is None or n % where.size == 0:
@@ -232,7 +232,7 @@ def reduce(tree: Any, layout: tuple[int | None, ...] | None, where: SampleAxis |
 def check_same_devices(where: str, name: str, x: Any, axis: Any) -> None:
     """A per-sample argument placed on the samples' devices, in the samples' mesh order.
 
-    ``axis`` is the problem's sample axis (:class:`vmcgrad._sharding.SampleAxis`, or None). Tracers
+    ``axis`` is the problem's sample axis (:class:`vmcgrad._problem.sharding.SampleAxis`, or None). Tracers
     and uncommitted arrays are placed by the compiled program; a committed array on other devices,
     or on the same devices in another mesh order, would make JAX refuse the call with
     "incompatible devices".
@@ -268,12 +268,12 @@ def warn_if_sharding_unseen(where: str, samples: Any) -> None:
     """Warns (once per call site) when traced samples may be sharded in a way vmcgrad cannot see.
 
     Under ``jax.jit`` the samples are tracers. Their abstract type (``jax.typeof(x).sharding``)
-    shows the split on Explicit mesh axes, which :func:`vmcgrad._sharding.find_sample_axis` uses.
+    shows the split on Explicit mesh axes, which :func:`vmcgrad._problem.sharding.find_sample_axis` uses.
     On Auto axes (jax 0.10.2) it shows the mesh but not the split (``spec`` is all None), and an
     array placed by ``jax.jit(..., in_shardings=...)`` shows neither. With no context mesh
     (``jax.set_mesh``) vmcgrad then runs as on one device: if the samples are in fact sharded,
     every device walks all N samples. An Auto mesh in the type is used as the sample mesh
-    (:func:`vmcgrad._sharding.find_sample_axis`); this warns when, with no context mesh set, a traced
+    (:func:`vmcgrad._problem.sharding.find_sample_axis`); this warns when, with no context mesh set, a traced
     leaf shows no mesh at all while there is more than one device.
     """
     if not jax.sharding.get_abstract_mesh().empty:
@@ -287,7 +287,7 @@ def warn_if_sharding_unseen(where: str, samples: Any) -> None:
             continue
         mesh = getattr(sharding, "mesh", None)
         if mesh is not None and not mesh.empty:
-            continue  # a mesh in the type: vmcgrad._sharding.find_sample_axis splits over it
+            continue  # a mesh in the type: vmcgrad._problem.sharding.find_sample_axis splits over it
         if jax.device_count() > 1:
             seen = f"with no sharding visible in their type, and there are {jax.device_count()} devices"
         else:

@@ -9,12 +9,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _validation as check
-from ._chunked import Pullback, map_reduce_problem
-from ._chunking import cast_like, promote
-from ._problem import Inputs, Problem, call, problem
-from ._runner import SAMPLES
-from ._sharding import check_same_devices
+from vmcgrad._chunks.plan import cast_like, promote
+from vmcgrad._problem import validation as check
+from vmcgrad._problem.problem import Inputs, Problem, call, problem
+from vmcgrad._problem.sharding import check_same_devices
+from vmcgrad._runner.primitive import Pullback, map_reduce_problem
+from vmcgrad._runner.runner import SAMPLES
 
 
 def batched_vjp(
@@ -44,7 +44,7 @@ def batched_vjp(
     device works on its own shard and one ``psum`` after the loop is the only communication.
     Accumulators are at float32 or better whatever the parameter dtype; the result is cast back.
 
-    It composes with JAX's transformations (:mod:`vmcgrad._chunked`): ``jax.grad`` / ``jax.vjp`` /
+    It composes with JAX's transformations (:mod:`vmcgrad._runner.primitive`): ``jax.grad`` / ``jax.vjp`` /
     ``jax.jvp`` / ``jax.jacfwd`` in ``params``, ``samples`` and ``cotangent``, ``jax.vmap`` over any
     of them and ``jax.checkpoint``; each transformed computation is again one chunked pass with one
     reduction (the transpose in the cotangent is a :func:`batched_jvp`, the derivative in the
@@ -54,7 +54,7 @@ def batched_vjp(
         fun: ``fun(params, batch) -> (batch_size,)`` array, real or complex. A plain callable is
             compiled in (keyed by identity, as ``jax.jit`` keys a function); a pytree callable
             (``jax.tree_util.Partial(f, *arrays)``, an equinox ``Module``) has its array-like leaves,
-            Python floats included, traced instead (model state; :mod:`vmcgrad._function`).
+            Python floats included, traced instead (model state; :mod:`vmcgrad._problem.function`).
             **Row by row:** row i of the output may depend on sample i only; ``fun`` is called on chunks of
             at most ``chunk_size`` rows (per device), so a batch statistic inside it (a mean, max or
             logsumexp of the batch subtracted without ``jax.lax.stop_gradient``) would become a per-chunk
@@ -117,11 +117,11 @@ def vjp_chunk(
     fun: Callable, params: Any, x: Any, w: jax.Array, cotangent: jax.Array
 ) -> tuple[Pullback, tuple]:
     """One chunk's Σ_i w_i ct_i ∂f(θ, σ_i)/∂θ (the summed part; no per-sample part), as a
-    :class:`~vmcgrad._chunked.Pullback`: the runner adds it into its accumulators through
+    :class:`~vmcgrad._runner.primitive.Pullback`: the runner adds it into its accumulators through
     ``f_vjp.with_refs`` (the seed's recipe).
 
     The pullback is taken with respect to the parameters at the accumulation dtype
-    (:func:`vmcgrad._chunking.acc_dtype`; ``fun`` sees them cast back), so the chunk's sum arrives in
+    (:func:`vmcgrad._chunks.plan.acc_dtype`; ``fun`` sees them cast back), so the chunk's sum arrives in
     the accumulators' dtype (float32 or better for bfloat16 / float16 parameters).
     """
     ct = jnp.where(w, cotangent, jnp.zeros_like(cotangent))

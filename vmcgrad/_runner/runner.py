@@ -1,13 +1,13 @@
 """The one per-device runner: the chunked primitive's lowering runs here, and its result is reduced once.
 
-:func:`run_on` (called by :mod:`vmcgrad._chunked`'s lowering, the only caller) does, for every
+:func:`run_on` (called by :mod:`vmcgrad._runner.primitive`'s lowering, the only caller) does, for every
 estimator:
 
 1. pads the sample-shaped arguments to a multiple of the device count (copies of the last row);
 2. runs the loop inside ``jax.shard_map`` over the sample axis (or directly, on one device), after
    all-gathering parameter-sharded leaves once and casting replicated ones to device-varying;
-3. hands it a :class:`~vmcgrad._chunking.Chunks` — the chunk plan of this device's rows and
-   the row weights rule (:mod:`vmcgrad._chunking`);
+3. hands it a :class:`~vmcgrad._chunks.plan.Chunks` — the chunk plan of this device's rows and
+   the row weights rule (:mod:`vmcgrad._chunks.plan`);
 4. reduces the result once after the loop (``psum``, or ``psum_scatter`` for split leaves),
    or returns it split over the devices (cut to N rows for per-sample outputs; one slot per chunk
    for per-chunk outputs).
@@ -19,8 +19,8 @@ which mesh axes they vary over. Models that branch on data (``lax.cond`` in equi
 e.g. NetKet's ``LogStateVector``) otherwise fail with "cond branches must have equal output types"
 when one branch returns a constant (not varying) and the other a sample-dependent value. Without the
 typing JAX also inserts no implicit reduction when a replicated parameter is differentiated, which is
-what the one reduction after the loop needs (the explicit ``pcast`` in :func:`vmcgrad._sharding.gather`
-is kept for the typed case).
+what the one reduction after the loop needs (the explicit ``pcast`` in
+:func:`vmcgrad._problem.sharding.gather` is kept for the typed case).
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ import jax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._chunking import Chunks, Space, plan_chunks
-from ._sharding import gather, pad_to_devices, reduce, specs, unsplit_explicit
+from vmcgrad._chunks.plan import Chunks, Space, plan_chunks
+from vmcgrad._problem.sharding import gather, pad_to_devices, reduce, specs, unsplit_explicit
 
 #: Placements: one row per sample (padded, split, cut back to N on the way out); replicated; and
 #: one slot per chunk (every device's chunks along axis 0, in device order: split like the devices,
-#: never padded, gathered, reduced or cut; how kept linearisations travel, see vmcgrad._chunked).
+#: never padded, gathered, reduced or cut; how kept linearisations travel, see vmcgrad._runner.primitive).
 SAMPLES, REPLICATED, CHUNKS = "samples", "replicated", "chunks"
 
 
@@ -45,7 +45,7 @@ def run_on(space: Space, body: Any, *args: tuple[Any, Any], out: Any) -> Any:
 
     Args:
         space: the rows and how each device walks them.
-        body: this device's pass; ``chunks`` is its :class:`~vmcgrad._chunking.Chunks`.
+        body: this device's pass; ``chunks`` is its :class:`~vmcgrad._chunks.plan.Chunks`.
         *args: ``(value, placement)`` pairs: placement :data:`SAMPLES` (one row per sample, padded
             and split like the samples), :data:`CHUNKS` (one slot per chunk, split into equal
             blocks along axis 0), :data:`REPLICATED`, or a layout tuple (one entry per leaf: the

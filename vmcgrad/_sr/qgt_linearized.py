@@ -7,7 +7,7 @@ chunk jvps and their transposes from those residuals: no forward recomputation, 
 per product. The price is the residuals of all chunks at once (:attr:`LinearizedQGT.nbytes` per
 device), where :class:`vmcgrad.QGTOperator` holds one chunk's at a time.
 
-Both passes are the chunked primitive (:mod:`vmcgrad._chunked`): the linearising pass writes one
+Both passes are the chunked primitive (:mod:`vmcgrad._runner.primitive`): the linearising pass writes one
 slot per chunk (a per-chunk output, nothing reduced), and a product reads chunk ``k``'s slot as a
 per-chunk operand inside the one loop over the chunks. So the product is an ordinary operator
 application to JAX: ``jax.vmap`` batches it, it is differentiable in its vector, and
@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from ._chunked import map_reduce, map_reduce_problem
-from ._problem import Problem, call
-from ._qgt_abstract import AbstractQGT
-from ._qgt_passes import kept_product_chunk, linearize_chunk
+from vmcgrad._problem.problem import Problem, call
+from vmcgrad._runner.primitive import map_reduce, map_reduce_problem
+from vmcgrad._sr.qgt_abstract import AbstractQGT
+from vmcgrad._sr.qgt_passes import kept_product_chunk, linearize_chunk
 
 if TYPE_CHECKING:  # annotations only: _qgt imports this module (QGTOperator.linearize)
-    from ._qgt import QGTOperator
+    from vmcgrad._sr.qgt import QGTOperator
 
 
 @jax.tree_util.register_dataclass
@@ -41,13 +41,13 @@ class LinearizedQGT(AbstractQGT):
     """A QGT with every chunk's linearisation kept (from ``S.linearize()`` of a :class:`vmcgrad.QGTOperator`).
 
     The same matrix as the operator it came from (its leaves, shifts and chunk size), the same
-    products, solves, ``to_dense``, ``diagonal`` and ``replace`` (:class:`vmcgrad._qgt_abstract.AbstractQGT`),
-    taking the same kinds of vectors; each product reads the kept linearisations instead of running a
-    forward pass. A pytree: pass it into ``jax.jit`` like the operator. ``jax.vmap`` over vectors,
-    derivatives of a product or solve in its vector, and ``jax.scipy.sparse.linalg.cg(lambda v: L @ v,
-    b)`` work; differentiating in the kept linearisations (through ``S.linearize()`` in the
-    parameters) raises a TypeError. ``replace(diag_shift=...)`` keeps the linearisations, which do not
-    depend on the shifts.
+    products, solves, ``to_dense``, ``diagonal`` and ``replace``
+    (:class:`vmcgrad._sr.qgt_abstract.AbstractQGT`), taking the same kinds of vectors; each product
+    reads the kept linearisations instead of running a forward pass. A pytree: pass it into
+    ``jax.jit`` like the operator. ``jax.vmap`` over vectors, derivatives of a product or solve in its
+    vector, and ``jax.scipy.sparse.linalg.cg(lambda v: L @ v, b)`` work; differentiating in the kept
+    linearisations (through ``S.linearize()`` in the parameters) raises a TypeError.
+    ``replace(diag_shift=...)`` keeps the linearisations, which do not depend on the shifts.
 
     Attributes:
         linear_maps: every chunk's linear map (``jax.linearize``'s ``Partial``), its residual leaves

@@ -9,14 +9,14 @@ r"""``QGT``: the quantum geometric tensor as an immutable, jit-friendly linear o
 applied as :math:`S_\text{eff}\,v = S v + \epsilon_1 \operatorname{diag}(S)\, v + \epsilon_2 v`
 with :math:`\epsilon_1` = ``diag_scale`` and :math:`\epsilon_2` = ``diag_shift`` (NetKet's
 QGTJacobian regularisation, Becca & Sorella 2017). The matrix taken in each mode (real part, real
-and imaginary parts split, holomorphic) is described in :mod:`vmcgrad._qgt_modes`; the kinds of
-vectors it takes in :mod:`vmcgrad._views`.
+and imaginary parts split, holomorphic) is described in :mod:`vmcgrad._sr.qgt_modes`; the kinds of
+vectors it takes in :mod:`vmcgrad._sr.views`.
 
 The pieces: this module holds the operator (its product's designs) and its builder; what it shares
-with the kept-linearisation operator :class:`vmcgrad.LinearizedQGT` (:mod:`vmcgrad._qgt_linearized`)
-is their base :class:`~vmcgrad._qgt_abstract.AbstractQGT` (products, solves, the dense matrix); the
-chunk functions are in :mod:`vmcgrad._qgt_passes`, run by the chunked primitive
-(:mod:`vmcgrad._chunked`); the solver is :mod:`vmcgrad._solve`. Every product is one pass over the
+with the kept-linearisation operator :class:`vmcgrad.LinearizedQGT` (:mod:`vmcgrad._sr.qgt_linearized`)
+is their base :class:`~vmcgrad._sr.qgt_abstract.AbstractQGT` (products, solves, the dense matrix); the
+chunk functions are in :mod:`vmcgrad._sr.qgt_passes`, run by the chunked primitive
+(:mod:`vmcgrad._runner.primitive`); the solver is :mod:`vmcgrad._sr.solve`. Every product is one pass over the
 samples: per chunk one linearisation, its jvp and its transpose; :math:`\bar O` is computed once,
 when the operator is built, so the centring is a cheap dot product; one reduction per product,
 after the loop.
@@ -31,19 +31,19 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _validation as check
-from ._chunked import map_reduce_problem
-from ._problem import Problem, auto_chunk, call, problem
-from ._qgt_abstract import AbstractQGT, diag_s_program, diag_scale_leaf
-from ._qgt_apply import matmul_program
-from ._qgt_linearized import LinearizedQGT, linearize
-from ._qgt_modes import choose_mode, holomorphic_violation, to_rep
-from ._qgt_passes import join_mean, mean_chunk, product_chunk, product_jvp_vjp_chunk, split_imag
-from ._views import Views
+from vmcgrad._problem import validation as check
+from vmcgrad._problem.problem import Problem, auto_chunk, call, problem
+from vmcgrad._runner.primitive import map_reduce_problem
+from vmcgrad._sr.qgt_abstract import AbstractQGT, diag_s_program, diag_scale_leaf
+from vmcgrad._sr.qgt_apply import matmul_program
+from vmcgrad._sr.qgt_linearized import LinearizedQGT, linearize
+from vmcgrad._sr.qgt_modes import choose_mode, holomorphic_violation, to_rep
+from vmcgrad._sr.qgt_passes import join_mean, mean_chunk, product_chunk, product_jvp_vjp_chunk, split_imag
+from vmcgrad._sr.views import Views
 
 _NAME = "vmcgrad.QGT"
 
-#: The product's designs, by name: the chunk function of ``S @ v`` (:mod:`vmcgrad._qgt_passes`).
+#: The product's designs, by name: the chunk function of ``S @ v`` (:mod:`vmcgrad._sr.qgt_passes`).
 #: ``"fused"``: one linearisation per chunk, its jvp and its transpose (three linear passes over the
 #: chunk); ``"jvp_vjp"``: a jvp, then the pullback of a second forward pass (four; a smaller chunk
 #: footprint where XLA keeps the two apart).
@@ -68,14 +68,14 @@ CHUNK_ROWS_ACCELERATOR = 4096
 class QGTOperator(AbstractQGT):
     r"""The regularised QGT :math:`S + \epsilon_1\operatorname{diag}(S) + \epsilon_2` of one set of samples.
 
-    Build it with :func:`vmcgrad.QGT`. It is a pytree (:class:`vmcgrad._operator.AbstractOperator`):
+    Build it with :func:`vmcgrad.QGT`. It is a pytree (:class:`vmcgrad._sr.operator.AbstractOperator`):
     the parameters, samples, :math:`\bar O`, the model state of a ``Partial`` ``logpsi`` and the
     shifts are leaves, so it can be passed into ``jax.jit`` and rebuilt every step without
     recompiling; ``logpsi``'s code, the chunk size, the mode, the product's design and the sample
-    mesh axis are static (the design here, the rest in its :class:`~vmcgrad._problem.Problem`).
+    mesh axis are static (the design here, the rest in its :class:`~vmcgrad._problem.problem.Problem`).
 
     Products, solves, ``to_dense``, ``diagonal`` and ``replace`` are those of
-    :class:`vmcgrad._qgt_abstract.AbstractQGT`; each product recomputes every chunk's forward pass
+    :class:`vmcgrad._sr.qgt_abstract.AbstractQGT`; each product recomputes every chunk's forward pass
     (:attr:`design`), holding one chunk's at a time. Vectors are pytrees like ``params``, flat
     vectors in ``ravel_pytree(params)`` order, or flat vectors in the mode's real representation
     (length :attr:`dim`, the order of :meth:`to_dense`); every method returns the kind it was given.
@@ -109,7 +109,7 @@ def choose_design(op: QGTOperator) -> tuple[str, int]:
     r"""The product's design and chunk that ``chunk_size="auto"`` picks: the fastest within the budget.
 
     Per design :math:`d`, the chunk :math:`c_d` is the largest power of two whose compiled ``S @ v``
-    fits the memory budget (:func:`vmcgrad._problem.auto_chunk`: compiled, not run); the time is
+    fits the memory budget (:func:`vmcgrad._problem.problem.auto_chunk`: compiled, not run); the time is
     modelled as
 
     .. math::
@@ -125,7 +125,7 @@ def choose_design(op: QGTOperator) -> tuple[str, int]:
     sized before it: with the fused design at chunk :math:`c`, the jvp-then-vjp design is compiled
     only when :math:`3r\lceil n/c\rceil > n + 4r` (on CPU, with more than 64 rows: a fused chunk of
     16 rows or fewer). The chunks are cached
-    (:func:`vmcgrad._auto_chunk.choose_chunk`): a second choice compiles nothing.
+    (:func:`vmcgrad._chunks.budget.choose_chunk`): a second choice compiles nothing.
 
     Raises:
         MemoryError: when no design fits even one sample per chunk (the error of the smaller one).
@@ -173,7 +173,7 @@ def QGT(
         \Delta O_i = O_i - \bar O,\quad O_{ik} = \frac{\partial \log\psi(\sigma_i)}{\partial\theta_k}
 
     in the mode's representation (``Re`` of it for 'real' and 'complex'; see
-    :mod:`vmcgrad._qgt_modes`). Building it costs one pass over the samples (for :math:`\bar O`;
+    :mod:`vmcgrad._sr.qgt_modes`). Building it costs one pass over the samples (for :math:`\bar O`;
     a second one, holding one chunk's Jacobian, when ``diag_scale`` is set, for
     :math:`\operatorname{diag} S`); each product :math:`S v` then costs one more.
 

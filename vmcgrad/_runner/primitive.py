@@ -9,7 +9,7 @@ cotangents) and *per-sample* ones ``s`` (samples, per-sample cotangents; sample 
     \mathrm{CMR}_g(r, s) = \Big(\sum_k \mathrm{sums}_g(r, s_{[k]}, w_{[k]}),\;
                            \mathrm{concat}_k\, \mathrm{maps}_g(r, s_{[k]}, w_{[k]})\Big)
 
-over the chunks ``k`` of the rows, with ``w`` the row weights of :mod:`vmcgrad._chunking` (a bool
+over the chunks ``k`` of the rows, with ``w`` the row weights of :mod:`vmcgrad._chunks.plan` (a bool
 mask here: True for a row that counts in this chunk). The contract on ``g``: its summed outputs do
 not depend on rows of weight False (it masks its per-row factors with ``w``); its per-sample
 outputs of those rows are dropped.
@@ -25,7 +25,7 @@ and transpose rules with a TypeError, which holds under ``jax.jit`` as well (the
 the equation is transformed).
 
 It is a :class:`jax.extend.core.Primitive`, ``vmcgrad_chunked_map_reduce``, whose lowering is the
-one runner (:func:`vmcgrad._runner.run_on`: padding to the device count, ``shard_map`` with
+one runner (:func:`vmcgrad._runner.runner.run_on`: padding to the device count, ``shard_map`` with
 parameter-sharded leaves all-gathered once, one ``lax.while_loop`` over the chunks with the sums in
 ``jax.new_ref`` accumulators at float32 or better, one ``psum`` / ``psum_scatter`` after the loop).
 The family is closed under JAX's transformations, and each rule below binds the primitive again, so
@@ -63,9 +63,9 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._chunking import Space, acc_dtype, plan_chunks
-from ._jax_private import ClosedJaxpr, Primitive, Var, ad, batching, jaxpr_as_fun, mlir, pe
-from ._runner import CHUNKS, SAMPLES, Laid, run_on
+from vmcgrad._chunks.plan import Space, acc_dtype, plan_chunks
+from vmcgrad._jax_private import ClosedJaxpr, Primitive, Var, ad, batching, jaxpr_as_fun, mlir, pe
+from vmcgrad._runner.runner import CHUNKS, SAMPLES, Laid, run_on
 
 chunked_p = Primitive("vmcgrad_chunked_map_reduce")
 chunked_p.multiple_results = True
@@ -108,7 +108,7 @@ class Pullback(NamedTuple):
 #   n_slot:     how many outputs are per chunk (each chunk writes its own slot; nothing is reduced)
 #   rep_layout: per replicated operand, the dimension split over the sample axis, or None
 #   sum_layout: per summed output, the same (split sums are reduce-scattered)
-#   space:      the rows: sample axis, N, rows per device, chunk size (vmcgrad._chunking.Space)
+#   space:      the rows: sample axis, N, rows per device, chunk size (vmcgrad._chunks.plan.Space)
 #   pullback:   None, or (point, fwd, n_y): the sums as a pullback (see Pullback), for the lowering:
 #               point(*replicated, *chunk, w) -> primal leaves; fwd(*replicated, *chunk, w, *primals)
 #               -> (*y, *cotangent); sums = vjp of y at the primals with that cotangent
@@ -150,7 +150,7 @@ def _abstract_eval(
 
     sums = [typed(a.shape, a.dtype, _dim_spec(d, a.ndim, space)) for a, d in zip(outs[:n_sum], sum_layout)]
     # Per-sample outputs stay split like the samples, or come back replicated when the devices do not
-    # divide N (the runner cuts the padded rows off after gathering them: vmcgrad._runner._cut).
+    # divide N (the runner cuts the padded rows off after gathering them: vmcgrad._runner.runner._cut).
     split = explicit and space.n % space.where.size == 0
     row_spec = P(space.where.axis) if split else P()
     maps = [typed((space.n, *a.shape[1:]), a.dtype, row_spec) for a in outs[n_sum : n_sum + n_map]]
@@ -861,7 +861,7 @@ def map_reduce(
     :class:`vmcgrad.LinearizedQGT`'s kept linearisations, constants of one parameter point).
 
     Args:
-        space: the rows (:class:`vmcgrad._chunking.Space`).
+        space: the rows (:class:`vmcgrad._chunks.plan.Space`).
         chunk_fun: ``chunk_fun(*replicated_trees, *chunk_trees, *slot_trees, w) -> (sums, maps)``
             or ``-> (sums, maps, slots)``, with ``w`` the ``(size,)`` bool row mask; ``sums`` (a
             pytree) must not depend on rows where ``w`` is False; ``maps`` is a pytree of arrays
@@ -960,9 +960,9 @@ def map_reduce_problem(
 
     ``fun`` is the user's function (its ``Partial`` arrays are replicated operands, so they are
     differentiated and batched too), ``params`` the full parameters, ``x`` the chunk of samples;
-    ``extra`` are ``(value, placement)`` pairs, placement :data:`~vmcgrad._runner.SAMPLES`,
-    :data:`~vmcgrad._runner.CHUNKS` (one slot per chunk), :data:`~vmcgrad._runner.REPLICATED` or a
-    layout tuple, passed to ``chunk_fun`` in order (per-sample ones chunked, per-chunk ones at the
+    ``extra`` are ``(value, placement)`` pairs, placement :data:`~vmcgrad._runner.runner.SAMPLES`,
+    :data:`~vmcgrad._runner.runner.CHUNKS` (one slot per chunk), :data:`~vmcgrad._runner.runner.REPLICATED`
+    or a layout tuple, passed to ``chunk_fun`` in order (per-sample ones chunked, per-chunk ones at the
     chunk's slot).
     """
     rep = [(inputs.fun_data, (None,) * len(inputs.fun_data)), (inputs.params, prob.layout)]

@@ -1,5 +1,5 @@
 r"""``AbstractOperator``: what the operators built over N samples share (:class:`vmcgrad.QGTOperator`
-and :class:`vmcgrad.LinearizedQGT`, through :class:`vmcgrad._qgt_abstract.AbstractQGT`, and
+and :class:`vmcgrad.LinearizedQGT`, through :class:`vmcgrad._sr.qgt_abstract.AbstractQGT`, and
 :class:`vmcgrad.NTKOperator`).
 
 As lineax's ``AbstractLinearOperator``: an immutable pytree that is a linear map, applied with
@@ -8,7 +8,7 @@ out (:math:`A + \epsilon\,\mathbb 1` with :math:`\epsilon` = ``diag_shift``, a l
 taken at one parameter point over one set of samples: the parameters, the samples, the model state of a
 ``Partial`` function and the shifts are leaves (rebuilding it every step does not recompile); the
 function's code, the chunk size, the mode and the sample mesh axis are static (its
-:class:`~vmcgrad._problem.Problem` and ``mode``). A subclass says what its matrix is (:attr:`dim`,
+:class:`~vmcgrad._problem.problem.Problem` and ``mode``). A subclass says what its matrix is (:attr:`dim`,
 ``@``, :meth:`to_dense`, :meth:`solve`) and which program sizes ``chunk_size="auto"``. As in
 equinox, a class here is abstract or final: concrete operators do not derive from each other
 (``tests/test_qgt.py::test_kept_linearisations_share_the_operators_methods``).
@@ -22,8 +22,8 @@ from typing import Any, ClassVar
 
 import jax
 
-from . import _validation as check
-from ._problem import Inputs, Problem, auto_chunk
+from vmcgrad._problem import validation as check
+from vmcgrad._problem.problem import Inputs, Problem, auto_chunk
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, repr=False)

@@ -3,18 +3,18 @@
 :func:`problem` does, once for every public entry point (``batched_vjp``, ``batched_jvp``,
 ``expect_grad``, ``QGT``, ``auto_chunk_size``):
 
-1. validation of ``fun``, ``params`` and ``samples`` (:mod:`vmcgrad._validation`), before tracing;
-2. the sample axis (:func:`vmcgrad._sharding.find_sample_axis`);
+1. validation of ``fun``, ``params`` and ``samples`` (:mod:`vmcgrad._problem.validation`), before tracing;
+2. the sample axis (:func:`vmcgrad._problem.sharding.find_sample_axis`);
 3. replication of concrete parameters and function data onto the sample mesh (one input signature
    whatever their placement, so a second call does not compile again);
-4. the parameter layout (replicated or split leaves, :func:`vmcgrad._sharding.layout_of`);
+4. the parameter layout (replicated or split leaves, :func:`vmcgrad._problem.sharding.layout_of`);
 5. the per-device row count after padding to the device count;
 6. the chunk size, including ``"auto"`` and the memory budget.
 
 It returns a static, hashable :class:`Problem` and the traced :class:`Inputs`. An estimator's
 compiled program is ``program(problem, inputs, *args)`` (``problem`` static), which binds the chunked
-primitive with its chunk function (:func:`vmcgrad._chunked.map_reduce_problem`); :func:`call` runs it,
-choosing ``"auto"`` chunks from
+primitive with its chunk function (:func:`vmcgrad._runner.primitive.map_reduce_problem`); :func:`call` runs
+it, choosing ``"auto"`` chunks from
 the compiled program's memory and halving once after an out-of-memory error.
 """
 
@@ -28,12 +28,18 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from . import _validation as check
-from ._auto_chunk import choose_chunk, default_memory_budget, remember, run_with_oom_retry, signature
-from ._cache import Cache
-from ._chunking import Space
-from ._function import cache_key, join_fun, on_chunks, split_fun, weak_structure
-from ._sharding import (
+from vmcgrad._cache import Cache
+from vmcgrad._chunks.budget import (
+    choose_chunk,
+    default_memory_budget,
+    remember,
+    run_with_oom_retry,
+    signature,
+)
+from vmcgrad._chunks.plan import Space
+from vmcgrad._problem import validation as check
+from vmcgrad._problem.function import cache_key, join_fun, on_chunks, split_fun, weak_structure
+from vmcgrad._problem.sharding import (
     SampleAxis,
     check_not_in_shard_map,
     find_sample_axis,
@@ -58,7 +64,7 @@ class Problem:
 
     Attributes:
         name: the public function's name, for messages.
-        fun: the static part of the user's function, keyed by identity (:mod:`vmcgrad._function`).
+        fun: the static part of the user's function, keyed by identity (:mod:`vmcgrad._problem.function`).
         where: the sample mesh axis, or None on one device.
         layout: per parameter leaf, the dimension split over the sample axis, or None.
         n: N, the global number of samples.
@@ -80,13 +86,13 @@ class Problem:
 
     @property
     def space(self) -> Space:
-        """The rows and how each device walks them (:class:`vmcgrad._chunking.Space`)."""
+        """The rows and how each device walks them (:class:`vmcgrad._chunks.plan.Space`)."""
         return Space(self.where, self.n, self.n_local, self.chunk_size)
 
     def user_fun(self, fun_data: tuple) -> Callable:
         """The user's function inside the program, from its static part and traced data; an
         exception it raises on a chunk carries this problem's context
-        (:func:`vmcgrad._function.on_chunks`)."""
+        (:func:`vmcgrad._problem.function.on_chunks`)."""
         return on_chunks(join_fun(self.fun, tuple(fun_data)), self.name, self.n, self.chunk_size)
 
     def at_chunk(self, chunk_size: int | None) -> Problem:
@@ -143,7 +149,7 @@ def _signature(name: str, fun: Callable, params: Any, samples: Any, arg: str) ->
     """The key of ``check_problem``'s result, or None when it must not be cached.
 
     Everything the checks read: the entry point and argument names, the function
-    (:func:`vmcgrad._function.cache_key`: by weak references, so that the cache keeps no closure
+    (:func:`vmcgrad._problem.function.cache_key`: by weak references, so that the cache keeps no closure
     alive), the tree structures, and every array's shape, dtype, weak type and sharding (the
     function's own arrays included), the x64 flag and the mesh in context. Only concrete JAX arrays
     are cached (not tracers, not NumPy or Python values).
@@ -230,9 +236,9 @@ def _budget(prob: Problem) -> int:
 
 def _key(program: Any, prob: Problem, args: tuple) -> Any:
     """The automatic chunk's cache key: the program, the problem and the arguments' signature, the
-    user's function in it through :func:`vmcgrad._function.cache_key` only (held weakly where it can
+    user's function in it through :func:`vmcgrad._problem.function.cache_key` only (held weakly where it can
     be), also where a problem is static data of an argument (an operator's: the arguments' tree
-    structure by :func:`vmcgrad._function.weak_structure`)."""
+    structure by :func:`vmcgrad._problem.function.weak_structure`)."""
     structure, leaves = signature(args)
     unkeyed = dataclasses.replace(prob, fun=None, chunk_size="auto")
     return Cache.key(prob.fun, program, unkeyed, weak_structure(structure), leaves)

@@ -62,11 +62,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _validation as check
-from ._chunking import cast_like
-from ._problem import Inputs, Problem, call, problem
-from ._sharding import check_same_devices
-from ._vjp import vjp_sum
+from vmcgrad._chunks.plan import cast_like
+from vmcgrad._estimators.vjp import vjp_sum
+from vmcgrad._problem import validation as check
+from vmcgrad._problem.problem import Inputs, Problem, call, problem
+from vmcgrad._problem.sharding import check_same_devices
 
 
 def expect_grad(
@@ -98,7 +98,7 @@ def expect_grad(
         \qquad g = 2\, \mathrm{vjp}(c)^* ,
 
     whatever the dtypes of parameters and output (derivation per case in the module docstring of
-    ``vmcgrad._grad``). The pass is :func:`vmcgrad.batched_vjp`'s: chunked, sharded over the
+    ``vmcgrad._estimators.grad``). The pass is :func:`vmcgrad.batched_vjp`'s: chunked, sharded over the
     samples' devices, one reduction after the loop (plus one scalar all-reduce for
     :math:`\bar L`).
 

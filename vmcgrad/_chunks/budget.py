@@ -30,8 +30,8 @@ from typing import Any
 
 import jax
 
-from ._cache import Cache
-from ._warnings import ChunkRetryWarning
+from vmcgrad._cache import Cache
+from vmcgrad._warnings import ChunkRetryWarning
 
 #: Budget in bytes per device when the backend does not report its free memory (CPU): 2 GiB.
 DEFAULT_MEMORY_BUDGET = 2 * 2**30
@@ -79,7 +79,7 @@ def choose_chunk(
 
     Args:
         key: cache key identifying the program, the function and its inputs (see :func:`signature`),
-            holding no user function (:func:`vmcgrad._function.cache_key`).
+            holding no user function (:func:`vmcgrad._problem.function.cache_key`).
         n_local: samples per device.
         compile_at: ``chunk -> jax.stages.Compiled`` (lowered and compiled, not run).
         budget: bytes per device.

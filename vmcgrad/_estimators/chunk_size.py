@@ -7,11 +7,11 @@ from typing import Any
 
 import jax
 
-from ._grad import grad_program
-from ._jvp import jvp_program
-from ._problem import auto_chunk, problem
-from ._qgt import QGT
-from ._vjp import vjp_program
+from vmcgrad._estimators.grad import grad_program
+from vmcgrad._estimators.jvp import jvp_program
+from vmcgrad._estimators.vjp import vjp_program
+from vmcgrad._problem.problem import auto_chunk, problem
+from vmcgrad._sr.qgt import QGT
 
 ESTIMATORS = ("batched_vjp", "batched_jvp", "expect_grad", "QGT")
 
@@ -77,7 +77,7 @@ def auto_chunk_size(
 
 
 def _checked(name: str, memory_budget: Any) -> Any:
-    from ._validation import check_memory_budget
+    from vmcgrad._problem.validation import check_memory_budget
 
     return check_memory_budget(name, memory_budget)
 

@@ -8,9 +8,9 @@ from typing import Any
 
 import jax
 
-from . import _validation as check
-from ._chunked import map_reduce_problem
-from ._problem import Inputs, Problem, call, problem
+from vmcgrad._problem import validation as check
+from vmcgrad._problem.problem import Inputs, Problem, call, problem
+from vmcgrad._runner.primitive import map_reduce_problem
 
 
 def batched_jvp(

@@ -2,7 +2,7 @@ r"""What applies a QGT operator, any of them (:class:`vmcgrad.QGTOperator`, :cla
 the compiled product :math:`S_\text{eff} v` and the compiled conjugate-gradient solve of
 :math:`S_\text{eff} x = b`.
 
-An operator passed here is a :class:`vmcgrad._qgt_abstract.AbstractQGT`: it provides ``problem``,
+An operator passed here is a :class:`vmcgrad._sr.qgt_abstract.AbstractQGT`: it provides ``problem``,
 ``views`` (the vectors it takes), the shifts, ``_at(prob)`` (itself at the chunk of ``prob``) and
 ``_apply_rep(v)`` (the product on vectors in its internal representation). A module of its own,
 below the operators, so that the base class and both operators import it and nothing imports back
@@ -17,9 +17,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _validation as check
-from ._problem import Problem, call
-from ._solve import CGInfo, cg
+from vmcgrad._problem import validation as check
+from vmcgrad._problem.problem import Problem, call
+from vmcgrad._sr.solve import CGInfo, cg
 
 
 @partial(jax.jit, static_argnums=(0, 3))
@@ -70,7 +70,7 @@ def _apply_rep(A: Any, rep: Any) -> Any:
 
 
 def differentiable_cg(matvec: Any, b: Any, x0: Any, **options: Any) -> tuple[Any, CGInfo]:
-    r""":func:`vmcgrad._solve.cg` as ``jax.lax.custom_linear_solve``: :math:`x = A^{-1} b` is
+    r""":func:`vmcgrad._sr.solve.cg` as ``jax.lax.custom_linear_solve``: :math:`x = A^{-1} b` is
     differentiated implicitly, not through the iterations.
 
     The tangent of :math:`x` is :math:`A^{-1}(\dot b - \dot A x)` (one more solve), its transpose a

@@ -13,7 +13,7 @@ so the last chunk is shifted back onto rows that exist.
     0 & \\text{row } r \\text{ was padded (global index} \\ge N\\text{) or an earlier chunk covered it}
     \\end{cases}
 
-Rows are padded only to divide N over the devices (see :mod:`vmcgrad._sharding`); the shifted last
+Rows are padded only to divide N over the devices (see :mod:`vmcgrad._problem.sharding`); the shifted last
 chunk re-reads up to ``count - 1`` rows. Every estimator multiplies its per-row quantity by ``w``
 (a cotangent, a centred tangent, a Jacobian row), and per-sample outputs keep an earlier chunk's
 value where ``w = 0``. Nothing else decides which rows count.
@@ -22,7 +22,7 @@ value where ``w = 0``. Nothing else decides which rows count.
 row whose derivative is infinite would turn ``inf`` into NaN. Where the plan has such rows at all
 (known statically), a chunk that holds some is walked with each of them replaced by a copy of a
 counted row of the same chunk whose derivative is finite, and a chunk with no counted row is
-skipped (:func:`vmcgrad._chunked._finite_stand_ins`; for the pullbacks of untransformed estimators,
+skipped (:func:`vmcgrad._runner.primitive._finite_stand_ins`; for the pullbacks of untransformed estimators,
 where the sums are pullbacks: ``batched_vjp``, ``expect_grad``, the QGT passes).
 
 **The precision of the sums over chunks.** Chunk results are added at :func:`acc_dtype`, the leaf's

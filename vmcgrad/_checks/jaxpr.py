@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _jax_private as jcore  # the JAX internals, checked at import
+from vmcgrad import _jax_private as jcore  # the JAX internals, checked at import
 
 # --- the abstract batch -------------------------------------------------------------------------
 
@@ -699,7 +699,7 @@ def settle_rows(
         return result
     import warnings
 
-    from ._warnings import UnknownPrimitiveWarning, stacklevel_outside_package
+    from vmcgrad._warnings import UnknownPrimitiveWarning, stacklevel_outside_package
 
     head = f"vmcgrad: no row-coupling rule for {unjudged.what()}"
     warnings.warn(
@@ -728,7 +728,7 @@ _TRACED = "its inputs are traced (the call is inside jax.jit, jax.vmap or a deri
 
 def _not_concrete(fun: Callable, params: Any, samples: Any) -> str:
     """Why ``fun`` cannot be evaluated on these inputs now ("" if it can)."""
-    from ._function import split_fun
+    from vmcgrad._problem.function import split_fun
 
     leaves = jax.tree.leaves((params, samples, split_fun(fun)[1]))
     if any(isinstance(x, jax.core.Tracer) for x in leaves):
@@ -919,7 +919,7 @@ def _linear_eqn(eqn: Any, ins: list) -> list:
 # --- once per signature -----------------------------------------------------------------------------
 
 # imported here, with the cache it serves (the analyses above need nothing of it)
-from ._cache import Cache  # noqa: E402
+from vmcgrad._cache import Cache  # noqa: E402
 
 _CACHE_SIZE = 512
 #: The analyses' verdicts per function and input signature (:func:`signature_key`).
@@ -932,10 +932,10 @@ def _avals(tree: Any) -> tuple:
 
 
 def signature_key(kind: str, fun: Callable, params: Any, samples: Any) -> Any:
-    """The cache key of ``kind`` for ``fun`` (:func:`vmcgrad._function.cache_key`: held weakly
+    """The cache key of ``kind`` for ``fun`` (:func:`vmcgrad._problem.function.cache_key`: held weakly
     where it can be) and the shapes and dtypes of ``fun``'s arrays, ``params`` and ``samples``;
     None if unhashable."""
-    from ._function import split_fun
+    from vmcgrad._problem.function import split_fun
 
     _, data = split_fun(fun)
     return Cache.key(fun, kind, _avals(data), _avals(params), _avals(samples))

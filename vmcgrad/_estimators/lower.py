@@ -1,7 +1,7 @@
 """``vmcgrad.lower``: the program an eager estimator call would run, lowered and not run.
 
-Apart from :mod:`vmcgrad._problem` (whose :func:`~vmcgrad._problem.call` reads the flag set here)
-because it names the estimators, which are built on that module: no import cycle.
+Apart from :mod:`vmcgrad._problem.problem` (whose :func:`~vmcgrad._problem.problem.call` reads the flag
+set here) because it names the estimators, which are built on that module: no import cycle.
 """
 
 from __future__ import annotations
@@ -11,8 +11,10 @@ from typing import Any
 
 import jax
 
-from . import _grad, _jvp, _vjp
-from ._problem import LOWERING
+from vmcgrad._estimators import grad as _grad
+from vmcgrad._estimators import jvp as _jvp
+from vmcgrad._estimators import vjp as _vjp
+from vmcgrad._problem.problem import LOWERING
 
 
 def lower(estimator: Callable, *args: Any, **kwargs: Any) -> jax.stages.Lowered:

@@ -10,7 +10,7 @@ With :math:`J` the per-sample Jacobian of the mode's output with respect to a re
 an :math:`NK \times NK` matrix (K = 2 output components in 'complex' mode, 1 otherwise). Its
 non-zero spectrum is that of the QGT :math:`S = \frac1N \Delta J^\dagger \Delta J`.
 
-How it is computed, always through the one chunked primitive (:mod:`vmcgrad._chunked`):
+How it is computed, always through the one chunked primitive (:mod:`vmcgrad._runner.primitive`):
 
 * :meth:`NTKOperator.to_dense`: one pass over each device's rows, ``c`` at a time. For a chunk of
   rows the chunk's Jacobian :math:`J_{[k]}` (``c K × P``) is taken, then an inner loop walks the N
@@ -33,7 +33,7 @@ How it is computed, always through the one chunked primitive (:mod:`vmcgrad._chu
   :func:`vmcgrad.batched_jvp`); nothing of size N×N or N×P is stored.
 
 The update of sample-space SR (:func:`minsr_update`) maps the solution back to parameter space with
-the same pullback as :func:`vmcgrad.batched_vjp` (``vmcgrad._vjp.vjp_sum``).
+the same pullback as :func:`vmcgrad.batched_vjp` (``vmcgrad._estimators.vjp.vjp_sum``).
 
 **Complex conventions.** JAX's pullback of a function of complex parameters returns
 :math:`\overline{J_\mathbb{R}^T \bar c}` packed as a complex number, so for every mode
@@ -55,18 +55,18 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _validation as check
-from ._chunked import map_reduce_problem
-from ._chunking import cast_like, plan_chunks
-from ._function import join_fun
-from ._jvp import jvp_chunk
-from ._operator import AbstractOperator
-from ._problem import Problem, call, problem
-from ._qgt_modes import from_rep, to_rep
-from ._runner import REPLICATED, SAMPLES
-from ._sharding import explicit_sharding, unsplit_explicit
-from ._solve import CGInfo, cg
-from ._vjp import vjp_sum
+from vmcgrad._chunks.plan import cast_like, plan_chunks
+from vmcgrad._estimators.jvp import jvp_chunk
+from vmcgrad._estimators.vjp import vjp_sum
+from vmcgrad._problem import validation as check
+from vmcgrad._problem.function import join_fun
+from vmcgrad._problem.problem import Problem, call, problem
+from vmcgrad._problem.sharding import explicit_sharding, unsplit_explicit
+from vmcgrad._runner.primitive import map_reduce_problem
+from vmcgrad._runner.runner import REPLICATED, SAMPLES
+from vmcgrad._sr.operator import AbstractOperator
+from vmcgrad._sr.qgt_modes import from_rep, to_rep
+from vmcgrad._sr.solve import CGInfo, cg
 
 _NAME = "vmcgrad.NTK"
 MODES = ("real", "complex", "holomorphic")
@@ -169,7 +169,7 @@ def _mean_jacobian(f: Callable, theta: Any, samples: Any, n: int, mode: str, mos
 class NTKOperator(AbstractOperator):
     r"""The centred kernel :math:`T = \frac1N \Delta J \Delta J^\dagger + \lambda\mathbb 1` (see :func:`NTK`).
 
-    A pytree (:class:`vmcgrad._operator.AbstractOperator`): parameters, samples, the model state of a
+    A pytree (:class:`vmcgrad._sr.operator.AbstractOperator`): parameters, samples, the model state of a
     ``Partial`` ``logpsi`` and ``diag_shift`` are leaves (rebuilding it every step does not recompile);
     the function's code, the chunk size, the mode and the sample mesh axis are static.
 

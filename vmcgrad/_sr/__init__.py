@@ -1,0 +1,3 @@
+"""Stochastic reconfiguration: the QGT operators (parameter space), the NTK kernel and MinSR
+(sample space), their vector views and the conjugate-gradient solver.
+"""
