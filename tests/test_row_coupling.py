@@ -16,7 +16,7 @@ import pytest
 from helpers import assert_tree_allclose
 
 import vmcgrad
-from vmcgrad._checks import jaxpr as _jaxpr_checks
+from vmcgrad._checks import row_coupling, row_rules, tangent
 
 # The README command's 1-device pass runs this module's first instances (tests/conftest.py).
 pytestmark = pytest.mark.one_device_smoke
@@ -93,13 +93,13 @@ def test_pytree_samples():
 
 def test_analysed_once_per_signature(monkeypatch):
     calls = []
-    original = _jaxpr_checks.tangent_jaxpr
+    original = tangent.tangent_jaxpr
 
     def counting(*args):
         calls.append(1)
         return original(*args)
 
-    monkeypatch.setattr(_jaxpr_checks, "tangent_jaxpr", counting)
+    monkeypatch.setattr(tangent, "tangent_jaxpr", counting)
     fun = lambda w, x: jnp.sin(x @ w)
     for _ in range(3):
         vmcgrad.batched_vjp(fun, W, X, CT, chunk_size=4)
@@ -189,13 +189,13 @@ def test_no_false_alarm_on_models(name):
     params = variables["params"]
     state = {k: v for k, v in variables.items() if k != "params"}
     fun = jax.tree_util.Partial(lambda p, x, s=state: model.apply({"params": p, **s}, x))
-    rows = _jaxpr_checks.abstract_batch_size(params, x)
-    jaxpr = _jaxpr_checks.tangent_jaxpr(fun, params, x, rows)
-    assert _jaxpr_checks.row_coupling(jaxpr, 2 * len(jax.tree.leaves(params))) is None
+    rows = tangent.abstract_batch_size(params, x)
+    jaxpr = tangent.tangent_jaxpr(fun, params, x, rows)
+    assert row_coupling.row_coupling(jaxpr, 2 * len(jax.tree.leaves(params))) is None
     # and the same model with a batch mean subtracted is caught
     coupled = lambda p, x: fun(p, x) - jnp.mean(fun(p, x))
-    jaxpr = _jaxpr_checks.tangent_jaxpr(coupled, params, x, rows)
-    assert _jaxpr_checks.row_coupling(jaxpr, 2 * len(jax.tree.leaves(params))) is not None
+    jaxpr = tangent.tangent_jaxpr(coupled, params, x, rows)
+    assert row_coupling.row_coupling(jaxpr, 2 * len(jax.tree.leaves(params))) is not None
 
 
 @pytest.mark.heavy
@@ -249,18 +249,18 @@ def _coupled_fun():
 
 
 def _state(fun):
-    rows = _jaxpr_checks.abstract_batch_size(W, X)
-    return _jaxpr_checks.row_state(_jaxpr_checks.tangent_jaxpr(fun, W, X, rows), 2)
+    rows = tangent.abstract_batch_size(W, X)
+    return row_coupling.row_state(tangent.tangent_jaxpr(fun, W, X, rows), 2)
 
 
 def test_unknown_primitive_is_named_by_the_analysis():
     """The analysis names the primitive it has no rule for when it reaches the derivative, and not
     when it is under stop_gradient (no false report)."""
-    assert _state(_coupled_fun()) == _jaxpr_checks.Unknown(frozenset({"test_made_up_coupled"}))
-    rows = _jaxpr_checks.abstract_batch_size(W, X)
-    assert _jaxpr_checks.row_coupling(_jaxpr_checks.tangent_jaxpr(_coupled_fun(), W, X, rows), 2) is None
+    assert _state(_coupled_fun()) == row_rules.Unknown(frozenset({"test_made_up_coupled"}))
+    rows = tangent.abstract_batch_size(W, X)
+    assert row_coupling.row_coupling(tangent.tangent_jaxpr(_coupled_fun(), W, X, rows), 2) is None
     quiet = lambda w, x: jnp.sin(x @ w) + jax.lax.stop_gradient(COUPLED_P.bind(x @ w))
-    assert _state(quiet) == _jaxpr_checks.Rows(0)
+    assert _state(quiet) == row_rules.Rows(0)
 
 
 def test_numerical_check_refuses_the_coupling_primitive():
@@ -335,7 +335,7 @@ def test_a_failing_analysis_is_not_silent(monkeypatch):
     def broken(eqn, ins):
         raise KeyError("dimension_numbers")
 
-    monkeypatch.setitem(_jaxpr_checks._RULES, "dot_general", broken)
+    monkeypatch.setitem(row_rules.RULES, "dot_general", broken)
     with pytest.raises(ValueError, match=r"analysis failed on .*KeyError"):
         vmcgrad.batched_vjp(lambda w, x: x @ w - jnp.mean(x @ w), W, X, CT, chunk_size=4)
     with pytest.warns(UnknownPrimitiveWarning, match="analysis failed on"):

@@ -46,7 +46,7 @@ class Internal:
 
 
 _CHUNKED = "vmcgrad._runner.primitive (the chunked map-reduce primitive)"
-_CHECKS = "vmcgrad._checks.jaxpr (the row-coupling and holomorphy analyses of fun's jaxpr)"
+_CHECKS = "vmcgrad._checks (the row-coupling and holomorphy analyses of fun's jaxpr)"
 
 #: Every JAX internal vmcgrad relies on.
 INTERNALS: tuple[Internal, ...] = (

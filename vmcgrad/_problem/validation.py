@@ -281,11 +281,12 @@ def check_rows_independent(where: str, fun: Callable, params: Any, samples: Any,
     row :math:`i`'s derivative may depend on sample :math:`i` only. A batch mean, max or logsumexp of
     log ψ subtracted without ``jax.lax.stop_gradient`` breaks it (the mean becomes a chunk mean).
     The tangent map's jaxpr is analysed on an abstract batch
-    (:func:`vmcgrad._checks.jaxpr.row_coupling`), once per function and input shapes. A primitive
+    (:func:`vmcgrad._checks.row_coupling.row_coupling`), once per function and input shapes. A primitive
     the analysis has no rule for is checked numerically on concrete rows, else warned about
-    (:func:`vmcgrad._checks.jaxpr.settle_rows`).
+    (:func:`vmcgrad._checks.row_coupling.settle_rows`).
     """
-    from vmcgrad._checks.jaxpr import Unjudged, once_per_signature, rows_verdict, settle_rows
+    from vmcgrad._checks.row_coupling import Unjudged, rows_verdict, settle_rows
+    from vmcgrad._checks.tangent import once_per_signature
 
     def compute():
         return rows_verdict(fun, params, samples)

@@ -89,7 +89,7 @@ def holomorphic_violation(fun: Any, params: Any, samples: Any) -> str | None:
 
     1. Proof, from the jaxpr of the tangent map (no FLOPs; once per function and input shapes):
        no tangent value on its way to the output passes through ``conj``, ``real``, ``imag``,
-       ``abs`` or ``complex`` (:func:`vmcgrad._checks.jaxpr.non_holomorphic_op`). This covers the
+       ``abs`` or ``complex`` (:func:`vmcgrad._checks.holomorphy.non_holomorphic_op`). This covers the
        holomorphic NetKet models (complex RBM with ``log_cosh``, ``LogStateVector``, ...).
     2. Otherwise, on concrete inputs, the Cauchy–Riemann test on the first rows (NetKet's
        ``is_probably_holomorphic``, with one tangent instead of the Jacobian): with a random
@@ -100,14 +100,8 @@ def holomorphic_violation(fun: Any, params: Any, samples: Any) -> str | None:
     3. On traced inputs (inside ``jax.jit``) that step cannot run: the operation found in 1. is
        returned, with a note.
     """
-    from vmcgrad._checks.jaxpr import (
-        analyse,
-        non_holomorphic_op,
-        once_per_signature,
-        recall,
-        remember,
-        signature_key,
-    )
+    from vmcgrad._checks.holomorphy import non_holomorphic_op
+    from vmcgrad._checks.tangent import analyse, once_per_signature, recall, remember, signature_key
 
     n_params = len(jax.tree.leaves(params))
 
