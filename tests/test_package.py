@@ -339,6 +339,25 @@ def test_pytest_turns_an_unasserted_vmcgrad_warning_into_an_error():
         warnings.warn("an asserted notice", vmcgrad.VmcgradWarning, stacklevel=1)
 
 
+
+@pytest.mark.skipif(jax.device_count() == 1, reason="the notice exists only with several devices")
+def test_a_notice_from_deep_in_the_package_points_at_the_users_line():
+    """A vmcgrad warning names the user's file and line, however deep in the package's folders it is
+    issued (here in ``_problem/sharding.py``, called from ``_estimators``): its ``stacklevel`` walks
+    out of the whole package, not out of the issuing module's folder."""
+    import inspect
+
+    import jax.numpy as jnp
+
+    import vmcgrad
+
+    w, x, ct = jnp.ones(3), jnp.ones((8, 3)), jnp.ones(8)
+    line = inspect.currentframe().f_lineno + 1  # the line that calls vmcgrad (traced inside jit)
+    f = jax.jit(lambda w, x, ct: vmcgrad.batched_vjp(lambda w, x: jnp.sin(x @ w), w, x, ct, chunk_size=4))
+    with pytest.warns(vmcgrad.VmcgradWarning, match="no sharding visible in their type") as record:
+        f(w, x, ct)
+    assert [(Path(r.filename).name, r.lineno) for r in record] == [(Path(__file__).name, line)]
+
 # --- the README's test command --------------------------------------------------------------------
 
 

@@ -25,8 +25,6 @@ cannot be seen) and :func:`check_same_devices` (per-sample arguments on the samp
 from __future__ import annotations
 
 import math
-import os
-import sys
 import warnings
 from typing import Any, NamedTuple
 
@@ -36,7 +34,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from vmcgrad._problem.validation import describe
-from vmcgrad._warnings import VmcgradWarning
+from vmcgrad._warnings import VmcgradWarning, stacklevel_outside_package
 
 
 class SampleAxis(NamedTuple):
@@ -261,7 +259,6 @@ def check_same_devices(where: str, name: str, x: Any, axis: Any) -> None:
             )
 
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def warn_if_sharding_unseen(where: str, samples: Any) -> None:
@@ -302,7 +299,7 @@ def warn_if_sharding_unseen(where: str, samples: Any) -> None:
             "AxisType.Explicit axes so that the split is part of the type. If the samples are on "
             "one device on purpose, ignore this warning.",
             VmcgradWarning,
-            stacklevel=_stacklevel_outside_package(),
+            stacklevel=stacklevel_outside_package(),
         )
         return
 
@@ -311,14 +308,6 @@ def _aval_sharding(x: Any) -> Any:
     """``x``'s concrete sharding (an eager array), else the one in its type."""
     concrete = None if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
     return concrete if concrete is not None else _typeof_sharding(x)
-
-
-def _stacklevel_outside_package() -> int:
-    """The ``stacklevel`` (for a ``warnings.warn`` in the caller) of the first frame outside vmcgrad."""
-    frame, level = sys._getframe(1), 1  # level 1: the function that calls warnings.warn
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def check_not_in_shard_map(where: str) -> None:
