@@ -179,12 +179,12 @@ def test_options_given_are_told_from_defaults(tmp_path):
     """A value equal to the parser's default still counts as given (argparse fills the namespace)."""
     import argparse
 
-    from vmcgrad.cli import build_parser, vmc
+    from vmcgrad.cli import _resume, build_parser
 
     argv = ["vmc", "--lr", "0.03", "--resume", "x"]
     args = build_parser().parse_args(argv)
     args._argv = argv
-    given = vmc._given_options(args, args._parser)
+    given = _resume.given_options(args, args._parser)
     assert given == {"lr": 0.03, "resume": "x"}
     assert isinstance(args, argparse.Namespace)
 

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from test_cli import N_DEVICES, TINY, _check_log, _finish, _start, _vmcgrad
 
-from vmcgrad.cli import _lock, _output, main, vmc
+from vmcgrad.cli import _lock, _output, _report, main, vmc
 
 
 def _strict(text):
@@ -287,7 +287,7 @@ def test_full_disk_while_writing_the_log_stops_with_one_line_and_keeps_the_log(t
     out = tmp_path / "run"
     full = _FullDiskOs(ok=3)  # the empty log, steps 1 and 2; step 3's log finds the disk full
     monkeypatch.setattr(_output, "os", full)
-    monkeypatch.setattr(vmc, "_PLOT_EVERY_S", 1e9)
+    monkeypatch.setattr(_report, "PLOT_EVERY_S", 1e9)
     rc, _, stderr = _in_process_run(["--steps", "50", "--out", str(out)], capsys)
     assert rc == 1, stderr
     last = stderr.strip().splitlines()[-1]
@@ -308,7 +308,7 @@ def test_full_disk_while_writing_the_plot_ends_with_one_line(tmp_path, monkeypat
 
     out = tmp_path / "run"
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", _savefig_full_disk)
-    monkeypatch.setattr(vmc, "_PLOT_EVERY_S", 1e9)  # the plot at the end only
+    monkeypatch.setattr(_report, "PLOT_EVERY_S", 1e9)  # the plot at the end only
     rc, _, stderr = _in_process_run(["--steps", "2", "--out", str(out)], capsys)
     assert rc == 1, stderr
     last = stderr.strip().splitlines()[-1]
@@ -415,7 +415,7 @@ def test_an_unexpected_exception_is_logged_as_failed_with_the_error(tmp_path, mo
     "failed" with its type and message, and raised (before: the log said "interrupted")."""
     out = tmp_path / "run"
     calls = {"n": 0}
-    real = vmc._Recorder.__call__
+    real = _report.Recorder.__call__
 
     def breaks_at_step_2(self, step, log_data, driver):
         calls["n"] += 1
@@ -423,8 +423,8 @@ def test_an_unexpected_exception_is_logged_as_failed_with_the_error(tmp_path, mo
             raise ZeroDivisionError("a bug in a callback")
         return real(self, step, log_data, driver)
 
-    monkeypatch.setattr(vmc._Recorder, "__call__", breaks_at_step_2)
-    monkeypatch.setattr(vmc, "_PLOT_EVERY_S", 1e9)
+    monkeypatch.setattr(_report.Recorder, "__call__", breaks_at_step_2)
+    monkeypatch.setattr(_report, "PLOT_EVERY_S", 1e9)
     with pytest.raises(ZeroDivisionError):
         _in_process_run(["--steps", "5", "--out", str(out)], capsys)
     log = _strict((out / "log.json").read_text())

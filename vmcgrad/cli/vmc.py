@@ -28,14 +28,11 @@ import sys
 import time
 from pathlib import Path
 
-from . import _checkpoint, _distributed, _interrupt, _output, _systems, _user_problem
+from . import _checkpoint, _distributed, _interrupt, _output, _report, _resume, _systems, _user_problem
 from ._args import HelpFormatter, byte_size, chunk_size, non_negative_float, positive_float, positive_int
 
 #: Samples per Metropolis chain are at least this many: chains per device = min(16, samples / devices / this).
 _CHAINS_PER_DEVICE = 16
-_PLOT_EVERY_S = 10.0
-#: The per-step lists of ``log.json``.
-_STEP_KEYS = ("energy_mean", "energy_error", "energy_variance", "acceptance", "step_time", "n_samples")
 #: The optimisation drivers of ``--driver``.
 DRIVERS = {
     "sr": "nk.driver.VMC with SR in parameter space (vmcgrad's QGTOnTheFly products, CG)",
@@ -45,9 +42,6 @@ DRIVERS = {
 REQUIRES = ("netket", "matplotlib", "tqdm")
 #: What a run writes in ``--out``.
 FILES = ("log.json", "energy.png", _checkpoint.CHECKPOINT, _checkpoint.PARAMS)
-#: Steps between checkpoints by default: the write costs about a millisecond for the default model,
-#: a fraction of a percent of the steps it follows.
-CHECKPOINT_EVERY = 10
 
 
 def add_parser(commands) -> None:
@@ -144,7 +138,7 @@ def add_parser(commands) -> None:
     p.add_argument(
         "--checkpoint-every",
         type=positive_int,
-        default=CHECKPOINT_EVERY,
+        default=_report.CHECKPOINT_EVERY,
         metavar="K",
         help="write DIR/checkpoint.mpack (the whole state) and DIR/params.mpack every K steps and at the end",
     )
@@ -165,8 +159,8 @@ def check(args, parser) -> None:
     the command line are taken from it; one given that changes the problem is refused, with the list.
     """
     if args.resume is not None:
-        _resume_options(args, parser)
-    elif args.memory_budget is not None and "chunk_size" not in _given_options(args, parser):
+        _resume.resume_options(args, parser)
+    elif args.memory_budget is not None and "chunk_size" not in _resume.given_options(args, parser):
         args.chunk_size = "auto"  # a budget alone chooses every chunk
     _systems.fill_defaults(args)
     if args.grow_samples is not None and args.driver != "minsr":
@@ -189,55 +183,6 @@ def check(args, parser) -> None:
             )
 
 
-def _resume_options(args, parser) -> None:
-    """``--resume DIR``: reads the checkpoint into ``args._checkpoint`` and sets the options from it."""
-    given = _given_options(args, parser)
-    if "out" in given and Path(given["out"]) != Path(args.resume):
-        parser.error(
-            f"argument --out: {args.out!r} with --resume {args.resume!r}: a resumed run writes where its "
-            "checkpoint is; leave out --out"
-        )
-    try:
-        snap = _checkpoint.read(Path(args.resume), version=_version())
-    except _checkpoint.CheckpointError as error:
-        parser.error(f"argument --resume: {error}")
-    saved = snap["config"]
-    changed = _checkpoint.differences(saved, given)
-    if changed:
-        parser.error(
-            "argument --resume: these options change the problem the checkpoint solves: "
-            + "; ".join(changed)
-            + " (leave them out to use the checkpoint's, or start a new run with another --out)"
-        )
-    for key, value in saved.items():
-        if key not in given and key not in _checkpoint.MAY_CHANGE and hasattr(args, key):
-            setattr(args, key, value)
-    if "steps" not in given:
-        args.steps = saved["steps"]
-    done = int(snap["step"])
-    if args.steps <= done:
-        parser.error(
-            f"argument --steps: the checkpoint in {args.resume} is at step {done} of {saved['steps']}; "
-            f"give --steps larger than {done} to continue it"
-        )
-    args.out = args.resume
-    args._checkpoint = snap
-
-
-_UNSET = object()
-
-
-def _given_options(args, parser) -> dict:
-    """The options of this sub-command that the command line gives (by value), defaults left out."""
-    import argparse
-
-    argv = list(getattr(args, "_argv", ()))
-    start = next((i for i, a in enumerate(argv) if not a.startswith("-")), len(argv))  # the command
-    namespace = argparse.Namespace(**{key: _UNSET for key in vars(args)})
-    parser.parse_args(argv[start + 1 :], namespace=namespace)
-    return {k: v for k, v in vars(namespace).items() if v is not _UNSET and not k.startswith("_")}
-
-
 def config_of(args) -> dict:
     """The options of this run, as given (private argparse defaults left out)."""
     return {k: v for k, v in vars(args).items() if not k.startswith("_")}
@@ -258,21 +203,15 @@ def run(args) -> int:
     t_start = time.perf_counter()
     kept: dict = {}  # the recorder, once there is one: what a second Ctrl-C writes before leaving
     interrupts = _interrupt.Interrupts(
-        "vmcgrad vmc", "stopping after this step (Ctrl-C again to stop at once)", lambda: _keep(kept)
+        "vmcgrad vmc", "stopping after this step (Ctrl-C again to stop at once)", lambda: _report.keep(kept)
     )
     with interrupts:
         try:
             return _run(args, interrupts, kept, t_start)
         except Exception as error:  # a failure before the recorder existed: a log that says so
             if "recorder" not in kept and not isinstance(error, _checkpoint.CheckpointError):
-                mark_log(args, "failed", _describe(error))
+                mark_log(args, "failed", _report.describe(error))
             raise
-
-
-def _describe(error: BaseException) -> str:
-    """``"TypeName: first line of the message"``."""
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
 def mark_log(args, status: str, error: str | None) -> str | None:
@@ -293,7 +232,7 @@ def mark_log(args, status: str, error: str | None) -> str | None:
         pass
     if not isinstance(log, dict) or not isinstance(log.get("energy_mean"), list):
         log = {
-            **{key: [] for key in _STEP_KEYS},
+            **{key: [] for key in _report.STEP_KEYS},
             **{key: None for key in ("exact_energy", "final_energy", "relative_error")},
             "config": config_of(args),
             "info": None,
@@ -304,18 +243,6 @@ def mark_log(args, status: str, error: str | None) -> str | None:
     except _output.OutputError as failure:
         return str(failure)
     return f"{path} keeps the {len(log['energy_mean'])} steps run"
-
-
-def _keep(kept: dict) -> str | None:
-    """On a second Ctrl-C: the log as it stands, with the status "interrupted"."""
-    recorder = kept.get("recorder")
-    if recorder is None or not recorder.main:
-        return None
-    recorder.finish("interrupted")
-    recorder.write()
-    if recorder.log_error is not None:
-        return str(recorder.log_error)
-    return f"kept {recorder.out / 'log.json'} ({len(recorder.records)} steps)"
 
 
 def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) -> int:
@@ -384,7 +311,7 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
     out = Path(args.out)
     if main:
         _output.remove_stale_temporaries(out, FILES)
-    recorder = _Recorder(
+    recorder = _report.Recorder(
         out,
         config_of(args),
         info,
@@ -404,15 +331,15 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
         if not (interrupts.requested or recorder.failed):  # Ctrl-C (or a full disk) during the set-up
             driver.run(
                 args.steps - len(recorder.records),
-                callback=[recorder, _after_step(recorder)],
+                callback=[recorder, _report.after_step(recorder)],
                 show_progress=False,
             )
             status = "finished"
-    except _StopRequested:
+    except _report.StopRequested:
         if recorder.time_up:
             status = "time limit"
     except Exception as error:  # not an interrupt: the log says what failed
-        status, recorder.error = "failed", _describe(error)
+        status, recorder.error = "failed", _report.describe(error)
         raise
     finally:
         recorder.close("failed" if recorder.failed else status)
@@ -433,7 +360,7 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
         print(
             f"final energy {recorder.final_energy:.6f} ± {recorder.final_energy_error:.6f}, variance "
             f"{recorder.final_variance:.6f} (means of the last {recorder.n_final} steps), "
-            + _v_score_text(recorder)
+            + _report.v_score_text(recorder)
         )
     if recorder.failed:
         raise _output.OutputError(recorder.failure())
@@ -573,264 +500,7 @@ def _print_header(args, info: dict, exact: float | None, exact_source: str | Non
     sys.stdout.flush()
 
 
-def _v_score_text(recorder) -> str:
-    """``V-score ...`` for the final line, or why there is none."""
-    if recorder.v_score is None:
-        return "V-score unknown (Tr H / dim unknown)"
-    return f"V-score {recorder.v_score:.3e} (N Var E / (E - E_inf)^2, E_inf {recorder.e_infinity:.6f})"
-
-
-class _StopRequested(Exception):
-    """Raised by the driver callback after a step when Ctrl-C asked the run to stop."""
-
-
 def _version() -> str:
     from .. import __version__
 
     return __version__
-
-
-class _Recorder:
-    """NetKet driver callback: keeps the per-step statistics, rewrites the log, updates bar and plot.
-
-    A file that cannot be written (full disk, ...) stops the run after the step, on every process;
-    the error is kept (:attr:`log_error`, :attr:`plot_error`) and reported by :meth:`failure`.
-    """
-
-    def __init__(
-        self,
-        out: Path,
-        config: dict,
-        info: dict,
-        exact: float | None,
-        steps: int,
-        interrupts: _interrupt.Interrupts,
-        *,
-        main: bool = True,
-        driver=None,
-        checkpoint_every: int = CHECKPOINT_EVERY,
-        records: list[tuple] = (),
-        deadline: float | None = None,
-    ):
-        self.out, self.config, self.info, self.exact = out, config, info, exact
-        self.interrupts = interrupts
-        self.main = main  # False on processes other than 0: no files, no progress bar
-        self.driver, self.checkpoint_every, self.steps = driver, checkpoint_every, steps
-        # One tuple per completed step (mean, error, variance, acceptance, seconds), appended at once,
-        # so that an interrupt never leaves the lists of different lengths; a resumed run starts with
-        # those of its checkpoint.
-        self.records: list[tuple] = list(records)
-        self.n_checkpoint = len(self.records)  # the step of the last checkpoint written (or resumed)
-        self.checkpoint_error: _output.OutputError | None = None
-        self.deadline = deadline  # time.perf_counter() after which the run stops (--minutes)
-        self.time_up = False
-        self.status = "running"
-        self.error: str | None = None  # an unexpected exception, as "TypeName: message"
-        self.final_energy = self.relative_error = None
-        self.final_energy_error = self.final_variance = self.v_score = None
-        e_inf = (info or {}).get("infinite_temperature_energy") or {}
-        self.e_infinity = e_inf.get("value")  # Tr H / dim, when the V-score is reported
-        self.n_final = 0
-        self.n_logged = 0  # steps in the last log.json that was written
-        self.log_error: _output.OutputError | None = None
-        self.plot_error: _output.OutputError | None = None
-        self.bar = _progress_bar(steps, disable=not main, initial=len(self.records))
-        self.t_last = time.perf_counter()
-        self.t_plot = self.t_last
-
-    @property
-    def failed(self) -> bool:
-        return self.log_error is not None or self.plot_error is not None or self.checkpoint_error is not None
-
-    def failure(self) -> str:
-        """One line: what could not be written, why, and what the log keeps."""
-        log = self.out / "log.json"
-        if self.log_error is not None:
-            return f"{self.log_error}; run stopped, {log} keeps the {self.n_logged} steps written before"
-        if self.checkpoint_error is not None:
-            return (
-                f"{self.checkpoint_error}; run stopped, {self.out / _checkpoint.CHECKPOINT} keeps step "
-                f"{self.n_checkpoint} and {log} the {self.n_logged} steps written before"
-            )
-        stopped = "" if self.status == "finished" else "run stopped, "
-        return f"{self.plot_error}; {stopped}{log} has all {self.n_logged} steps run"
-
-    def __call__(self, step, log_data, driver) -> bool:
-        import numpy as np
-
-        stats = log_data["Energy"]
-        acceptance = getattr(driver.state.sampler_state, "acceptance", None)
-        now = time.perf_counter()
-        record = (
-            float(np.real(stats.mean)),
-            float(stats.error_of_mean),
-            float(stats.variance),
-            None if acceptance is None else float(acceptance),
-            now - self.t_last,
-            int(log_data.get("n_samples", driver.state.n_samples)),  # the N this step sampled
-        )
-        self.records.append(record)
-        self.write()
-        mean, error, variance, acc, dt, _ = record
-        acc_s = "-" if acc is None else f"{acc:.0%}"
-        self.bar.set_description_str(
-            f"E = {mean:.5f} ± {error:.5f}, var {variance:.4f}, acc {acc_s}, {dt * 1e3:.0f} ms/step",
-            refresh=False,
-        )
-        self.bar.update(1)
-        if time.perf_counter() - self.t_plot > _PLOT_EVERY_S:
-            self.plot()
-        return True
-
-    def after_step(self) -> None:
-        """After the step's parameter update (NetKet's ``on_step_end``): the checkpoint every
-        ``checkpoint_every`` steps, at the last step and when any process stops the run; then the stop.
-        """
-        n = len(self.records)
-        if n % self.checkpoint_every == 0 or n == self.steps:
-            self.checkpoint()
-        stop, failed = self._stop_everywhere()  # the same decisions on every process
-        if stop:
-            if self.n_checkpoint != n and not failed:  # (a full disk: the last checkpoint stays)
-                self.checkpoint()  # the state of the last step run, for --resume
-            raise _StopRequested
-        self.t_last = time.perf_counter()  # the plot and the checkpoint are not counted in the next step
-
-    def checkpoint(self) -> None:
-        """Writes the checkpoint of the steps completed (collective: every process takes the snapshot,
-        process 0 writes it); a failure is kept, not raised, and the previous checkpoint stays whole."""
-        if self.driver is None:
-            return
-        n = len(self.records)
-        snap = _checkpoint.snapshot(
-            self.driver,
-            step=n,
-            records=self.records,
-            config=self.config,
-            info=self.info,
-            extra=_checkpoint.driver_state(self.driver),
-        )
-        if not self.main:
-            self.n_checkpoint = n
-            return
-        if self.checkpoint_error is not None:
-            return
-        try:
-            _checkpoint.write(self.out, snap)
-        except _output.OutputError as error:
-            self.checkpoint_error = error
-        else:
-            self.n_checkpoint = n
-
-    def _stop_everywhere(self) -> tuple[bool, bool]:
-        """Whether any process was asked to stop (all processes must leave after the same step), and
-        whether a file could not be written on any."""
-        import jax
-
-        time_up = self.deadline is not None and time.perf_counter() > self.deadline
-        flags = (self.interrupts.requested or self.failed or time_up, self.failed, time_up)
-        if jax.process_count() > 1:
-            import numpy as np
-            from jax.experimental import multihost_utils
-
-            gathered = multihost_utils.process_allgather(np.array(flags, dtype=np.int32))
-            flags = tuple(bool(np.any(gathered[..., i])) for i in range(3))
-        self.time_up = flags[2] and not flags[1] and not self.interrupts.requested
-        return flags[0], flags[1]
-
-    def log(self) -> dict:
-        columns = list(zip(*self.records)) if self.records else [()] * len(_STEP_KEYS)
-        return {
-            **{key: list(column) for key, column in zip(_STEP_KEYS, columns)},
-            "exact_energy": self.exact,
-            "final_energy": self.final_energy,
-            "relative_error": self.relative_error,
-            "final_energy_error": self.final_energy_error,
-            "final_variance": self.final_variance,
-            "v_score": self.v_score,
-            "status": self.status,
-            "error": self.error,
-            "config": self.config,
-            "info": self.info,
-        }
-
-    def write(self) -> None:
-        """Rewrites ``log.json`` (strict JSON, atomically); a failure is kept, not raised."""
-        if not self.main or self.log_error is not None:
-            return
-        log = self.log()
-        try:
-            _output.write_json_atomic(self.out / "log.json", log)
-        except _output.OutputError as error:
-            self.log_error = error
-        else:
-            self.n_logged = len(log["energy_mean"])
-
-    def plot(self) -> None:
-        """Redraws ``energy.png`` (atomically); a failure is kept, not raised."""
-        if not self.main or self.plot_error is not None:
-            return
-        try:
-            _output.plot_energy(self.log(), self.out / "energy.png")
-        except _output.OutputError as error:
-            self.plot_error = error
-        self.t_plot = time.perf_counter()
-
-    def finish(self, status: str) -> None:
-        """The status, and over the last tenth of the steps: the mean energy, its error (the steps'
-        errors combined as independent), the mean variance, and the relative error to the exact energy
-        or, without one, the V-score."""
-        self.status = status
-        records = list(self.records)
-        if records:
-            self.n_final = n = max(1, len(records) // 10)
-            last = records[-n:]
-            self.final_energy = sum(r[0] for r in last) / n
-            self.final_energy_error = math.sqrt(sum(r[1] ** 2 for r in last)) / n
-            self.final_variance = sum(r[2] for r in last) / n
-            if self.exact is not None:
-                self.relative_error = abs(self.final_energy - self.exact) / abs(self.exact)
-            elif self.e_infinity is not None:
-                self.v_score = _systems.v_score(
-                    self.info["n_sites"], self.final_energy, self.final_variance, self.e_infinity
-                )
-
-    def close(self, status: str) -> None:
-        """Final figures and files."""
-        self.bar.close()
-        self.finish(status)
-        self.write()
-        self.plot()
-
-
-def _after_step(recorder: _Recorder):
-    """A NetKet callback calling ``recorder.after_step()`` once a step's parameters are updated (a
-    legacy callback, such as the recorder itself, runs before the update)."""
-    import netket as nk
-    from netket.utils import struct
-
-    class AfterStep(nk.callbacks.AbstractCallback, mutable=True):
-        _recorder: _Recorder = struct.field(pytree_node=False, serialize=False)
-
-        def __init__(self, recorder):
-            self._recorder = recorder
-
-        def on_step_end(self, step, log_data, driver):
-            self._recorder.after_step()
-
-    return AfterStep(recorder)
-
-
-def _progress_bar(steps: int, disable: bool = False, initial: int = 0):
-    from tqdm.auto import tqdm
-
-    return tqdm(
-        total=steps,
-        initial=initial,
-        unit="step",
-        file=sys.stderr,
-        mininterval=0.2,
-        dynamic_ncols=True,
-        bar_format="step {n_fmt}/{total_fmt} |{bar:12}| {desc} [{elapsed}<{remaining}]",
-        disable=disable,
-    )
