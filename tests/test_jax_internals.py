@@ -11,7 +11,7 @@ import jax
 import pytest
 
 from vmcgrad import _jax_private
-from vmcgrad._checks import row_coupling, row_rules
+from vmcgrad._checks import holomorphy, row_rules
 
 PACKAGE = pathlib.Path(_jax_private.__file__).parent
 PRIVATE = PACKAGE / "_jax_private.py"
@@ -96,7 +96,7 @@ def test_the_table_walk_sees_a_stray_import(tmp_path):
 
 
 def test_every_primitive_name_of_the_analyses_exists_in_jax():
-    names = row_coupling.primitive_names()
+    names = holomorphy.primitive_names()
     assert len(names) > 100  # the tables are read (136 names on jax 0.10.2)
     assert _jax_private.missing_primitives(names) == []
 
@@ -104,5 +104,5 @@ def test_every_primitive_name_of_the_analyses_exists_in_jax():
 def test_a_primitive_name_jax_lacks_is_reported(monkeypatch):
     monkeypatch.setitem(row_rules.RULES, "no_such_primitive_in_jax", lambda e, i: None)
     monkeypatch.setattr(row_rules, "ELEMENTWISE", row_rules.ELEMENTWISE | {"cos_renamed"})
-    missing = _jax_private.missing_primitives(row_coupling.primitive_names())
+    missing = _jax_private.missing_primitives(holomorphy.primitive_names())
     assert missing == ["cos_renamed", "no_such_primitive_in_jax"]

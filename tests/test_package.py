@@ -339,7 +339,6 @@ def test_pytest_turns_an_unasserted_vmcgrad_warning_into_an_error():
         warnings.warn("an asserted notice", vmcgrad.VmcgradWarning, stacklevel=1)
 
 
-
 @pytest.mark.skipif(jax.device_count() == 1, reason="the notice exists only with several devices")
 def test_a_notice_from_deep_in_the_package_points_at_the_users_line():
     """A vmcgrad warning names the user's file and line, however deep in the package's folders it is
@@ -357,6 +356,7 @@ def test_a_notice_from_deep_in_the_package_points_at_the_users_line():
     with pytest.warns(vmcgrad.VmcgradWarning, match="no sharding visible in their type") as record:
         f(w, x, ct)
     assert [(Path(r.filename).name, r.lineno) for r in record] == [(Path(__file__).name, line)]
+
 
 # --- the README's test command --------------------------------------------------------------------
 

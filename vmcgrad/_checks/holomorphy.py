@@ -119,3 +119,17 @@ def _linear_eqn(eqn: Any, ins: list) -> list:
     ):
         return ["a complex-to-real `convert_element_type`"] * n_out
     return [True] * n_out
+
+
+def primitive_names() -> frozenset[str]:
+    """Every primitive name the two analyses (row coupling's rule tables and this module's) match by
+    string, as the tables are now; the
+    tests check each against the installed JAX (:func:`vmcgrad._jax_private.missing_primitives`)."""
+    from vmcgrad._checks import row_rules as rules
+
+    return frozenset(
+        rules.ELEMENTWISE
+        | rules.RULES.keys()
+        | NOT_C_LINEAR
+        | {"scan", "while", "cond", "convert_element_type"}
+    )

@@ -349,16 +349,3 @@ def numerical_row_coupling(
         f"changes by {float(dev.max()) / max(scale, np.finfo(full.dtype).tiny):.1%} of the largest "
         f"row's when the other rows are replaced by copies of sample {j}"
     )
-
-
-def primitive_names() -> frozenset[str]:
-    """Every primitive name the two analyses match by string (their tables as they are now); the
-    tests check each against the installed JAX (:func:`vmcgrad._jax_private.missing_primitives`)."""
-    from vmcgrad._checks.holomorphy import NOT_C_LINEAR
-
-    return frozenset(
-        rules.ELEMENTWISE
-        | rules.RULES.keys()
-        | NOT_C_LINEAR
-        | {"scan", "while", "cond", "convert_element_type"}
-    )

@@ -259,8 +259,6 @@ def check_same_devices(where: str, name: str, x: Any, axis: Any) -> None:
             )
 
 
-
-
 def warn_if_sharding_unseen(where: str, samples: Any) -> None:
     """Warns (once per call site) when traced samples may be sharded in a way vmcgrad cannot see.
 
