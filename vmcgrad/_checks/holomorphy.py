@@ -123,8 +123,8 @@ def _linear_eqn(eqn: Any, ins: list) -> list:
 
 def primitive_names() -> frozenset[str]:
     """Every primitive name the two analyses (row coupling's rule tables and this module's) match by
-    string, as the tables are now; the
-    tests check each against the installed JAX (:func:`vmcgrad._jax_private.missing_primitives`)."""
+    string, as the tables are now; the tests check each against the installed JAX
+    (:func:`vmcgrad._jax_private.missing_primitives`)."""
     from vmcgrad._checks import row_rules as rules
 
     return frozenset(
