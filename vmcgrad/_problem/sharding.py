@@ -188,22 +188,17 @@ def specs(tree: Any, layout: tuple[int | None, ...], where: SampleAxis) -> Any:
 
 
 def gather(tree: Any, layout: tuple[int | None, ...], where: SampleAxis | None) -> Any:
-    """Inside ``shard_map``, before the loop: all-gather split leaves once; cast the rest varying.
+    """Inside ``shard_map``, before the loop: all-gather split leaves once; the others as they are.
 
     The runner runs the body untyped (``shard_map(..., check_vma=False)``), where JAX inserts no
-    implicit "invariant -> varying" cast, so no all-reduce in the pullback: that, not this cast, is
-    what keeps the reduction out of the loop, and here ``pcast(..., to='varying')`` changes nothing
-    (the compiled program is the same with and without it). It is kept for a typed body
-    (``check_vma=True``), where the cast before the loop is what moves the transpose's all-reduce
-    out of it (netket#2228).
+    implicit "invariant -> varying" cast on a replicated leaf, hence no all-reduce in its pullback:
+    replicated leaves need no cast here (:mod:`vmcgrad._runner`, "Typing of the body").
     """
     if where is None:
         return tree
     leaves, treedef = jax.tree.flatten(tree)
     out = [
-        jax.lax.pcast(x, where.axis, to="varying")
-        if d is None
-        else jax.lax.all_gather(x, where.axis, axis=d, tiled=True)
+        x if d is None else jax.lax.all_gather(x, where.axis, axis=d, tiled=True)
         for x, d in zip(leaves, layout)
     ]
     return jax.tree.unflatten(treedef, out)

@@ -5,12 +5,12 @@ estimator:
 
 1. pads the sample-shaped arguments to a multiple of the device count (copies of the last row);
 2. runs the loop inside ``jax.shard_map`` over the sample axis (or directly, on one device), after
-   all-gathering parameter-sharded leaves once and casting replicated ones to device-varying;
+   all-gathering parameter-sharded leaves once;
 3. hands it a :class:`~vmcgrad._chunks.plan.Chunks` — the chunk plan of this device's rows and
    the row weights rule (:mod:`vmcgrad._chunks.plan`);
-4. reduces the result once after the loop (``psum``, or ``psum_scatter`` for split leaves),
-   or returns it split over the devices (cut to N rows for per-sample outputs; one slot per chunk
-   for per-chunk outputs).
+4. reduces the summed outputs once after the loop (``psum``, or ``psum_scatter`` for split leaves),
+   and returns the per-sample outputs split over the devices (cut to N rows) and the per-chunk
+   outputs one slot per chunk.
 
 A feature added here (a layout, a precision rule, a placement) holds for every estimator.
 
@@ -18,9 +18,11 @@ A feature added here (a layout, a precision rule, a placement) holds for every e
 which mesh axes they vary over. Models that branch on data (``lax.cond`` in equinox's runtime checks,
 e.g. NetKet's ``LogStateVector``) otherwise fail with "cond branches must have equal output types"
 when one branch returns a constant (not varying) and the other a sample-dependent value. Without the
-typing JAX also inserts no implicit reduction when a replicated parameter is differentiated, which is
-what the one reduction after the loop needs (the explicit ``pcast`` in
-:func:`vmcgrad._problem.sharding.gather` is kept for the typed case).
+typing JAX also inserts no implicit "invariant -> varying" cast on a replicated parameter, hence no
+all-reduce in its pullback: that is what keeps the reduction out of the loop and lets the one
+reduction after it be the only one. (A typed body would need an explicit
+``jax.lax.pcast(p, axis, to="varying")`` of the replicated leaves before the loop to move that
+all-reduce out of it; netket#2228.)
 """
 
 from __future__ import annotations
@@ -34,92 +36,79 @@ from jax.sharding import PartitionSpec as P
 from vmcgrad._chunks.plan import Chunks, Space, plan_chunks
 from vmcgrad._problem.sharding import gather, pad_to_devices, reduce, specs, unsplit_explicit
 
-#: Placements: one row per sample (padded, split, cut back to N on the way out); replicated; and
-#: one slot per chunk (every device's chunks along axis 0, in device order: split like the devices,
-#: never padded, gathered, reduced or cut; how kept linearisations travel, see vmcgrad._runner.primitive).
+#: Placements: one row per sample (padded, split, cut back to N on the way out); replicated (a
+#: placement of :func:`vmcgrad._runner.primitive.map_reduce_problem`'s arguments, which passes it here as a
+#: layout of no split leaves); and one slot per chunk (every device's chunks along axis 0, in device
+#: order: split like the devices, never padded, gathered, reduced or cut; how kept linearisations
+#: travel, see vmcgrad._runner.primitive).
 SAMPLES, REPLICATED, CHUNKS = "samples", "replicated", "chunks"
 
 
-def run_on(space: Space, body: Any, *args: tuple[Any, Any], out: Any) -> Any:
-    """Runs ``body(chunks, *values) -> result`` on every device's rows and reduces its result once.
+def run_on(space: Space, body: Any, *args: tuple[Any, Any], out: tuple) -> tuple:
+    """Runs ``body(chunks, *values) -> results`` on every device's rows and reduces the sums once.
 
     Args:
         space: the rows and how each device walks them.
-        body: this device's pass; ``chunks`` is its :class:`~vmcgrad._chunks.plan.Chunks`.
+        body: this device's pass; ``chunks`` is its :class:`~vmcgrad._chunks.plan.Chunks`. It returns a
+            tuple, one element per entry of ``out``.
         *args: ``(value, placement)`` pairs: placement :data:`SAMPLES` (one row per sample, padded
             and split like the samples), :data:`CHUNKS` (one slot per chunk, split into equal
-            blocks along axis 0), :data:`REPLICATED`, or a layout tuple (one entry per leaf: the
-            split dimension or None; split leaves are all-gathered before the loop).
-        out: how the result leaves the devices: a :class:`Laid` (reduce-scatter split leaves, psum
-            the rest), :data:`REPLICATED` (psum everything), :data:`SAMPLES` (no reduction: a
-            per-row result, split like the samples and cut to the N real rows) or :data:`CHUNKS`
-            (no reduction: each device's slots, concatenated along axis 0); or a tuple of these for
-            a tuple result, one per element.
+            blocks along axis 0), or a layout tuple (one entry per leaf: the split dimension or
+            None; split leaves are all-gathered before the loop, the others are replicated).
+        out: how each element of the result leaves the devices: a :class:`Laid` (reduce-scatter
+            split leaves, psum the rest), :data:`SAMPLES` (no reduction: a per-row result, split
+            like the samples and cut to the N real rows) or :data:`CHUNKS` (no reduction: each
+            device's slots, concatenated along axis 0).
 
     Returns:
-        The reduced result (or the per-sample / per-chunk one), outside ``shard_map``.
+        The tuple of results, reduced (or per sample / per chunk), outside ``shard_map``.
     """
     where = space.where
     kinds = [k for _, k in args]
     values = [pad_to_devices(v, where) if k == SAMPLES and jax.tree.leaves(v) else v for v, k in args]
-    multi = type(out) is tuple
-    outs = out if multi else (out,)
 
     def local(*values):
         values = [_enter(v, k, where) for v, k in zip(values, kinds)]
         first = 0 if where is None else jax.lax.axis_index(where.axis) * space.n_local
         devices = 1 if where is None else where.size
         chunks = Chunks(plan_chunks(space.n_local, space.chunk_size), first, space.n, devices)
-        result = body(chunks, *values)
-        results = tuple(_leave(r, o, where) for r, o in zip(result if multi else (result,), outs))
-        return results if multi else results[0]
+        return tuple(_leave(r, o, where) for r, o in zip(body(chunks, *values), out))
 
     if where is None:
         result = local(*values)
     else:
         in_specs = tuple(_spec(v, k, where) for v, k in zip(values, kinds))
-        out_specs = tuple(_out_spec(o, where) for o in outs)
+        out_specs = tuple(_out_spec(o, where) for o in out)
         mapped = jax.shard_map(
-            local,
-            mesh=where.mesh,
-            in_specs=in_specs,
-            out_specs=out_specs if multi else out_specs[0],
-            check_vma=False,
+            local, mesh=where.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
         )
         if AxisType.Explicit in where.mesh.axis_types:
             # Explicit axes: shard_map takes inputs typed as its in_specs (replicated samples under an
             # Explicit mesh, or samples just padded to the device count): reshard them.
             values = tuple(_reshard(v, s, where.mesh) for v, s in zip(values, in_specs))
         result = mapped(*values)
-    results = tuple(
-        _cut(r, space.n) if o == SAMPLES else r for r, o in zip(result if multi else (result,), outs)
-    )
-    return results if multi else results[0]
+    return tuple(_cut(r, space.n) if o == SAMPLES else r for r, o in zip(result, out))
+
+
+def _per_row(kind: Any) -> bool:
+    """Whether a placement is split along the sample axis as it is (:data:`SAMPLES`, :data:`CHUNKS`)."""
+    return isinstance(kind, str) and kind in (SAMPLES, CHUNKS)
 
 
 def _leave(result: Any, out: Any, where: Any) -> Any:
     """A body result leaving the devices: reduced once, or (per-sample, per-chunk) as it is."""
-    if isinstance(out, str) and out in (SAMPLES, CHUNKS):
+    if _per_row(out) or not jax.tree.leaves(result):
         return result
-    if not jax.tree.leaves(result):
-        return result
-    return reduce(result, None if out == REPLICATED else out.layout, where)
+    return reduce(result, out.layout, where)
 
 
 def _enter(value: Any, kind: Any, where: Any) -> Any:
-    """An extra argument inside the body: split ones as they are, others gathered / cast varying."""
-    if isinstance(kind, str) and kind in (SAMPLES, CHUNKS):
-        return value
-    layout = (None,) * len(jax.tree.leaves(value)) if kind == REPLICATED else kind
-    return gather(value, layout, where)
+    """An argument inside the body: split ones as they are, parameter-sharded leaves gathered."""
+    return value if _per_row(kind) else gather(value, kind, where)
 
 
 def _spec(value: Any, kind: Any, where: Any) -> Any:
-    if isinstance(kind, str) and kind in (SAMPLES, CHUNKS):
-        return P(where.axis)
-    if kind == REPLICATED:
-        return P()
-    return specs(value, kind, where)
+    return P(where.axis) if _per_row(kind) else specs(value, kind, where)
 
 
 class Laid(NamedTuple):
@@ -131,11 +120,7 @@ class Laid(NamedTuple):
 
 
 def _out_spec(out: Any, where: Any) -> Any:
-    if isinstance(out, str) and out in (SAMPLES, CHUNKS):
-        return P(where.axis)
-    if out == REPLICATED:
-        return P()
-    return specs(out.like, out.layout, where)
+    return P(where.axis) if _per_row(out) else specs(out.like, out.layout, where)
 
 
 def _reshard(tree: Any, spec: Any, mesh: Any) -> Any:
