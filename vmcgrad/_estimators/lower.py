@@ -1,7 +1,10 @@
 """``vmcgrad.lower``: the program an eager estimator call would run, lowered and not run.
 
-Apart from :mod:`vmcgrad._problem.problem` (whose :func:`~vmcgrad._problem.problem.call` reads the flag
-set here) because it names the estimators, which are built on that module: no import cycle.
+:func:`lower` sets :data:`vmcgrad._problem.problem.LOWERING` and calls the estimator: the
+estimator's :func:`~vmcgrad._problem.problem.call` then returns the lowered program instead of
+running it. It is a module of its own, not part of :mod:`vmcgrad._problem.problem`, because it
+imports the estimators (:mod:`vmcgrad._estimators.vjp`, :mod:`vmcgrad._estimators.jvp`,
+:mod:`vmcgrad._estimators.grad`), which import :mod:`vmcgrad._problem.problem`.
 """
 
 from __future__ import annotations

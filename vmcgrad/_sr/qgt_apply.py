@@ -4,9 +4,13 @@ the compiled product :math:`S_\text{eff} v` and the compiled conjugate-gradient 
 
 An operator passed here is a :class:`vmcgrad._sr.qgt_abstract.AbstractQGT`: it provides ``problem``,
 ``views`` (the vectors it takes), the shifts, ``_at(prob)`` (itself at the chunk of ``prob``) and
-``_apply_rep(v)`` (the product on vectors in its internal representation). A module of its own,
-below the operators, so that the base class and both operators import it and nothing imports back
-(no import cycle).
+``_apply_rep(v)`` (the product on vectors in its internal representation).
+
+The programs are written once for both operator classes, as module-level jitted functions that
+take the operator as a pytree argument (its problem static), so that more than the classes' methods
+can call them: :func:`vmcgrad.QGT` sizes :func:`matmul_program` for each candidate design when it
+picks the design from the memory budget (:mod:`vmcgrad._sr.qgt`), and the tests lower it to read its
+compiled bytes.
 """
 
 from __future__ import annotations
