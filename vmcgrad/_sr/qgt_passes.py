@@ -11,11 +11,16 @@ covered).
 
 - :func:`mean_chunk`: :math:`\sum_i w_i O_i` (real and imaginary parts by two pullbacks of one
   linearisation when the output is complex and :math:`\tilde\theta` real).
-- :func:`product_chunk`, the fused product: per chunk, one ``jax.linearize`` gives
-  :math:`\Delta w_i = w_i (O_i v - \bar O\cdot v)` and the transpose of the same linear map gives
-  :math:`\sum_i \overline{O_i}\, \Delta w_i` (for a real :math:`\tilde\theta`, JAX's transpose of a
-  real-to-complex map takes the real part, which is :math:`\mathrm{Re}\,O^\dagger w`). As
-  :math:`\sum_i w_i \Delta O_i = 0`, :math:`O^\dagger \Delta w = \Delta O^\dagger \Delta O v`.
+- :func:`product_chunk`, the fused product: per chunk, a jvp inside a vjp. The function whose vjp
+  is taken runs ``jax.jvp`` of the chunk's forward pass along :math:`v`; its primal output is the
+  vjp's output and its tangent, turned into :math:`\overline{\Delta w_i}` with
+  :math:`\Delta w_i = w_i (O_i v - \bar O\cdot v)`, the auxiliary cotangent (not differentiated).
+  The pullback with that cotangent gives :math:`\sum_i \overline{O_i}\, \Delta w_i`: one forward
+  pass per chunk, whose residuals serve the tangent and the transpose (for a real
+  :math:`\tilde\theta`, JAX's pullback of a real-to-complex map takes the real part, which is
+  :math:`\mathrm{Re}\,O^\dagger w`). As :math:`\sum_i w_i \Delta O_i = 0`,
+  :math:`O^\dagger \Delta w = \Delta O^\dagger \Delta O v`.
+- :func:`product_jvp_vjp_chunk`: the same sums by a jvp, then the pullback of a second forward pass.
 - :func:`jacobian_chunk`: per chunk, the chunk's rows of :math:`\Delta O` (one vmapped per-sample
   pullback) reduced to the diagonal :math:`\sum_i |\Delta O_{ik}|^2` or the full
   :math:`\Delta O^\dagger \Delta O` (for ``to_dense``).
@@ -118,12 +123,11 @@ def product_jvp_vjp_chunk(fun, params, x, w, obar, v, *, mode: str) -> tuple[Pul
     Two things keep XLA from merging the two forward passes back into the fused one (it does so
     across ``lax.optimization_barrier`` when XLA CPU's YNN fusion is on): the jvp runs inside a
     ``lax.cond`` (on whether the chunk has a counted row), a computation of its own, and the second
-    pass reads the samples through a zero that the cond returns with :math:`\Delta w` (``x + 0·Σw``). The
-    chunk then holds about what NetKet's jvp pass holds (RBM, float64, CPU, whole program: 3.09
-    chunk × L arrays with XLA's default flags and 3.07 with the YNN fusion off, against the fused
-    design's 6.0 and 4.1, and NetKet's 3.2; either of the two alone leaves 4.1 or 5.0), at the price of
-    a second forward pass. :class:`~vmcgrad.QGTOperator` takes it where the memory
-    budget makes it the faster choice (``design="jvp_vjp"``).
+    pass reads the samples through a zero that the cond returns with :math:`\Delta w`
+    (``x + 0·Σw``). The chunk then holds about what NetKet's jvp pass holds, less than the fused
+    design's chunk (compiled bytes: ``benchmarks/qgt_design_bytes.py``), at the price of a second
+    forward pass. :class:`~vmcgrad.QGTOperator` takes it where the memory budget makes it the faster
+    choice (``design="jvp_vjp"``).
     """
     g, theta = _on_rep(fun, params, mode)
     real = jnp.finfo(_dtype(obar)).dtype
