@@ -52,13 +52,12 @@ DESIGNS = {"fused": product_chunk, "jvp_vjp": product_jvp_vjp_chunk}
 #: jvp-then-vjp design runs the forward twice).
 PASSES = {"fused": 3, "jvp_vjp": 4}
 #: The fixed cost of one chunk of one pass, in rows of work, per platform: a loop step, its slices,
-#: its kernel launches and a matrix product too thin to run at full speed. CPU: measured, process CPU
-#: time of ``S @ v`` (RBM, L = 48, N = 8192, float64, one device, 9 interleaved calls): the fused
-#: product at chunk 16 took 1.28x its time at chunk 64 (about 7 rows per chunk), and chunks from 32
-#: to 1024 were within the noise of each other. Elsewhere (GPU, TPU): an estimate, not measured
-#: (about 50 us of loop step and launches per chunk against about 10 ns per row of a small model);
-#: ``benchmarks/device.sh`` measures the designs there. Only its order matters: it decides when a
-#: design whose chunk fits twice as large wins (:func:`choose_design`).
+#: its kernel launches and a matrix product too thin to run at full speed. CPU: from the fused
+#: product's time against its chunk size (``benchmarks/qgt_design_bytes.py --time-chunks``; figures
+#: in docs/performance.md). Elsewhere (GPU, TPU): an estimate of loop step and kernel launches per
+#: chunk against the time of one row of a small model, not measured (``benchmarks/device.sh``
+#: measures the designs there). Only its order matters: it decides when a design whose chunk fits
+#: twice as large wins (:func:`choose_design`).
 CHUNK_ROWS = {"cpu": 8}
 CHUNK_ROWS_ACCELERATOR = 4096
 

@@ -63,7 +63,7 @@ def add_parser(commands) -> None:
         default="heisenberg1d",
         metavar="SYSTEM",
         help=f"lattice model: {', '.join(_systems.SYSTEMS)}, or MODULE:FACTORY, a function in a module or "
-        ".py file that returns your own (docs/getting_started.md)",
+        ".py file that returns your own (docs/cli.md)",
     )
     p.add_argument(
         "--L",
