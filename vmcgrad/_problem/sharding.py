@@ -192,7 +192,7 @@ def gather(tree: Any, layout: tuple[int | None, ...], where: SampleAxis | None) 
 
     The runner runs the body untyped (``shard_map(..., check_vma=False)``), where JAX inserts no
     implicit "invariant -> varying" cast on a replicated leaf, hence no all-reduce in its pullback:
-    replicated leaves need no cast here (:mod:`vmcgrad._runner`, "Typing of the body").
+    replicated leaves need no cast here (:mod:`vmcgrad._runner.runner`, "Typing of the body").
     """
     if where is None:
         return tree
