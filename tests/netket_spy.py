@@ -70,7 +70,7 @@ def vmcgrad_passes():
     prim, passes = _chunked.chunked_p, []
 
     def bind(*args, **params):
-        passes.append(params.get("space"))
+        passes.append(params["params"].space)
         return type(prim).bind(prim, *args, **params)
 
     jax.clear_caches()  # every program the block runs is traced (and binds) inside it

@@ -44,7 +44,7 @@ def test_import_fails_with_vmcgrads_name_when_jax_lacks_one():
     assert run.returncode != 0
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith("vmcgrad._jax_private.PrivateJaxAPIError: vmcgrad: the installed jax"), last
-    assert "jax.new_ref (used by vmcgrad._runner.primitive" in last and _jax_private.SUPPORTED_JAX in last
+    assert "jax.new_ref (used by vmcgrad._runner.runner" in last and _jax_private.SUPPORTED_JAX in last
 
 
 def test_lazy_internal_checked_where_used(monkeypatch):

@@ -77,11 +77,9 @@ def test_expect_grad_keeps_the_infinite_components(chunk):
 
 def test_the_check_sees_nan_from_a_reread_row(monkeypatch):
     """Companion: with the stand-ins switched off, chunk 4 (rows 6-9 re-read 6, 7) gives NaN."""
-    from vmcgrad._runner import primitive as _chunked
+    from vmcgrad._runner import refs
 
-    monkeypatch.setattr(
-        _chunked, "_finite_stand_ins", lambda p, r, ps, chunks, k, w: chunks.take(k, *ps)[:-1]
-    )
+    monkeypatch.setattr(refs, "_finite_stand_ins", lambda p, r, ps, chunks, k, w: chunks.take(k, *ps)[:-1])
     jax.clear_caches()
     try:
         w, x, ct = case()

@@ -46,54 +46,58 @@ class Internal:
 
 
 _CHUNKED = "vmcgrad._runner.primitive (the chunked map-reduce primitive)"
+_RULES = "vmcgrad._runner.rules (the chunked primitive's transformation rules)"
+_BODY = "vmcgrad._runner.body (one chunk's jaxpr)"
+_REFS = "vmcgrad._runner.refs (sums written as pullbacks into refs)"
+_RUNNER = "vmcgrad._runner.runner (the per-device loop)"
 _CHECKS = "vmcgrad._checks (the row-coupling and holomorphy analyses of fun's jaxpr)"
 
 #: Every JAX internal vmcgrad relies on.
 INTERNALS: tuple[Internal, ...] = (
     Internal("jax.extend.core", "Primitive", _CHUNKED),
     Internal("jax.extend.core", "Primitive.def_effectful_abstract_eval", _CHUNKED),
-    Internal("jax.extend.core", "ClosedJaxpr", f"{_CHUNKED}; {_CHECKS}"),
+    Internal("jax.extend.core", "ClosedJaxpr", f"{_BODY}; {_REFS}; {_CHECKS}"),
     Internal("jax.extend.core", "Jaxpr", _CHECKS),
-    Internal("jax.extend.core", "JaxprEqn.replace", f"{_CHUNKED}: its jax.checkpoint partial-eval rule"),
+    Internal("jax.extend.core", "JaxprEqn.replace", f"{_RULES}: the jax.checkpoint partial-eval rule"),
     Internal("jax.extend.core", "Literal", _CHECKS),
-    Internal("jax.extend.core", "Var", _CHUNKED),
-    Internal("jax.extend.core", "jaxpr_as_fun", _CHUNKED),
-    Internal("jax.interpreters.ad", "primitive_jvps", _CHUNKED),
-    Internal("jax.interpreters.ad", "primitive_transposes", _CHUNKED),
-    Internal("jax.interpreters.ad", "Zero", _CHUNKED),
-    Internal("jax.interpreters.ad", "is_undefined_primal", _CHUNKED),
-    Internal("jax.interpreters.batching", "primitive_batchers", _CHUNKED),
+    Internal("jax.extend.core", "Var", _RULES),
+    Internal("jax.extend.core", "jaxpr_as_fun", f"{_BODY}; {_REFS}"),
+    Internal("jax.interpreters.ad", "primitive_jvps", _RULES),
+    Internal("jax.interpreters.ad", "primitive_transposes", _RULES),
+    Internal("jax.interpreters.ad", "Zero", _RULES),
+    Internal("jax.interpreters.ad", "is_undefined_primal", _RULES),
+    Internal("jax.interpreters.batching", "primitive_batchers", _RULES),
     Internal("jax.interpreters.mlir", "register_lowering", _CHUNKED),
     Internal("jax.interpreters.mlir", "lower_fun", _CHUNKED),
-    Internal("jax.interpreters.partial_eval", "custom_partial_eval_rules", _CHUNKED),
-    Internal("jax.interpreters.partial_eval", "partial_eval_jaxpr_custom_rules", _CHUNKED),
-    Internal("jax.interpreters.partial_eval", "JaxprTracer.pval", f"{_CHUNKED}: its partial-eval rule"),
-    Internal("jax.interpreters.partial_eval", "PartialVal.is_known", f"{_CHUNKED}: its partial-eval rule"),
-    Internal("jax.interpreters.partial_eval", "PartialVal.get_known", f"{_CHUNKED}: its partial-eval rule"),
+    Internal("jax.interpreters.partial_eval", "custom_partial_eval_rules", _RULES),
+    Internal("jax.interpreters.partial_eval", "partial_eval_jaxpr_custom_rules", _RULES),
+    Internal("jax.interpreters.partial_eval", "JaxprTracer.pval", f"{_RULES}: the partial-eval rule"),
+    Internal("jax.interpreters.partial_eval", "PartialVal.is_known", f"{_RULES}: the partial-eval rule"),
+    Internal("jax.interpreters.partial_eval", "PartialVal.get_known", f"{_RULES}: the partial-eval rule"),
     Internal(
         "jax._src.interpreters.partial_eval",
         "JaxprTrace.default_process_primitive",
-        f"{_CHUNKED}: its partial-eval rule",
+        f"{_RULES}: the partial-eval rule",
     ),
     Internal(
-        "jax._src.interpreters.partial_eval", "JaxprTrace.new_const", f"{_CHUNKED}: its partial-eval rule"
+        "jax._src.interpreters.partial_eval", "JaxprTrace.new_const", f"{_RULES}: the partial-eval rule"
     ),
     Internal(
         "jax._src.interpreters.partial_eval",
         "SaveableType",
-        f"{_CHUNKED}: a jax.checkpoint policy's answer, read by its type name",
+        f"{_RULES}: a jax.checkpoint policy's answer, read by its type name",
     ),
     Internal(
         "jax._src.interpreters.partial_eval",
         "Offloadable",
-        f"{_CHUNKED}: a jax.checkpoint policy's answer, read by its type name",
+        f"{_RULES}: a jax.checkpoint policy's answer, read by its type name",
     ),
     Internal("jax.core", "Tracer", "vmcgrad's input checks (is a value traced?)"),
-    Internal("jax.core", "ShapedArray", _CHUNKED),
-    Internal("jax.core", "eval_jaxpr", _CHUNKED),
-    Internal("jax", "new_ref", f"{_CHUNKED}: accumulators written by a pullback"),
-    Internal("jax.ref", "freeze", f"{_CHUNKED}: accumulators read back"),
-    Internal("jax._src.api", "VJP.with_refs", f"{_CHUNKED}: a chunk's pullback adds into refs"),
+    Internal("jax.core", "ShapedArray", f"{_CHUNKED}; {_RULES}"),
+    Internal("jax.core", "eval_jaxpr", f"{_BODY}; {_REFS}"),
+    Internal("jax", "new_ref", f"{_RUNNER}; {_REFS}: accumulators written by the loop and by pullbacks"),
+    Internal("jax.ref", "freeze", f"{_RUNNER}; {_REFS}: accumulators read back"),
+    Internal("jax._src.api", "VJP.with_refs", f"{_REFS}: a chunk's pullback adds into refs"),
     Internal("jax.custom_derivatives", "linear_call", "vmcgrad.netket._qgt (the QGT's iterative solves)"),
     Internal(
         "jax._src.xla_bridge",

@@ -30,11 +30,14 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from vmcgrad._chunks.plan import Chunks, Space, plan_chunks
+from vmcgrad._chunks.plan import Chunks, Space, acc_dtype, plan_chunks
 from vmcgrad._problem.sharding import gather, pad_to_devices, reduce, specs, unsplit_explicit
+from vmcgrad._runner.body import Body, Operands, Outputs
+from vmcgrad._runner.refs import PullbackJaxprs, pull_chunk
 
 #: Placements: one row per sample (padded, split, cut back to N on the way out); replicated (a
 #: placement of :func:`vmcgrad._runner.primitive.map_reduce_problem`'s arguments, which passes it here as a
@@ -142,3 +145,53 @@ def _cut(x: Any, n: int) -> Any:
         return a if a.shape[0] == n else unsplit_explicit(a)[:n]
 
     return jax.tree.map(cut, x)
+
+
+def device_pass(body: Body, pullback: PullbackJaxprs | None, ops: Operands, chunks: Chunks) -> Outputs:
+    """One device's pass: a ``while_loop`` over chunks; sums into ref accumulators, rows and
+    per-chunk slots into the carry.
+
+    A ``while_loop`` over an int32 counter, not a ``scan``: a scan's index array costs temp memory,
+    and the loop is never differentiated (the primitive's rules act instead). Rows of weight False
+    keep the buffer's earlier value (an earlier chunk's, or zeros for padded rows, which are cut).
+    Per-chunk operands are read at the chunk's index ``k`` on their leading axis, and chunk ``k``
+    writes slot ``k`` of each per-chunk output. Sums given as a pullback are written by
+    ``f_vjp.with_refs(*accumulators)`` (:func:`vmcgrad._runner.refs.pull_chunk`), every leaf a whole
+    ref (jax#32468, and a ref view under ``jit`` accumulates nothing); other sums by
+    ``acc[...] += part``.
+
+    Returns:
+        The sums (at the accumulation dtype), the per-sample outputs (``n_local`` rows) and the
+        per-chunk ones (one slot per chunk of this device).
+    """
+    avals = body.out_avals
+    accs = [jax.new_ref(jnp.zeros(a.shape, acc_dtype(a.dtype))) for a in avals.sums]
+    bufs = [jnp.zeros((chunks.plan.n, *a.shape[1:]), a.dtype) for a in avals.maps]
+    slots = [jnp.zeros((chunks.plan.count, *a.shape), a.dtype) for a in avals.slots]
+    size = chunks.plan.size
+    assert pullback is None or not ops.chunks, "the pullback form reads no per-chunk operands"
+
+    def step(carry):
+        k, bufs, slots = carry
+        *chunk, w = chunks.take(k, *ops.samples, dtype=jnp.bool_)
+        if pullback is None:
+            own = tuple(jax.lax.dynamic_index_in_dim(a, k, keepdims=False) for a in ops.chunks)
+            out = body(Operands(ops.rep, tuple(chunk), own), w)
+            for acc, part in zip(accs, out.sums):
+                acc[...] += part.astype(acc.dtype)
+        else:
+            out = pull_chunk(accs, pullback, ops.rep, chunk, ops.samples, chunks, k, w)
+        start = chunks.start(k)
+        new = []
+        for buf, rows in zip(bufs, out.maps):
+            old = jax.lax.dynamic_slice_in_dim(buf, start, size)
+            keep = w.reshape((size,) + (1,) * (rows.ndim - 1))
+            new.append(jax.lax.dynamic_update_slice_in_dim(buf, jnp.where(keep, rows, old), start, 0))
+        new_slots = [
+            jax.lax.dynamic_update_index_in_dim(slot, x.astype(slot.dtype), k, 0)
+            for slot, x in zip(slots, out.slots)
+        ]
+        return k + 1, new, new_slots
+
+    _, bufs, slots = jax.lax.while_loop(lambda c: c[0] < chunks.plan.count, step, (jnp.int32(0), bufs, slots))
+    return Outputs(tuple(jax.ref.freeze(a) for a in accs), tuple(bufs), tuple(slots))
