@@ -98,28 +98,19 @@ def _jvp_rule(primals, tangents, *, params: Params):
     moving_rep, moving_ps = _where(nz.rep), _where(nz.samples)
     n_rep, n_ps = body.n_in
 
+    def with_tangents(o: Operands, d: Operands) -> Operands:
+        """The tangent pass's operands: ``o``, then ``d`` where the tangent is nonzero, per group."""
+        return Operands(o.rep + _pick(d.rep, moving_rep), o.samples + _pick(d.samples, moving_ps), o.chunks)
+
     def jvp_of_body(o: Operands, w) -> tuple[Outputs, Outputs]:
         def h(rep, samples):
-            return body(
-                Operands(
-                    _put(o.rep[:n_rep], moving_rep, rep), _put(o.samples[:n_ps], moving_ps, samples), o.chunks
-                ),
-                w,
-            )
+            at = Operands(_put(o.rep[:n_rep], moving_rep, rep), _put(o.samples[:n_ps], moving_ps, samples))
+            return body(at._replace(chunks=o.chunks), w)
 
         primal = (_pick(o.rep, moving_rep), _pick(o.samples, moving_ps))
         return jax.jvp(h, primal, (o.rep[n_rep:], o.samples[n_ps:]))
 
-    # the tangent pass's operands: the primal ones, then the nonzero tangents, in each group
-    t_ops = Operands(
-        ops.rep + _pick(dots.rep, moving_rep), ops.samples + _pick(dots.samples, moving_ps), ops.chunks
-    )
-    avals = body.in_avals
-    avals = Operands(
-        avals.rep + _pick(avals.rep, moving_rep),
-        avals.samples + _pick(avals.samples, moving_ps),
-        avals.chunks,
-    )
+    t_ops, avals = with_tangents(ops, dots), with_tangents(body.in_avals, body.in_avals)
     tangent = Params(
         body=trace(lambda o, w: jvp_of_body(o, w)[1], avals, body.w_aval),
         rep_layout=params.rep_layout + _pick(params.rep_layout, moving_rep),
