@@ -202,3 +202,21 @@ def test_pullbacks_jax_cannot_write_through_refs_take_the_generic_body(fun):
     jax.clear_caches()
     gc.collect()
     assert ref() is None, "a failed probe kept the model's constants alive"
+
+
+def test_a_pullback_chunk_function_is_traced_once_per_bind():
+    """The pullback form, its generic body and the with_refs probe come from one trace of the chunk
+    function: the user's function is traced once at the chunk's shape (other traces, at other
+    shapes, are the input checks')."""
+    shapes = []
+
+    def fun(w, x):
+        shapes.append(x.shape)
+        return jnp.sum(jnp.tanh(x @ w), -1)
+
+    w = jnp.ones((5, 3)) / 4
+    x = jnp.linspace(-1, 1, 50).reshape(10, 5)
+    ct = jnp.linspace(-1, 1, 10)
+    forms = bound_pullbacks(lambda w: vmcgrad.batched_vjp(fun, w, x, ct, chunk_size=4), w)
+    assert forms and forms[0] is not None
+    assert shapes.count((4, 5)) == 1, shapes
