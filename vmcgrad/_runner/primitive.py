@@ -108,14 +108,16 @@ class Params:
         return dataclasses.replace(self, **changes)
 
 
-def bind(params: Params, ops: Operands) -> Outputs:
-    """Binds the primitive on ``ops`` (placed on the sample mesh first, :func:`_place`)."""
-    ops = _place(ops, params)
-    return params.body.outputs(chunked_p.bind(*ops.flat(), params=params))
+def bind(params: Params, ops: Operands, *, place: bool = True) -> Outputs:
+    """Binds the primitive on ``ops``: flattened here, outputs grouped here.
 
-
-def bind_flat(params: Params, ops: Operands) -> Outputs:
-    """Binds the primitive on ``ops`` as they are (a rule's operands, already placed)."""
+    Args:
+        params: the parameters; ``params.body`` reads ``ops``.
+        ops: the operands.
+        place: place them on the sample mesh first (:func:`_place`); False for the operands of an
+            equation being split, which were placed when it was bound.
+    """
+    ops = _place(ops, params) if place else ops
     return params.body.outputs(chunked_p.bind(*ops.flat(), params=params))
 
 

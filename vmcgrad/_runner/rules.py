@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from vmcgrad._jax_private import Var, ad, batching, pe
 from vmcgrad._runner.body import Operands, Outputs, trace
-from vmcgrad._runner.primitive import Params, bind, bind_flat, chunked_p
+from vmcgrad._runner.primitive import Params, bind, chunked_p
 
 
 def _pick(seq: Sequence, idx: Sequence[int]) -> tuple:
@@ -153,7 +153,7 @@ def _partial_eval_rule(trace, *tracers, params: Params):
     if split is None or not split.splits(ops.map(lambda t: not t.pval.is_known())):
         return trace.default_process_primitive(chunked_p, tracers, {"params": params})
     known = split.primal_operands(ops).map(lambda t: t.pval.get_known())
-    primal_out = bind_flat(split.primal, known).map(trace.new_const)
+    primal_out = bind(split.primal, known, place=False).map(trace.new_const)
     tangent_out = trace.default_process_primitive(chunked_p, tracers, {"params": split.tangent})
     return split.join(primal_out, split.tangent.body.outputs(tangent_out)).flat()
 
@@ -288,7 +288,7 @@ def _batch_rule(args, dims, *, params: Params):
     ops, dims = body.operands(args), body.operands(dims)
     if split is not None and all(d is None for d in split.primal_operands(dims).flat()):
         # Batched tangents only (jax.jacfwd, jax.hessian): the primal part stays unbatched.
-        primal_out = bind_flat(split.primal, split.primal_operands(ops))
+        primal_out = bind(split.primal, split.primal_operands(ops), place=False)
         t_out, t_dims = _batch_rule(args, dims.flat(), params=split.tangent)
         t_out, t_dims = split.tangent.body.outputs(t_out), split.tangent.body.outputs(t_dims)
         out = split.join(primal_out, t_out).flat()
