@@ -46,10 +46,12 @@ the primitive again, so every transformed estimator is again one chunked pass wi
   ``jax.checkpoint`` sees an ordinary effect-free equation.
 
 JAX never differentiates or batches the ``while_loop`` itself, only these rules act, so no
-collective can enter the loop. The rules use only ``jax.extend`` / ``jax.interpreters`` extension
-points (no ``jax._src``). A chunk function that closes over a traced value (an outer ``jit``
-argument, a ``vmap`` batch) has it hoisted into an explicit replicated operand, so that its tangent
-is not silently dropped. Bodies are traced with no context mesh: they run on one device's chunk.
+collective can enter the loop. The rules use ``jax.extend`` / ``jax.interpreters`` extension points
+and, for partial evaluation, a few ``jax._src`` internals, all read through
+:mod:`vmcgrad._jax_private` (one table, checked against the installed JAX at import). A chunk
+function that closes over a traced value (an outer ``jit`` argument, a ``vmap`` batch) has it
+hoisted into an explicit replicated operand, so that its tangent is not silently dropped. Bodies are
+traced with no context mesh: they run on one device's chunk.
 
 **Parameters.** The primitive has one parameter, ``params``, a frozen and hashable :class:`Params`:
 the chunk's :class:`~vmcgrad._runner.body.Body` (its jaxpr, with the operand and output counts per
