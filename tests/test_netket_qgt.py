@@ -12,6 +12,7 @@ the samples.
 
 import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -463,6 +464,39 @@ def test_qgt_throws_on_wrong_vectors(impl):
         S @ jnp.ones(vs.n_parameters + 1)
     with pytest.raises(ValueError):
         S @ jnp.ones((vs.n_parameters, 2))
+
+
+class _EmptyComplexLeaf(nn.Module):
+    """A real model with a complex parameter of size zero: 'complex' mode with D = P."""
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("w", normal(0.3), (x.shape[-1],), jnp.float64)
+        c = self.param("c", nn.initializers.zeros, (0,), jnp.complex128)
+        return jnp.log(jnp.cosh(x @ w)) + jnp.sum(c)
+
+
+def test_a_real_vector_of_both_lengths_is_the_representation():
+    """The one vector that two kinds fit with different answers (vmcgrad._sr.views.Views.guess): a
+    real vector of length D = P in 'complex' mode, whose flat reading is complex. It is the
+    representation, as in QGTJacobianDense: a real product, and a solve that jax.scipy's cg runs
+    (a complex product of its real vectors ends it). vmcgrad.QGT: test_qgt.py, the same name."""
+    vs = nk.vqs.MCState(
+        nk.sampler.MetropolisLocal(nk.hilbert.Spin(0.5, 4), n_chains=N_CHAINS),
+        _EmptyComplexLeaf(),
+        n_samples=16 * N_CHAINS,
+        seed=1,
+    )
+    S = vnk.QGTOnTheFly(vs, holomorphic=False, chunk_size=37, diag_shift=0.1)
+    dense = nkqgt.QGTJacobianDense(vs, holomorphic=False, diag_shift=0.1)
+    assert S.mode == "complex" and S.to_dense().shape == (vs.n_parameters, vs.n_parameters)
+    v = jnp.linspace(-1.0, 1.0, vs.n_parameters)
+    product = S @ v
+    assert product.dtype == jnp.float64
+    np.testing.assert_allclose(product, dense @ v, rtol=1e-10, atol=1e-12)
+    y = random_tree(vs, 2)
+    x, _ = S.solve(SOLVERS["cg"], y)
+    assert_tree_allclose(x, dense.solve(SOLVERS["cholesky"], y)[0], rtol=1e-8, atol=1e-10)
 
 
 def test_vmcgrad_errors_name_the_argument():

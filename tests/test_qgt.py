@@ -486,6 +486,32 @@ def test_replace_is_immutable_and_updates_shifts():
 # --- bad input ---------------------------------------------------------------------------------
 
 
+def test_a_real_vector_of_both_lengths_is_the_representation():
+    """The one vector that two kinds fit with different answers (vmcgrad._sr.views.Views.guess): in
+    'complex' mode with every complex leaf of size zero, D = P and the flat dtype is complex. A real
+    vector is the representation (a real product, solved as one); a complex one is flat. Through
+    vmcgrad.netket: test_netket_qgt.py, the same name."""
+
+    def fun(p, x):
+        return jnp.log(jnp.cosh(x @ p["w"])) + jnp.sum(p["c"])
+
+    params = {"w": jnp.linspace(-0.5, 0.5, 4), "c": jnp.zeros((0,), jnp.complex128)}
+    samples = jax.random.normal(jax.random.key(0), (N, 4))
+    ref = Dense(fun, params, samples, "complex")
+    S = vmcgrad.QGT(fun, params, samples, chunk_size=5, diag_shift=0.1)
+    assert S.mode == "complex" and S.dim == ravel_pytree(params)[0].size == 4
+    v = jnp.linspace(-1.0, 1.0, 4)
+    product = S @ v
+    assert product.dtype == jnp.float64
+    close(product, ref.matrix(diag_shift=0.1) @ v, jnp.float64)
+    x, _ = S.solve(product, tol=1e-13)
+    assert x.dtype == jnp.float64
+    close(x, v, jnp.float64, scale=100)
+    flat = S @ v.astype(jnp.complex128)
+    assert flat.dtype == jnp.complex128
+    close(flat, (ref.matrix(diag_shift=0.1) @ v).astype(jnp.complex128), jnp.float64)
+
+
 def test_bad_input_messages():
     fun, params, samples = make_case("c2c_nonholo", 10)
     rfun, rparams, rsamples = make_case("r2r", 10)

@@ -35,18 +35,20 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+#: The names of the modes (a QGT's, above; the NTK's sample-space SR takes the same names).
 MODES = ("real", "complex", "holomorphic")
 
 
-def _is_complex(x: Any) -> bool:
-    return jnp.issubdtype(x.dtype, jnp.complexfloating)
+def is_complex(x: Any) -> bool:
+    """Whether ``x`` (an array, a ``ShapeDtypeStruct``, a dtype or a Python number) is complex."""
+    return jnp.issubdtype(jnp.result_type(x), jnp.complexfloating)
 
 
 def choose_mode(where: str, params: Any, out: jax.ShapeDtypeStruct, mode: Any, holomorphic: Any) -> str:
     """NetKet's rule: real parameters -> 'real'; any complex one -> 'complex', or 'holomorphic'."""
     leaves = jax.tree.leaves(params)
-    any_complex = any(_is_complex(p) for p in leaves)
-    all_complex = all(_is_complex(p) for p in leaves)
+    any_complex = any(is_complex(p) for p in leaves)
+    all_complex = all(is_complex(p) for p in leaves)
     if mode is not None and holomorphic is not None:
         raise ValueError(
             f"{where}: pass `mode` or `holomorphic`, not both; got mode={mode!r}, "
@@ -76,7 +78,7 @@ def choose_mode(where: str, params: Any, out: jax.ShapeDtypeStruct, mode: Any, h
             "complex; some are real, so the function cannot be holomorphic in them. Fix: use "
             "mode='complex' (or mode=None)."
         )
-    if mode == "holomorphic" and not _is_complex(out):
+    if mode == "holomorphic" and not is_complex(out):
         raise ValueError(
             f"{where}: mode='holomorphic' needs a complex output, but `logpsi` returns {out.dtype}: a "
             "real-valued function of complex parameters is not holomorphic. Fix: use mode='complex'."
@@ -154,8 +156,8 @@ def to_rep(mode: str, tree: Any) -> Any:
     """The representation :math:`\\tilde v` of a parameter-shaped pytree ``tree``."""
     if mode != "complex":
         return tree
-    re = jax.tree.map(lambda x: jnp.real(x) if _is_complex(x) else x, tree)
-    im = jax.tree.map(lambda x: jnp.imag(x) if _is_complex(x) else None, tree)
+    re = jax.tree.map(lambda x: jnp.real(x) if is_complex(x) else x, tree)
+    im = jax.tree.map(lambda x: jnp.imag(x) if is_complex(x) else None, tree)
     return (re, im)
 
 

@@ -26,7 +26,6 @@ the same operation everywhere (solvers, ``error_norm="qgt"``, user code). Dense 
 
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Any
 
@@ -355,35 +354,25 @@ def check_shift(where: str, shift: Any, params: Any) -> Any:
 def _as_rep_flat(params: Any, mode: str, v: Any) -> tuple[jax.Array, Any]:
     """``v`` as a flat vector of the mode's representation, and the map back to ``v``'s kind.
 
-    Kinds: a pytree like ``params`` (NetKet's gradients and forces; complex vectors on real
-    parameters raise NetKet's ``RealQGTComplexDomainError``), a flat vector in
-    ``ravel_pytree(params)`` order (NetKet's dense convention), or a flat real vector of the mode's
-    representation (length :math:`D`, the basis of :meth:`QGTOnTheFlyT.to_dense`; what the solvers
-    are handed). This is the only place the adapter guesses a vector's kind.
+    The kind is the core's guess (:meth:`vmcgrad._sr.views.Views.guess`: a pytree like ``params``,
+    then a flat vector of the representation, of length :math:`D` (the basis of
+    :meth:`QGTOnTheFlyT.to_dense`; what the solvers are handed), then a flat vector in
+    ``ravel_pytree(params)`` order); the dtype is then cast as NetKet casts, and a complex vector on
+    real parameters raises NetKet's ``RealQGTComplexDomainError``.
     """
-    _, unravel_params = ravel_pytree(params)
-    views = Views(params, mode)  # the core's one conversion between vector kinds
-    n_par = sum(math.prod(p.shape) for p in jax.tree.leaves(params))
-    shapes_match = jax.tree.structure(v) == jax.tree.structure(params) and all(
-        np.shape(a) == p.shape for a, p in zip(jax.tree.leaves(v), jax.tree.leaves(params))
-    )
-    if shapes_match:
-        kind = "tree"
-    elif hasattr(v, "ndim") and v.ndim == 1 and v.shape[0] == n_par:
-        kind = "flat"
-    elif hasattr(v, "ndim") and v.ndim == 1 and v.shape[0] == views.dim and not jnp.iscomplexobj(v):
-        kind = "rep"
-    elif not hasattr(v, "ndim"):
+    views = Views(params, mode)  # the core's one guess of, and conversion between, vector kinds
+    kind = views.guess(v)
+    if kind is None and not hasattr(v, "ndim"):
         check_valid_vector_type(params, v)  # NetKet's "PyTree mismatch" ValueError for other trees
         expected = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
         raise ValueError(
             f"{NAME}: the vector's leaf shapes differ from the parameters' ({_short(expected, 200)}). "
             "Fix: build it with jax.tree.map over vstate.parameters."
         )
-    else:
+    if kind is None:
         raise ValueError(
-            f"{NAME}: a flat vector must have shape ({n_par},) (ravel_pytree of the parameters) or "
-            f"({views.dim},) (the real representation of mode {mode!r}); got an array of shape "
+            f"{NAME}: a flat vector must have shape ({views.n_params},) (ravel_pytree of the parameters) "
+            f"or ({views.dim},) (the real representation of mode {mode!r}); got an array of shape "
             f"{tuple(v.shape)}. Fix: pass a pytree like vstate.parameters, or ravel_pytree of one."
         )
     if kind == "rep":
@@ -391,8 +380,8 @@ def _as_rep_flat(params: Any, mode: str, v: Any) -> tuple[jax.Array, Any]:
     elif kind == "flat":
         if jnp.iscomplexobj(v) and not nkjax.tree_leaf_iscomplex(params):
             raise nk.errors.RealQGTComplexDomainError()
-        v = v.astype(ravel_pytree(params)[0].dtype)
-        check_valid_vector_type(params, unravel_params(v))
+        v = v.astype(views.flat_dtype)
+        check_valid_vector_type(params, ravel_pytree(params)[1](v))
     else:
         check_valid_vector_type(params, v)
         v = nkjax.tree_cast(v, params)
