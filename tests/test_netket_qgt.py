@@ -516,12 +516,12 @@ def test_vmcgrad_errors_name_the_argument():
 
 
 BAD_SHIFTS = {
-    "negative": (-1e-3, ValueError, "finite and non-negative"),
-    "nan": (float("nan"), ValueError, "finite and non-negative"),
-    "inf": (float("inf"), ValueError, "finite and non-negative"),
-    "complex": (1e-3 + 1e-3j, ValueError, "must be real"),
-    "bool": (True, TypeError, "must be a number"),
-    "string": ("0.01", TypeError, "must be a real number"),
+    "negative": (-1e-3, ValueError, "must be a finite number >= 0"),
+    "nan": (float("nan"), ValueError, "must be a finite number >= 0"),
+    "inf": (float("inf"), ValueError, "must be a finite number >= 0"),
+    "complex": (1e-3 + 1e-3j, TypeError, "must be a real scalar"),
+    "bool": (True, TypeError, "must be a real scalar"),
+    "string": ("0.01", TypeError, "must be a real scalar"),
     "wrong tree": ({"a": 1.0}, TypeError, "pytree like the parameters"),
 }
 
@@ -543,12 +543,32 @@ def test_bad_diag_shift_refused_before_tracing(case):
             S + (value - 0.01)
 
 
+def test_scalar_shift_checks_are_the_cores():
+    """vmcgrad.netket checks a scalar diag_shift or diag_scale with the core's one check: the message
+    of vmcgrad.QGT, naming vmcgrad.netket.QGTOnTheFly."""
+    vs = _state("RBM[float64]")
+    x = vs.samples.reshape(-1, vs.samples.shape[-1])
+    logpsi = lambda p, x: vs.model.apply({"params": p}, x)
+    for case in ("negative", "nan", "complex", "bool", "string"):
+        value = BAD_SHIFTS[case][0]
+        for name in ("diag_shift", "diag_scale"):
+            with pytest.raises((TypeError, ValueError)) as ours:
+                vnk.QGTOnTheFly(vs, **{name: value})
+            with pytest.raises((TypeError, ValueError)) as core:
+                vmcgrad.QGT(logpsi, vs.parameters, x, **{name: value})
+            assert type(ours.value) is type(core.value), (case, name)
+            assert str(ours.value) == str(core.value).replace("vmcgrad.QGT", "vmcgrad.netket.QGTOnTheFly")
+
+
 def test_bad_pytree_diag_shift_and_diag_scale():
     vs = _state("RBM[float64]")
     S = vnk.QGTOnTheFly(vs)
     neg = jax.tree.map(lambda p: -jnp.ones(p.shape), vs.parameters)
-    with pytest.raises(ValueError, match=r"`diag_shift\[.*\]` must be finite and non-negative"):
+    with pytest.raises(ValueError, match=r"`diag_shift\[.*\]` must be finite and >= 0 in every entry"):
         S.replace(diag_shift=neg)
+    imaginary = jax.tree.map(lambda p: 1j * jnp.ones(p.shape), vs.parameters)
+    with pytest.raises(ValueError, match=r"`diag_shift\[.*\]` must be real; .* non-zero imaginary part"):
+        S.replace(diag_shift=imaginary)
     wrong = jax.tree.map(lambda p: jnp.ones((*p.shape, 2)), vs.parameters)
     with pytest.raises(TypeError, match="must be a real array of the parameter's shape"):
         vnk.QGTOnTheFly(vs, diag_shift=wrong)

@@ -343,12 +343,70 @@ def check_nonnegative_scalar(
     arr = _real_scalar(x)
     if arr is None:
         raise TypeError(f"{where}: `{name}` must be a real scalar; got {describe(x)}. {fix}")
-    if not isinstance(arr, jax.core.Tracer):
-        value = float(arr)
-        if not (math.isfinite(value) and value >= 0):
-            raise ValueError(f"{where}: `{name}` must be a finite number >= 0; got {describe(x)}. {fix}")
+    _check_finite_nonnegative(where, name, x, fix)
     out = jnp.asarray(x)  # a jnp op: placed like other results under a context mesh (no recompile)
     return out if dtype is None else out.astype(dtype)
+
+
+def check_diag_shift(where: str, shift: Any, params: Any) -> Any:
+    """``diag_shift``: a real scalar (:func:`check_nonnegative_scalar`), or one shift per parameter.
+
+    A per-parameter shift is a pytree like ``params`` whose leaves are arrays of the parameters'
+    shapes, real or complex with a zero imaginary part (a shift built with a complex parameter's
+    dtype), each entry finite and >= 0 (checked where concrete). Returns the shift as given; None
+    means 0.0, as in NetKet.
+
+    Raises:
+        TypeError: neither a real scalar nor a pytree of numeric arrays like ``params``.
+        ValueError: a negative, NaN or infinite entry, or a non-zero imaginary part.
+    """
+    if shift is None:
+        return 0.0
+    p_def, s_def = jax.tree.structure(params), jax.tree.structure(shift)
+    if s_def != p_def and jax.tree_util.treedef_is_leaf(s_def) and np.ndim(shift) == 0:
+        check_nonnegative_scalar(where, "diag_shift", shift)
+        return shift
+    if s_def != p_def:
+        expected = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
+        raise TypeError(
+            f"{where}: `diag_shift` must be a real scalar or a pytree like the parameters "
+            f"({_cut(repr(expected))}); got {describe(shift)}. Fix: pass e.g. diag_shift=0.01, or "
+            "jax.tree.map(lambda p: 0.01 * jnp.ones(p.shape), params)."
+        )
+    fix = "Fix: build it with jax.tree.map over the parameters, e.g. lambda p: 0.01 * jnp.ones(p.shape)."
+    for (path, p), d in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(shift)):
+        name = f"diag_shift{jax.tree_util.keystr(path)}"
+        dtype = getattr(d, "dtype", None)
+        if np.shape(d) != p.shape or dtype is None or not jnp.issubdtype(dtype, jnp.number):
+            raise TypeError(
+                f"{where}: `{name}` must be a real array of the parameter's shape {tuple(p.shape)}; "
+                f"got {describe(d)}. {fix}"
+            )
+        _check_finite_nonnegative(where, name, d, fix)
+    return shift
+
+
+def _check_finite_nonnegative(where: str, name: str, x: Any, fix: str) -> None:
+    """ValueError unless the number or array ``x`` is real (a complex one with a zero imaginary
+    part counts), finite and >= 0 in every entry; a traced ``x`` passes (its values are unknown
+    before tracing)."""
+    if isinstance(x, jax.core.Tracer):
+        return
+    arr = np.asarray(x)
+    if np.iscomplexobj(arr):
+        if np.any(arr.imag != 0):
+            raise ValueError(
+                f"{where}: `{name}` must be real; got {describe(x)} with a non-zero imaginary part. "
+                f"Fix: pass its real part, jnp.real({name})."
+            )
+        arr = arr.real
+    if not (np.all(np.isfinite(arr)) and np.all(arr >= 0)):
+        if arr.ndim == 0:
+            raise ValueError(f"{where}: `{name}` must be a finite number >= 0; got {describe(x)}. {fix}")
+        raise ValueError(
+            f"{where}: `{name}` must be finite and >= 0 in every entry; got {describe(x)} with a "
+            f"negative, NaN or infinite entry. {fix}"
+        )
 
 
 def check_tolerances(where: str, tol: Any, atol: Any) -> tuple[jax.Array, jax.Array]:

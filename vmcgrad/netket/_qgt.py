@@ -153,8 +153,9 @@ def QGTOnTheFly(
         raise IllegalHolomorphicDeclarationForRealParametersError()
     if mode == "auto":  # NetKet's QGTJacobian name for "choose"
         mode = None
-    diag_shift = check_shift(NAME, diag_shift, params)
-    diag_scale = check_scale(NAME, diag_scale)
+    diag_shift = check.check_diag_shift(NAME, diag_shift, params)
+    if diag_scale is not None:
+        check.check_nonnegative_scalar(NAME, "diag_scale", diag_scale)
     if mode is None and holomorphic is None and nkjax.tree_leaf_iscomplex(params):
         warnings.warn(HolomorphicUndeclaredWarning(), UserWarning, stacklevel=2)
     apply_fun = nkp.apply_fun(vstate)
@@ -215,7 +216,7 @@ class QGTOnTheFlyT(LinearOperator):
 
     def __post_init__(self):
         if isinstance(self.qgt, vmcgrad.QGTOperator) and _is_concrete(self.qgt.params):
-            check_shift(f"{NAME} (diag_shift)", self.diag_shift, self.qgt.params)
+            check.check_diag_shift(f"{NAME} (diag_shift)", self.diag_shift, self.qgt.params)
 
     @property
     def mode(self) -> str:
@@ -268,84 +269,6 @@ def _is_concrete(tree: Any) -> bool:
     """Whether every leaf is a value (not a tracer, nor a placeholder JAX puts in while unflattening)."""
     ok = (int, float, complex, np.ndarray, np.generic, jax.Array)
     return all(isinstance(x, ok) and not isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
-
-
-def _is_number(x: Any) -> bool:
-    """Whether ``x`` is a non-boolean number or numeric array (concrete or traced)."""
-    try:
-        dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
-    except (TypeError, ValueError):
-        return False
-    return not isinstance(x, bool) and np.issubdtype(dtype, np.number)
-
-
-def _check_values(where: str, name: str, value: Any, shown: Any) -> None:
-    if not _is_concrete(value):
-        return
-    arr = np.asarray(value)
-    if np.iscomplexobj(arr):
-        if np.any(arr.imag != 0):
-            raise ValueError(
-                f"{where}: `{name}` must be real; got {_short(shown)} with a non-zero imaginary "
-                f"part. Fix: pass its real part, e.g. {name}=jnp.real(...)."
-            )
-        arr = arr.real
-    if not np.all(np.isfinite(arr)) or np.any(arr < 0):
-        raise ValueError(
-            f"{where}: `{name}` must be finite and non-negative (a negative shift makes S_eff "
-            f"indefinite, NaN poisons every product); got {_short(shown)}. Fix: pass e.g. {name}=1e-3."
-        )
-
-
-def check_scale(where: str, scale: Any) -> Any:
-    """``diag_scale``: None, or a finite non-negative real scalar."""
-    if scale is None:
-        return None
-    if isinstance(scale, bool) or not _is_scalar(scale) or not _is_number(scale) or np.iscomplexobj(scale):
-        raise TypeError(
-            f"{where}: `diag_scale` must be None or a real number; got {_short(scale)}. "
-            "Fix: pass e.g. diag_scale=0.01."
-        )
-    _check_values(where, "diag_scale", scale, scale)
-    return scale
-
-
-def check_shift(where: str, shift: Any, params: Any) -> Any:
-    """``diag_shift``: a non-negative real scalar, or such a pytree shaped like ``params``.
-
-    Returns the shift (None becomes 0.0). Values are checked when concrete.
-    """
-    if shift is None:
-        return 0.0
-    if isinstance(shift, bool):
-        raise TypeError(
-            f"{where}: `diag_shift` must be a number; got {shift!r}. Fix: pass e.g. diag_shift=0.01."
-        )
-    if _is_scalar(shift) and jax.tree.structure(shift) != jax.tree.structure(params):
-        if not _is_number(shift):
-            raise TypeError(
-                f"{where}: `diag_shift` must be a real number or a pytree like the parameters; got "
-                f"{_short(shift)}. Fix: pass e.g. diag_shift=0.01."
-            )
-        _check_values(where, "diag_shift", shift, shift)
-        return shift
-    p_def, s_def = jax.tree.structure(params), jax.tree.structure(shift)
-    expected = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
-    if p_def != s_def:
-        raise TypeError(
-            f"{where}: `diag_shift` must be a real scalar or a pytree like the parameters "
-            f"({_short(expected, 200)}); got {_short(shift)}. Fix: pass e.g. diag_shift=0.01, or "
-            "jax.tree.map(lambda p: 0.01 * jnp.ones(p.shape), vstate.parameters)."
-        )
-    for (path, p), d in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(shift)):
-        if np.shape(d) != p.shape or not _is_number(d):
-            raise TypeError(
-                f"{where}: the leaf of `diag_shift` at {jax.tree_util.keystr(path)} must be a real "
-                f"array of the parameter's shape {tuple(p.shape)}; got {_short(d)}. Fix: build it "
-                "with jax.tree.map over vstate.parameters."
-            )
-        _check_values(where, f"diag_shift{jax.tree_util.keystr(path)}", d, d)
-    return shift
 
 
 # --- vectors: one function from any kind NetKet passes to the flat representation ---------------
