@@ -1,13 +1,13 @@
-"""The QGT product's two designs (fused; jvp then vjp) against the dense Jacobian reference, and the
-choice of (design, chunk) that ``chunk_size="auto"`` makes from the memory budget (compiled bytes,
-nothing timed)."""
+"""The choice of the QGT product's design (fused; jvp then vjp) and chunk that ``chunk_size="auto"``
+makes from the memory budget (compiled bytes, nothing timed). Both designs against the dense Jacobian
+reference: ``test_qgt.py::test_against_dense_reference``; under transformations:
+``test_transforms.py::test_qgt_transforms``."""
 
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import assert_tree_allclose, make_case, random_like, setup
-from jax.flatten_util import ravel_pytree
-from test_qgt import MODES, Dense, N, close, tree_like
+from helpers import setup
+from test_qgt import close
 
 import vmcgrad
 from vmcgrad._chunks.budget import program_bytes
@@ -16,37 +16,6 @@ from vmcgrad._sr.qgt import PASSES, choose_design
 from vmcgrad._sr.qgt_apply import matmul_program
 
 N_DEV = jax.device_count()
-CASES = [(c, jnp.float64) for c in MODES] + [(c, jnp.float32) for c in ("r2c", "c2c_holo", "c2c_nonholo")]
-#: In the quick tier: each mode once (real-to-complex and holomorphic in float64, with solves; the
-#: non-holomorphic complex mode in float32); the other cases run in the rest tier (tests/conftest.py).
-QUICK = {("r2c", jnp.float64), ("c2c_holo", jnp.float64), ("c2c_nonholo", jnp.float32)}
-
-
-@pytest.mark.parametrize(
-    "case, dtype",
-    [pytest.param(*c, marks=() if c in QUICK else pytest.mark.slow) for c in CASES],
-    ids=[f"{c}-{jnp.dtype(d).name}" for c, d in CASES],
-)
-def test_jvp_vjp_design_against_dense_reference(case, dtype):
-    """The jvp-then-vjp design gives the dense S's products (chunk 5 of 37 rows per device: a
-    shifted last chunk) and solves. The fused design, the default, is checked the same way in
-    ``test_qgt.py::test_against_dense_reference``."""
-    design = "jvp_vjp"
-    fun, params, samples = make_case(case, N, dtype)
-    mode = MODES[case]
-    ref = Dense(fun, params, samples, mode)
-    shifts = {"diag_shift": 0.03, "diag_scale": 0.2}
-    v = tree_like(params, 1)
-    with setup("netket") as place:
-        forced = "holomorphic" if case == "c2c_holo" else None
-        S = vmcgrad.QGT(fun, params, place(samples), chunk_size=5, mode=forced, design=design, **shifts)
-        assert S.design == design and f"design={design!r}" in repr(S)
-        close(S @ v, ref.apply(v, **shifts), dtype)
-        rep = ref.to_flat(v)
-        close(S @ rep, ref.matrix(**shifts) @ rep, dtype)
-        if case in ("r2c", "c2c_holo", "mixed") and jnp.dtype(dtype) == jnp.float64:  # a solve: 3 modes
-            x, _ = S.solve(ref.apply(v, **shifts), tol=1e-13)
-            close(x, v, dtype, scale=100)
 
 
 def _rbm(L=16, alpha=1, per_device=512):
@@ -140,29 +109,3 @@ def test_explicit_design_and_bad_design():
     assert vmcgrad.QGT(fun, params, x, chunk_size=8).design == "fused"
     with pytest.raises(ValueError, match=r"`design` must be one of \('fused', 'jvp_vjp'\)"):
         vmcgrad.QGT(fun, params, x, design="jvp")
-
-
-@pytest.mark.parametrize("op", ["matvec", "solve"])
-@pytest.mark.parametrize("transform", ["dense_by_vmap", "grad_params", "grad_vector", "jvp_params"])
-def test_jvp_vjp_design_under_transformations(transform, op):
-    """The jvp-then-vjp design's product and solve under vmap, grad and jvp (in the parameters, the
-    QGT rebuilt inside, and in the vector): against the dense jacfwd QGT, as the fused design is
-    checked in ``test_transforms.py::test_qgt_transforms``."""
-    from test_transforms import CHUNK, QGT_TRANSFORMS, SHIFT, ref_matvec, ref_solve
-
-    fun, params, x = make_case("r2c", N)
-    flat, unravel = ravel_pytree(params)
-    f = lambda p, x: fun(unravel(p), x)
-    b = random_like(jax.random.key(3), flat.shape, flat.dtype)
-    basis = jnp.eye(flat.size, dtype=flat.dtype)[:4]
-
-    def build(p, x, b):
-        S = vmcgrad.QGT(f, p, x, chunk_size=CHUNK, diag_shift=SHIFT, design="jvp_vjp")
-        return S @ b if op == "matvec" else S.solve(b, tol=1e-14)[0]
-
-    t = QGT_TRANSFORMS[transform]
-    reference = jax.jit(t((ref_matvec if op == "matvec" else ref_solve)(f)))(flat, x, b, basis)
-    with setup("netket") as place:
-        actual = jax.jit(t(build))(flat, place(x), b, basis)
-    rtol, atol = (1e-10, 1e-10) if op == "matvec" else (1e-7, 1e-8)
-    assert_tree_allclose(jax.device_get(actual), jax.device_get(reference), rtol=rtol, atol=atol)

@@ -286,12 +286,16 @@ def dense_qgt(fun, p, x, shift):
 SHIFT = 1e-2
 
 
-def qgt_matvec(fun):
-    return lambda p, x, v: vmcgrad.QGT(fun, p, x, chunk_size=CHUNK, diag_shift=SHIFT) @ v
+def qgt_matvec(fun, design="fused"):
+    return lambda p, x, v: vmcgrad.QGT(fun, p, x, chunk_size=CHUNK, diag_shift=SHIFT, design=design) @ v
 
 
-def qgt_solve(fun):
-    return lambda p, x, b: vmcgrad.QGT(fun, p, x, chunk_size=CHUNK, diag_shift=SHIFT).solve(b, tol=1e-14)[0]
+def qgt_solve(fun, design="fused"):
+    def solve(p, x, b):
+        S = vmcgrad.QGT(fun, p, x, chunk_size=CHUNK, diag_shift=SHIFT, design=design)
+        return S.solve(b, tol=1e-14)[0]
+
+    return solve
 
 
 def ref_matvec(fun):
@@ -317,25 +321,29 @@ QGT_TRANSFORMS = {
 }
 
 
-#: every transformation on r2c, under NetKet's mesh and without one; the real case ('real' mode) on the
-#: mesh under the transformations that differentiate or batch in the parameters (the mode's own code)
+#: the fused design (the default): every transformation on r2c, under NetKet's mesh and without one;
+#: the real case ('real' mode) on the mesh under the transformations that differentiate or batch in the
+#: parameters (the mode's own code). The jvp-then-vjp design: r2c on the mesh, batched, differentiated
+#: in the parameters and in the vector.
 QGT_TRANSFORM_CASES = [
-    (case, setup, op, transform)
-    for case, setup, transforms in [
-        ("r2c", "netket", list(QGT_TRANSFORMS)),
-        ("r2c", "none", list(QGT_TRANSFORMS)),
-        ("r2r", "netket", ["value", "vmap_params", "grad_params", "jvp_params"]),
+    (case, setup, op, transform, design)
+    for case, setup, transforms, design in [
+        ("r2c", "netket", list(QGT_TRANSFORMS), "fused"),
+        ("r2c", "none", list(QGT_TRANSFORMS), "fused"),
+        ("r2r", "netket", ["value", "vmap_params", "grad_params", "jvp_params"], "fused"),
+        ("r2c", "netket", ["dense_by_vmap", "grad_params", "grad_vector", "jvp_params"], "jvp_vjp"),
     ]
     for op in ("matvec", "solve")
     for transform in transforms
 ]
 
 
-@pytest.mark.quick_cover("op")
-@pytest.mark.parametrize(("case", "setup", "op", "transform"), QGT_TRANSFORM_CASES)
-def test_qgt_transforms(setup, case, op, transform):
-    """S @ v and S.solve(b) under vmap (a dense S from the basis), grad and jvp in the parameters
-    (the QGT rebuilt inside), grad in the vector, checkpoint: against the dense jacfwd QGT."""
+@pytest.mark.quick_cover("op", "design")
+@pytest.mark.parametrize(("case", "setup", "op", "transform", "design"), QGT_TRANSFORM_CASES)
+def test_qgt_transforms(setup, case, op, transform, design):
+    """S @ v and S.solve(b), in either design of the product, under vmap (a dense S from the basis),
+    grad and jvp in the parameters (the QGT rebuilt inside), grad in the vector, checkpoint: against
+    the dense jacfwd QGT."""
     fun, params, x = make_case(case, N)
     flat, unravel = ravel_pytree(params)
     f = lambda p, x: fun(unravel(p), x)
@@ -346,7 +354,7 @@ def test_qgt_transforms(setup, case, op, transform):
     reference = jax.jit(transform_fn(ref(f)))(flat, x, b, basis)
     with placement(setup) as (on_mesh, place):
         args = (place(flat, None), place(x, 0), place(b, None), place(basis, None))
-        compiled = jax.jit(transform_fn(build(f))).lower(*args).compile()
+        compiled = jax.jit(transform_fn(build(f, design))).lower(*args).compile()
         actual = compiled(*args)
     # cg to tol 1e-14 on a system of condition ~1e3; its implicit derivative is one more solve
     rtol, atol = (RTOL, 1e-10) if op == "matvec" else (1e-7, 1e-8)
