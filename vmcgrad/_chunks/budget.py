@@ -12,10 +12,10 @@ lowered and compiled (nothing runs) and its per-device footprint
 so a search over the powers of two finds the largest fitting chunk. It compiles the largest
 candidate first (one compilation where all of a device's samples fit in one chunk), then candidates
 interpolated from a straight line through the bytes measured so far, and bisects after three
-compilations. It finds the chunk a bisection finds, in fewer compilations (tests/test_scale.py
-counts them). Choices are cached per program, function, shapes, dtypes, shardings and budget, so a
-training loop compiles the candidates once; the cache is bounded and holds the function weakly
-(:mod:`vmcgrad._cache`).
+compilations. It finds the chunk a bisection finds, in fewer compilations
+(tests/test_param_sharding_and_auto_chunk.py counts them). Choices are cached per program,
+function, shapes, dtypes, shardings and budget, so a training loop compiles the candidates once;
+the cache is bounded and holds the function weakly (:mod:`vmcgrad._cache`).
 
 Every entry point takes the budget as ``memory_budget=`` (bytes per device). The default budget is
 half the device's free memory where the backend reports it (``device.memory_stats()``: GPUs, TPUs),
