@@ -34,13 +34,12 @@ def parse() -> argparse.Namespace:
 
 def main() -> None:
     args = parse()
-    from benchlib import use_cpu_devices
+    from benchlib import init_model, log_psi, place, use_cpu_devices
 
     use_cpu_devices(1)
     import jax
     import jax.numpy as jnp
     import netket as nk
-    from benchlib._setup import init_model, log_psi, place
     from netket.optimizer.qgt.qgt_onthefly import QGTOnTheFly_DefaultConstructor
 
     import vmcgrad

@@ -22,6 +22,9 @@ from ._io import json_safe as json_safe
 from ._io import save_figure as save_figure
 from ._io import write_json as write_json
 from ._scripts import rows_for_device_counts as rows_for_device_counts
+from ._setup import init_model as init_model
+from ._setup import log_psi as log_psi
+from ._setup import place as place
 from ._table import Column as Column
 from ._table import table as table
 from ._vit import ViT as ViT
