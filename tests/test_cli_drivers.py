@@ -75,6 +75,8 @@ def test_minsr_equals_netkets_vmc_sr(tmp_path):
     assert "MinSR diag_shift 0.01" in stdout and "driver minsr" in stdout
     log = _log(out)
     assert log["info"]["driver"].startswith("vmcgrad.netket.VMC_SR") and log["n_samples"] == [256] * 6
+    assert log["route"] == ["dense"] * 6  # N = 256 > P = 144: the N x N kernel, in blocks of 48
+    assert all(set(b) == {"gradient", "kernel"} and min(b.values()) > 0 for b in log["temp_bytes"])
     system = _systems.build("heisenberg1d", 8)
     chains = log["info"]["n_chains"]
     mesh = Mesh(np.array(jax.devices()), ("S",), axis_types=(AxisType.Auto,))
@@ -115,9 +117,29 @@ def test_a_budget_alone_chooses_the_chunks_within_it(tmp_path):
             budget
         )
         chunks[budget] = log["info"]["chunk_size"]
+        # each step logs its route and the compiled bytes of its phases, each within the budget
+        assert log["route"] == ["qgt-cg"]
+        (phases,) = log["temp_bytes"]
+        assert set(phases) == {"gradient", "qgt"}, phases
+        assert 0 < max(phases.values()) <= _args.byte_size(budget), phases
     per_device = 256 // N_DEVICES
     assert chunks["1GiB"] == {"gradient": per_device, "qgt": per_device}
     assert chunks["32KiB"]["gradient"] < per_device and chunks["32KiB"]["qgt"] < per_device, chunks
+
+
+@pytest.mark.slow
+def test_a_budget_no_chunk_fits_is_one_line_and_exit_1(tmp_path):
+    """A budget below what one sample per chunk needs: vmcgrad's MemoryError with its fix, as one line
+    (no traceback), exit 1, and the log says the run failed."""
+    out = tmp_path / "run"
+    rc, _stdout, err = _vmcgrad(
+        [*RUN, "--driver", "minsr", "--memory-budget", "4KiB", "--steps", "2", "--out", str(out)], tmp_path
+    )
+    assert rc == 1, err
+    assert "Traceback" not in err and "found no chunk that fits the memory budget of 4096 bytes" in err, err
+    lines = [line for line in err.strip().splitlines() if not line.startswith("step ")]  # the bar's
+    assert lines == [err.strip().splitlines()[-1]] and lines[0].startswith("vmcgrad vmc: error: "), err
+    assert _log(out)["status"] == "failed"
 
 
 @pytest.mark.slow

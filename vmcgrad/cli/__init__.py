@@ -154,6 +154,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (_output.OutputError, _checkpoint.CheckpointError) as error:
             print(f"{sub.prog}: error: {error}", file=sys.stderr)
             status = 1
+        except MemoryError as error:  # vmcgrad's: no chunk fits --memory-budget (the message has the fix)
+            print(f"{sub.prog}: error: {error}".replace("\n", " "), file=sys.stderr)
+            status = 1
         if distributed:
             _distributed.shutdown(args)
         return status

@@ -12,14 +12,24 @@ import sys
 import time
 from pathlib import Path
 
-from . import _checkpoint, _interrupt, _output, _systems
+from . import _checkpoint, _interrupt, _output, _phases, _systems
 
 #: Steps between checkpoints by default: the write costs about a millisecond for the default model,
 #: a fraction of a percent of the steps it follows.
 CHECKPOINT_EVERY = 10
 PLOT_EVERY_S = 10.0
-#: The per-step lists of ``log.json``.
-STEP_KEYS = ("energy_mean", "energy_error", "energy_variance", "acceptance", "step_time", "n_samples")
+#: The per-step lists of ``log.json``: the statistics, the step's wall time and N, the route its
+#: preconditioner took and the compiled temp bytes per device of its phases (:mod:`._phases`).
+STEP_KEYS = (
+    "energy_mean",
+    "energy_error",
+    "energy_variance",
+    "acceptance",
+    "step_time",
+    "n_samples",
+    "route",
+    "temp_bytes",
+)
 
 
 def describe(error: BaseException) -> str:
@@ -69,6 +79,7 @@ class Recorder:
         *,
         main: bool = True,
         driver=None,
+        phases: _phases.PhaseBytes | None = None,
         checkpoint_every: int = CHECKPOINT_EVERY,
         records: list[tuple] = (),
         deadline: float | None = None,
@@ -80,7 +91,9 @@ class Recorder:
         # One tuple per completed step (mean, error, variance, acceptance, seconds), appended at once,
         # so that an interrupt never leaves the lists of different lengths; a resumed run starts with
         # those of its checkpoint.
-        self.records: list[tuple] = list(records)
+        # (a checkpoint of a run logged before the route and bytes were: those fields are None)
+        self.records: list[tuple] = [(*r, *[None] * (len(STEP_KEYS) - len(r))) for r in records]
+        self.phases = phases
         self.n_checkpoint = len(self.records)  # the step of the last checkpoint written (or resumed)
         self.checkpoint_error: _output.OutputError | None = None
         self.deadline = deadline  # time.perf_counter() after which the run stops (--minutes)
@@ -122,17 +135,20 @@ class Recorder:
         stats = log_data["Energy"]
         acceptance = getattr(driver.state.sampler_state, "acceptance", None)
         now = time.perf_counter()
+        n = int(log_data.get("n_samples", driver.state.n_samples))  # the N this step sampled
         record = (
             float(np.real(stats.mean)),
             float(stats.error_of_mean),
             float(stats.variance),
             None if acceptance is None else float(acceptance),
             now - self.t_last,
-            int(log_data.get("n_samples", driver.state.n_samples)),  # the N this step sampled
+            n,
+            _phases.route_of(driver),
+            None if self.phases is None else self.phases(n, driver),
         )
         self.records.append(record)
         self.write()
-        mean, error, variance, acc, dt, _ = record
+        mean, error, variance, acc, dt = record[:5]
         acc_s = "-" if acc is None else f"{acc:.0%}"
         self.bar.set_description_str(
             f"E = {mean:.5f} ± {error:.5f}, var {variance:.4f}, acc {acc_s}, {dt * 1e3:.0f} ms/step",

@@ -28,7 +28,17 @@ import sys
 import time
 from pathlib import Path
 
-from . import _checkpoint, _distributed, _interrupt, _output, _report, _resume, _systems, _user_problem
+from . import (
+    _checkpoint,
+    _distributed,
+    _interrupt,
+    _output,
+    _phases,
+    _report,
+    _resume,
+    _systems,
+    _user_problem,
+)
 from ._args import HelpFormatter, byte_size, chunk_size, non_negative_float, positive_float, positive_int
 
 #: Samples per Metropolis chain are at least this many: chains per device = min(16, samples / devices / this).
@@ -320,6 +330,7 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
         interrupts,
         main=main,
         driver=driver,
+        phases=_phases.PhaseBytes(vstate, chunks, qgt_design, args.memory_budget, args.diag_shift),
         checkpoint_every=args.checkpoint_every,
         records=[] if snap is None else snap["records"][: int(snap["step"])],
         deadline=None if args.minutes is None else t_start + 60 * args.minutes,
@@ -438,8 +449,7 @@ def _chunk_sizes(
 
     import vmcgrad
 
-    apply, model_state = vstate.model.apply, vstate.model_state
-    logpsi = jax.tree_util.Partial(lambda ms, w, x: apply({"params": w, **ms}, x), model_state)
+    logpsi = _phases.log_psi(vstate)
     samples = jax.jit(lambda s: s.reshape(-1, s.shape[-1]))(vstate.samples)
     budget = {"memory_budget": memory_budget}
     gradient = vmcgrad.auto_chunk_size(logpsi, vstate.parameters, samples, estimator="expect_grad", **budget)

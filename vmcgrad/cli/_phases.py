@@ -1,0 +1,118 @@
+"""What each phase of a ``vmcgrad vmc`` step costs in memory: the compiled temp bytes per device.
+
+A step has three phases: sampling with the local energies (NetKet's sampler and chunked local kernel),
+the gradient (:func:`vmcgrad.expect_grad`'s pass, the force of SR), and the preconditioner — with
+``--driver sr`` one QGT product :math:`S v` (:func:`vmcgrad.QGT`, applied once per CG iteration), with
+``--driver minsr`` the whole sample-space update (:func:`vmcgrad.minsr_update` on the route the driver
+took: the :math:`N\\times N` kernel in blocks and its solve, the :math:`P\\times P` matrix, or
+matrix-free CG). The last two are vmcgrad's programs: :func:`bytes_of_phases` compiles each on the
+state's current samples (without running it) and reads ``memory_analysis()``. The sample count only
+changes when ``--grow-samples`` raises it, so a run measures once per N (:class:`PhaseBytes`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: The route of ``--driver sr``: parameter-space SR, the QGT applied matrix-free inside CG.
+SR_ROUTE = "qgt-cg"
+
+
+def log_psi(vstate: Any) -> Any:
+    """``logpsi(params, samples)`` of ``vstate``'s model, its model state closed over as data."""
+    import jax
+
+    apply, model_state = vstate.model.apply, vstate.model_state
+    return jax.tree_util.Partial(lambda ms, w, x: apply({"params": w, **ms}, x), model_state)
+
+
+def abstract_samples(vstate: Any, n: int) -> Any:
+    """``n`` samples as the sampler lays them out (shape, dtype and sharding of its chains'
+    configurations), without sampling: a measurement must not move the sampler's random state."""
+    import jax
+
+    sigma = vstate.sampler_state.σ
+    return jax.ShapeDtypeStruct((n, sigma.shape[-1]), sigma.dtype, sharding=sigma.sharding)
+
+
+def route_of(driver: Any) -> str:
+    """The route the driver's last step took: ``VMC_SR``'s (``dense``, ``parameter`` or ``cg``), else
+    :data:`SR_ROUTE`."""
+    if not hasattr(driver, "use_ntk"):  # nk.driver.VMC with SR
+        return SR_ROUTE
+    return str(getattr(driver, "route", None) or "dense")
+
+
+def bytes_of_phases(
+    vstate: Any,
+    n: int,
+    chunks: dict,
+    design: str,
+    memory_budget: int | None,
+    diag_shift: float,
+    driver: Any,
+) -> dict[str, int]:
+    """The compiled temp bytes per device of the gradient pass and of the preconditioner's program
+    (``"qgt"``: the QGT built and applied once; ``"kernel"``: the MinSR update on the driver's route)
+    at ``n`` samples laid out as the sampler's, at the run's chunks (``"auto"`` chunks chosen within
+    ``memory_budget``). Compiled, not run: abstract samples, nothing sampled."""
+    import jax
+
+    import vmcgrad
+
+    logpsi, w, x = log_psi(vstate), vstate.parameters, abstract_samples(vstate, n)
+    out = jax.eval_shape(logpsi, w, x)
+    e = jax.ShapeDtypeStruct((n,), out.dtype, sharding=x.sharding)
+    budget = {"memory_budget": memory_budget}
+
+    def gradient(w, x, e):
+        return vmcgrad.expect_grad(logpsi, w, x, e, chunk_size=chunks["gradient"], **budget)
+
+    phases = {"gradient": jax.jit(gradient).lower(w, x, e).compile()}
+    if "qgt" in chunks:
+
+        def qgt(w, x):
+            S = vmcgrad.QGT(
+                logpsi, w, x, chunk_size=chunks["qgt"], design=design, diag_shift=diag_shift, **budget
+            )
+            return S @ w
+
+        phases["qgt"] = jax.jit(qgt).lower(w, x).compile()
+    else:
+        route = getattr(driver, "route", None)
+        options = {"route": route} if route is not None else {}
+
+        def kernel(w, x, e):
+            return vmcgrad.minsr_update(
+                logpsi,
+                w,
+                x,
+                e,
+                diag_shift=diag_shift,
+                mode=str(driver.mode),
+                chunk_size=chunks["kernel"],
+                **budget,
+                **options,
+            )[0]
+
+        phases["kernel"] = jax.jit(kernel).lower(w, x, e).compile()
+    return {name: vmcgrad.program_bytes(compiled) for name, compiled in phases.items()}
+
+
+class PhaseBytes:
+    """:func:`bytes_of_phases`, measured once per (N, route) of a run."""
+
+    def __init__(self, vstate: Any, chunks: dict, design: str, memory_budget: int | None, diag_shift: float):
+        self.vstate, self.chunks, self.design = vstate, chunks, design
+        self.memory_budget, self.diag_shift = memory_budget, diag_shift
+        self.seen: dict[tuple, dict[str, int]] = {}
+
+    def __call__(self, n: int, driver: Any) -> dict[str, int]:
+        """The bytes of the step that ran at ``n`` samples on ``driver``'s route."""
+        key = (int(n), route_of(driver))
+        if key not in self.seen:
+            measured = bytes_of_phases(
+                self.vstate, n, self.chunks, self.design, self.memory_budget, self.diag_shift, driver
+            )
+            self.seen = {key: measured}  # the last (N, route) only: N changes rarely, and only grows
+        return self.seen[key]
