@@ -121,7 +121,9 @@ def test_auto_chunk_reports_the_qgt_design_the_run_uses(tmp_path, monkeypatch, c
     picked = re.search(r"and (\d+) \((fused|jvp_vjp) design\) for the QGT", stdout)
     assert picked, stdout
     assert picked.group(2) == "jvp_vjp"
-    assert len(built) == 3, built  # the pick, then the SR's operator at each of the 2 steps
+    # the pick, the measurement of the phases' bytes (once: N and the route do not change), then the
+    # SR's operator at each of the 2 steps
+    assert len(built) == 4, built
     assert set(built) == {("jvp_vjp", int(picked.group(1)))}, built
     assert _strict((tmp_path / "log.json").read_text())["info"]["qgt_design"] == "jvp_vjp"
 
