@@ -32,6 +32,59 @@ STEP_KEYS = (
 )
 
 
+def print_header(args, info: dict, exact: float | None, exact_source: str | None) -> None:
+    """The run's first lines: the problem, model, samples, devices, chunks and driver, and the exact
+    energy or why there is none."""
+    n = info["n_processes"]
+    processes = f" in {n} processes" if n > 1 else ""
+    chunks = info["chunk_size"]
+    other = "qgt" if "qgt" in chunks else "kernel"
+    chunk = (
+        str(chunks["gradient"])
+        if chunks["gradient"] == chunks[other]
+        else (f"{chunks['gradient']} (gradient), {chunks[other]} ({other})")
+    )
+    if args.chunk_size == "auto":
+        chunk = f"auto: {chunk}"
+    print(
+        f"vmcgrad vmc: {info['description']}; "
+        f"{args.model} with {info['n_parameters']} parameters; {info['n_samples']} samples in "
+        f"{info['n_chains']} chains on {info['n_devices']} device(s){processes}, chunk size "
+        f"{chunk}; {args.driver.upper() if args.driver == 'sr' else 'MinSR'} diag_shift {args.diag_shift}, "
+        f"lr {args.lr}, {args.steps} steps"
+    )
+    if args.driver == "minsr":
+        budget = "" if args.memory_budget is None else f" within {args.memory_budget} bytes per device"
+        grow = (
+            ""
+            if args.grow_samples is None
+            else f"; samples grow up to {args.grow_samples} as the energy settles"
+        )
+        print(f"driver minsr: {info['driver']}{budget}{grow}")
+    elif args.chunk_size == "auto":
+        print(
+            f"chunk size auto: picked {chunks['gradient']} for the gradient and {chunks['qgt']} "
+            f"({info['qgt_design']} design) for the QGT products (the largest powers of two whose "
+            "compiled programs fit the memory budget; the QGT's design is the faster one within it)"
+        )
+    if exact is None:
+        why = (
+            "not given by the system factory"
+            if _systems.is_user_system(args.system)
+            else f"not in the table; Lanczos only up to {_systems.LANCZOS_MAX_SITES} spins"
+        )
+        e_inf = info["infinite_temperature_energy"]
+        basis = (
+            f"E_inf = Tr H / dim = {e_inf['value']:.6f} ({e_inf['source']})"
+            if e_inf["value"] is not None
+            else f"E_inf = Tr H / dim {e_inf['source']}"
+        )
+        print(f"exact energy: unknown ({why}); the run reports the V-score, {basis}")
+    else:
+        print(f"exact energy: {exact:.10f} ({exact_source})")
+    sys.stdout.flush()
+
+
 def describe(error: BaseException) -> str:
     """``"TypeName: first line of the message"``."""
     lines = str(error).strip().splitlines()
