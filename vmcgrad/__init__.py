@@ -29,7 +29,7 @@ _EXPORTS = {
     "expect_grad": "vmcgrad._estimators.grad",
     "initialize_distributed": "vmcgrad._problem.distributed",
     "lower": "vmcgrad._estimators.lower",
-    "minsr_update": "vmcgrad._sr.ntk",
+    "minsr_update": "vmcgrad._sr.minsr",
     "program_bytes": "vmcgrad._chunks.budget",
 }
 
@@ -59,9 +59,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from vmcgrad._estimators.lower import lower as lower
     from vmcgrad._estimators.vjp import batched_vjp as batched_vjp
     from vmcgrad._problem.distributed import initialize_distributed as initialize_distributed
+    from vmcgrad._sr.minsr import minsr_update as minsr_update
     from vmcgrad._sr.ntk import NTK as NTK
     from vmcgrad._sr.ntk import NTKOperator as NTKOperator
-    from vmcgrad._sr.ntk import minsr_update as minsr_update
     from vmcgrad._sr.qgt import QGT as QGT
     from vmcgrad._sr.qgt import QGTOperator as QGTOperator
     from vmcgrad._sr.qgt_linearized import LinearizedQGT as LinearizedQGT

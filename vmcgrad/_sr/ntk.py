@@ -45,7 +45,6 @@ tangent is the directional derivative whose real and imaginary parts are the 'co
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -64,104 +63,24 @@ from vmcgrad._problem.problem import Problem, call, problem
 from vmcgrad._problem.sharding import explicit_sharding, unsplit_explicit
 from vmcgrad._runner.primitive import map_reduce_problem
 from vmcgrad._runner.runner import REPLICATED, SAMPLES
+from vmcgrad._sr.ntk_modes import (
+    choose_ntk_mode,
+    components,
+    contract,
+    is_complex,
+    jacobian,
+    jacobian_batch,
+    k_of,
+    mean_jacobian,
+    rows_fun,
+    theta_of,
+    vector_dtype,
+)
 from vmcgrad._sr.operator import AbstractOperator
-from vmcgrad._sr.qgt_modes import from_rep, to_rep
-from vmcgrad._sr.solve import CGInfo, cg
+from vmcgrad._sr.qgt_apply import differentiable_cg
+from vmcgrad._sr.solve import CGInfo
 
 _NAME = "vmcgrad.NTK"
-MODES = ("real", "complex", "holomorphic")
-#: Samples in NetKet's mean-Jacobian estimate (``srt_onthefly``'s ``n_subset``).
-SHIFT_SAMPLES = 32
-
-
-def _is_complex(x: Any) -> bool:
-    return jnp.issubdtype(jnp.result_type(x), jnp.complexfloating)
-
-
-def choose_ntk_mode(where: str, params: Any, out_dtype: Any, mode: Any) -> str:
-    """NetKet's ``VMC_SR`` rule: 'real' if parameters and output are real, else 'complex'.
-
-    'real' keeps only :math:`\\mathrm{Re}\\log\\psi` (for real wave functions with a sign; NetKet's
-    ``VMC_SR(mode='real')``), 'complex' splits output and complex parameters into real and imaginary
-    parts, 'holomorphic' takes :math:`O = \\partial\\log\\psi/\\partial\\theta` of complex parameters.
-    """
-    leaves = jax.tree.leaves(params)
-    any_complex = any(_is_complex(p) for p in leaves)
-    complex_out = jnp.issubdtype(out_dtype, jnp.complexfloating)
-    if mode is None:
-        return "complex" if (any_complex or complex_out) else "real"
-    if not isinstance(mode, str) or mode not in MODES:
-        raise ValueError(
-            f"{where}: `mode` must be one of {MODES} or None; got {mode!r}. Fix: leave it None to "
-            "choose as NetKet's VMC_SR does ('real' for real parameters and output, else 'complex')."
-        )
-    if mode == "holomorphic" and not (all(_is_complex(p) for p in leaves) and complex_out):
-        raise ValueError(
-            f"{where}: mode='holomorphic' needs complex parameters (every leaf) and a complex output; "
-            f"got output dtype {out_dtype} and parameter dtypes "
-            f"{sorted({str(jnp.result_type(p)) for p in leaves})}. Fix: use mode='complex'."
-        )
-    return mode
-
-
-def _k(mode: str) -> int:
-    """Output components per sample: 2 in 'complex' mode (Re, Im), else 1."""
-    return 2 if mode == "complex" else 1
-
-
-def _theta(mode: str, params: Any) -> Any:
-    """The parametrisation differentiated: complex leaves split into (re, im), except 'holomorphic'."""
-    return params if mode == "holomorphic" else to_rep("complex", params)
-
-
-def _rows(fun: Callable, mode: str, params: Any) -> Callable:
-    """``f(theta, batch) -> (batch, K)``: the mode's output components as functions of ``theta``."""
-
-    def f(theta, x):
-        p = theta if mode == "holomorphic" else cast_like(from_rep("complex", theta), params)
-        out = fun(p, x)
-        if mode == "complex":
-            return jnp.stack([jnp.real(out), jnp.imag(out)], axis=-1)
-        if mode == "real":
-            return jnp.real(out)[:, None]
-        return out[:, None]
-
-    return f
-
-
-def _jacobian(f: Callable, theta: Any, x: Any, mode: str) -> Any:
-    """Per-sample Jacobians of ``f``: leaves of shape ``(batch, K, *leaf)`` (vmap of one-sample jacrev)."""
-
-    def one(xi):
-        row = lambda t: f(t, jax.tree.map(lambda a: a[None], xi))[0]
-        return jax.jacrev(row, holomorphic=mode == "holomorphic")(theta)
-
-    return jax.vmap(one)(x)
-
-
-def _contract(a: Any, b: Any, k: int) -> jax.Array:
-    r""":math:`A B^\dagger` over all parameters: ``(n_a, K, n_b, K)`` from leaves ``(n, K, *leaf)``."""
-    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    na, nb = la[0].shape[0], lb[0].shape[0]
-    total = None
-    for x, y in zip(la, lb):
-        blk = x.reshape(na * k, -1) @ jnp.conj(y.reshape(nb * k, -1)).T
-        total = blk if total is None else total + blk
-    return total.reshape(na, k, nb, k)
-
-
-def _mean_jacobian(f: Callable, theta: Any, samples: Any, n: int, mode: str, most: int) -> Any:
-    """NetKet's estimate of the mean Jacobian: over ``min(n, 32, most)`` samples evenly strided (``most``
-    the chunk, so that no batch exceeds it), by pullbacks (leaves ``(K, *leaf)``); it only needs to
-    remove the bulk of the common part (it cancels exactly in the centred kernel)."""
-    k = min(n, SHIFT_SAMPLES, most)
-    idx = jnp.arange(k) * (n // k)
-    subset = jax.tree.map(lambda a: a[idx], samples)
-    out, pull = jax.vjp(lambda t: f(t, subset), theta)
-    eye = jnp.eye(out.shape[1], dtype=out.dtype)
-    cts = jnp.broadcast_to(eye[:, None, :] / k, (out.shape[1], *out.shape))
-    (mean,) = jax.vmap(pull)(cts)
-    return jax.lax.stop_gradient(mean)
 
 
 @jax.tree_util.register_dataclass
@@ -182,12 +101,12 @@ class NTKOperator(AbstractOperator):
     @property
     def dim(self) -> int:
         """N·K: the side of the matrix (2N in 'complex' mode)."""
-        return self.problem.n * _k(self.mode)
+        return self.problem.n * k_of(self.mode)
 
     @property
     def dtype(self) -> Any:
         """The matrix dtype: complex in 'holomorphic' mode, else the real dtype of the parameters."""
-        return _vector_dtype(self.mode, self.params)
+        return vector_dtype(self.mode, self.params)
 
     def __matmul__(self, v: Any) -> jax.Array:
         r""":math:`T v`: one vjp pass and one jvp pass over the samples, no N×N storage.
@@ -211,18 +130,26 @@ class NTKOperator(AbstractOperator):
         *,
         solver: Any = None,
         x0: Any = None,
-        tol: float = 1e-10,
+        tol: float = 1e-5,
         atol: float = 0.0,
         maxiter: int | None = None,
     ) -> tuple[jax.Array, Any]:
         r"""Solves :math:`T x = b`.
+
+        The solution is differentiable in ``b`` and in the operator's leaves (parameters, samples,
+        ``diag_shift``): the dense solve through its factorisation, the conjugate gradient implicitly
+        (``jax.lax.custom_linear_solve``: the tangent is one more solve, not the iterations), as
+        :meth:`vmcgrad.QGTOperator.solve`.
 
         Args:
             b: right-hand side, shape ``(dim,)``.
             solver: None for a Cholesky solve of :meth:`to_dense`; a NetKet-style dense solver
                 ``solver(A, b) -> x`` or ``(x, info)`` (e.g. ``netket.optimizer.solver.cholesky``);
                 or ``"cg"``: vmcgrad's conjugate gradient on :meth:`__matmul__` (matrix-free).
-            x0, tol, atol, maxiter: for ``"cg"`` only (see :meth:`vmcgrad.QGTOperator.solve`).
+            x0, tol, atol, maxiter: for ``"cg"`` only, with the defaults of
+                :meth:`vmcgrad.QGTOperator.solve` (and ``jax.scipy.sparse.linalg.cg``): stop when
+                :math:`\lVert r\rVert \le \max(\mathrm{tol}\lVert b\rVert, \mathrm{atol})`;
+                ``maxiter`` None means ``10 * dim``.
 
         Returns:
             ``(x, info)``: ``info`` a :class:`vmcgrad.CGInfo` for ``"cg"``, the dense solver's info
@@ -245,12 +172,12 @@ class NTKOperator(AbstractOperator):
         if not isinstance(v, jax.Array) or v.shape != (self.dim,):
             raise ValueError(
                 f"{where}: `{name}` must be a vector of shape ({self.dim},) (N·K = {self.n_samples}·"
-                f"{_k(self.mode)} in mode {self.mode!r}); got {check.describe(v)}. Fix: pass one entry per "
+                f"{k_of(self.mode)} in mode {self.mode!r}); got {check.describe(v)}. Fix: pass one entry per "
                 "sample (and per real/imaginary part in 'complex' mode, interleaved as NetKet does)."
             )
-        if not jnp.issubdtype(v.dtype, jnp.inexact) or (_is_complex(v) and not _is_complex(dtype)):
+        if not jnp.issubdtype(v.dtype, jnp.inexact) or (is_complex(v) and not is_complex(dtype)):
             raise TypeError(
-                f"{where}: `{name}` must be a {'complex' if _is_complex(dtype) else 'real'} floating "
+                f"{where}: `{name}` must be a {'complex' if is_complex(dtype) else 'real'} floating "
                 f"vector ({dtype}); got {check.describe(v)}. Fix: pass v.astype({jnp.dtype(dtype).name!r})."
             )
         return v.astype(dtype)
@@ -278,28 +205,13 @@ class NTKOperator(AbstractOperator):
     def _j(self, tangent: Any) -> jax.Array:
         r""":math:`\Delta J t` for a parameter-shaped ``t``, shape ``(N, K)``: one jvp pass."""
         _, y = map_reduce_problem(self.problem, self.inputs, jvp_chunk, (tangent, self.problem.layout))
-        y = _components(self.mode, y)
+        y = components(self.mode, y)
         return y - jnp.mean(y, axis=0, keepdims=True)
 
     def _apply(self, v: jax.Array) -> jax.Array:
-        k, n = _k(self.mode), self.problem.n
+        k, n = k_of(self.mode), self.problem.n
         y = self._j(self._jdagger(v.reshape(n, k))) / n
         return (y.reshape(-1) + self.diag_shift * v).astype(v.dtype)
-
-
-def _components(mode: str, y: jax.Array) -> jax.Array:
-    """A per-sample output ``(N,)`` as the mode's ``(N, K)`` components."""
-    if mode == "complex":
-        return jnp.stack([jnp.real(y), jnp.imag(y)], axis=-1)
-    if mode == "real":
-        return jnp.real(y)[:, None]
-    return y[:, None]
-
-
-def _vector_dtype(mode: str, params: Any) -> Any:
-    dtype = jnp.result_type(*jax.tree.leaves(params))
-    real = jnp.finfo(dtype).dtype
-    return jnp.result_type(real, jnp.complex64) if mode == "holomorphic" else real
 
 
 def _check_solver(where: str, solver: Any) -> Any:
@@ -372,7 +284,7 @@ def NTK(
         _NAME, logpsi, params, samples, chunk_size=chunk_size, memory_budget=memory_budget, arg="logpsi"
     )
     mode = choose_ntk_mode(_NAME, inputs.params, prob.out_dtype, mode)
-    real = jnp.finfo(_vector_dtype(mode, inputs.params)).dtype
+    real = jnp.finfo(vector_dtype(mode, inputs.params)).dtype
     diag_shift = check.check_nonnegative_scalar(_NAME, "diag_shift", diag_shift, real)
     return NTKOperator(inputs=inputs, diag_shift=diag_shift, problem=prob, mode=mode)
 
@@ -412,28 +324,29 @@ def dense_chunk(
     which reuses them. A row chunk starting at global sample :math:`g` thus derives about
     :math:`N - g` column Jacobians, not :math:`N`.
     """
-    f = _rows(fun, mode, params)
-    theta = _theta(mode, params)
-    k = _k(mode)
-    rows = jax.tree.map(lambda j, s: j - s, _jacobian(f, theta, x, mode), shift)
+    f = rows_fun(fun, mode, params)
+    theta = theta_of(mode, params)
+    k = k_of(mode)
+    c = jax.tree.leaves(x)[0].shape[0]
+    rows = jax.tree.map(lambda j, s: j - s, jacobian(f, theta, x, mode, jacobian_batch(c)), shift)
     n_pad = jax.tree.leaves(all_x)[0].shape[0]
     blocks = n_pad // cols
-    c = jax.tree.leaves(x)[0].shape[0]
     dtype = jax.tree.leaves(rows)[0].dtype
     if blocks == 1:  # one chunk, one block (c == N): the chunk's rows are all the samples
-        return (), _contract(rows, rows, k)[:, :, :n, :]
+        return (), contract(rows, rows, k)[:, :, :n, :]
     # The first block with a column >= the smallest counted row (none for a chunk without one).
     first = jnp.min(jnp.where(w > 0, index, n_pad)) // cols
 
     def block(i, out):
         def derived():
             xc = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, i * cols, cols), all_x)
-            col = jax.tree.map(lambda j, s: j - s, _jacobian(f, theta, xc, mode), shift)
-            return _contract(rows, col, k)
+            col = jacobian(f, theta, xc, mode, jacobian_batch(cols))
+            col = jax.tree.map(lambda j, s: j - s, col, shift)
+            return contract(rows, col, k)
 
         # A chunk starting at block i's first sample holds its samples (rows padded to the device
         # count repeat the last sample, as all_x's padding does): its own Jacobians.
-        own = (lambda: _contract(rows, rows, k)) if c == cols else derived
+        own = (lambda: contract(rows, rows, k)) if c == cols else derived
         skip = lambda: jnp.zeros((c, k, cols, k), dtype)
         which = jnp.where(i < first, 0, jnp.where(index[0] == i * cols, 1, 2))
         return jax.lax.dynamic_update_slice_in_dim(
@@ -448,12 +361,12 @@ def dense_chunk(
 @partial(jax.jit, static_argnums=0)
 def _dense_program(prob: Problem, op: NTKOperator) -> jax.Array:
     op = op._at(prob)
-    n, k, mode = prob.n, _k(op.mode), op.mode
-    f = _rows(op._fun(), mode, op.params)
-    theta = _theta(mode, op.params)
+    n, k, mode = prob.n, k_of(op.mode), op.mode
+    f = rows_fun(op._fun(), mode, op.params)
+    theta = theta_of(mode, op.params)
     cols = _column_chunk(prob)
     samples = unsplit_explicit(op.samples)  # all of them go to every device anyway
-    shift = _mean_jacobian(f, theta, samples, n, mode, cols)
+    shift = mean_jacobian(f, theta, samples, n, mode, cols)
     n_pad = -(-n // cols) * cols
     all_x = jax.tree.map(lambda a: jnp.concatenate([a, jnp.repeat(a[-1:], n_pad - n, axis=0)]), samples)
     chunk = partial(dense_chunk, mode=mode, cols=cols, n=n)
@@ -518,7 +431,7 @@ def _dense_solve_program(prob: Problem, op: NTKOperator, b: jax.Array, solver: A
 @partial(jax.jit, static_argnums=0)
 def _cg_program(prob: Problem, op: NTKOperator, b, x0, tol, atol, maxiter) -> tuple[jax.Array, CGInfo]:
     op = op._at(prob)
-    return cg(partial(_product, op), b, x0, tol=tol, atol=atol, maxiter=maxiter)
+    return differentiable_cg(partial(_product, op), b, x0, tol=tol, atol=atol, maxiter=maxiter)
 
 
 @jax.jit
@@ -527,152 +440,3 @@ def _product(op: NTKOperator, v: jax.Array) -> jax.Array:
     calls it three times (its loop, ``x0``'s residual, the final residual check), each two passes
     (tests/test_ntk.py::test_cg_solve_traces_the_product_once)."""
     return op._apply(v)
-
-
-# --- the sample-space SR update ----------------------------------------------------------------------
-
-_UPDATE = "vmcgrad.minsr_update"
-
-
-def minsr_update(
-    logpsi: Any,
-    params: Any,
-    samples: Any,
-    local_energies: Any,
-    *,
-    diag_shift: float | jax.Array,
-    mode: str | None = None,
-    proj_reg: float | jax.Array | None = None,
-    momentum: float | jax.Array | None = None,
-    old_updates: Any = None,
-    solver: Any = None,
-    chunk_size: int | str | None = None,
-    memory_budget: float | None = None,
-    tol: float = 1e-10,
-    maxiter: int | None = None,
-) -> tuple[Any, Any, Any]:
-    r"""The update of sample-space stochastic reconfiguration (MinSR, SPRING), as NetKet's ``VMC_SR``.
-
-    .. math::
-
-        \varepsilon = \frac{2}{\sqrt N}\big(E_\mathrm{loc} - \bar E\big)
-                      - \mu\,\frac{\Delta J\,\delta_\mathrm{old}}{\sqrt N},
-        \qquad
-        x = \Big(T + \lambda\mathbb 1 + \frac{r}{N}\mathbf 1\mathbf 1^T\Big)^{-1} \varepsilon,
-
-        \delta\theta = \frac{1}{\sqrt N}\Delta J^\dagger x + \mu\, \delta_\mathrm{old},
-
-    with :math:`T` the kernel of :func:`NTK` in the mode's representation (:math:`\varepsilon` split
-    into (Re, Im) per sample in 'complex' mode, its real part in 'real' mode), :math:`\lambda` =
-    ``diag_shift``, :math:`r` = ``proj_reg`` and :math:`\mu` = ``momentum`` (NetKet's ``srt`` and
-    ``srt_onthefly``; by the push-through identity it equals the parameter-space SR update
-    :math:`(S + \lambda)^{-1} F`-direction when :math:`\mu = 0`). :math:`\Delta J^\dagger x` is one chunked
-    pullback with one reduction, the path of :func:`vmcgrad.batched_vjp`.
-
-    Args:
-        logpsi, params, samples, chunk_size, mode, memory_budget: as for :func:`NTK`.
-        local_energies: :math:`E_\mathrm{loc}(\sigma_i)`, shape ``(N,)``.
-        diag_shift: :math:`\lambda \ge 0`.
-        proj_reg: :math:`r \ge 0` or None (changes nothing in exact arithmetic: :math:`\varepsilon`
-            and the solution are orthogonal to the constant vectors; it regularises the solver).
-        momentum: :math:`\mu` (SPRING) or None.
-        old_updates: :math:`\delta_\mathrm{old}`, a pytree like ``params`` (the previous call's second
-            result), or None for zeros. Only read with ``momentum``.
-        solver: None (Cholesky of the dense kernel), a NetKet-style dense solver ``solver(A, b)``, or
-            ``"cg"``: matrix-free conjugate gradient on ``T @ v`` (no N×N matrix stored).
-        tol, maxiter: for ``"cg"``.
-
-    Returns:
-        ``(updates, old_updates, info)``: ``updates`` a pytree like ``params`` (apply it with the
-        optimiser as NetKet does, :math:`\theta \leftarrow \theta - \eta\,\delta\theta`); ``old_updates``
-        the same pytree with ``momentum`` (else None); ``info`` the solver's info or None.
-
-    Raises:
-        TypeError, ValueError: for bad input, before anything is traced.
-        TypeError: when differentiated (see the message for the alternative).
-    """
-    name = _UPDATE
-    prob, inputs, _ = problem(
-        name, logpsi, params, samples, chunk_size=chunk_size, memory_budget=memory_budget, arg="logpsi"
-    )
-    mode = choose_ntk_mode(name, inputs.params, prob.out_dtype, mode)
-    real = jnp.finfo(_vector_dtype(mode, inputs.params)).dtype
-    local_energies = check.as_arrays(name, "local_energies", local_energies)
-    if isinstance(local_energies, jax.Array):
-        local_energies = local_energies.reshape(-1) if local_energies.size == prob.n else local_energies
-    check.check_local_values(name, local_energies, prob.n)
-    diag_shift = check.check_nonnegative_scalar(name, "diag_shift", diag_shift, real)
-    if proj_reg is not None:
-        proj_reg = check.check_nonnegative_scalar(name, "proj_reg", proj_reg, real, example="1.0")
-    if momentum is not None:
-        momentum = check.check_nonnegative_scalar(name, "momentum", momentum, real, example="0.8")
-        if old_updates is not None:
-            old_updates = check.as_arrays(name, "old_updates", old_updates)
-            check.check_tangent(name, old_updates, inputs.params)
-    else:
-        old_updates = None
-    solver = _check_solver(name, solver)
-    tol, atol = check.check_tolerances(name, tol, 0.0)
-    maxiter = check.check_maxiter(name, maxiter, default=10 * prob.n * _k(mode))
-    op = NTKOperator(inputs=inputs, diag_shift=diag_shift, problem=prob, mode=mode)
-    cg_opts = (tol, atol, maxiter)
-    return call(_update_program, prob, op, local_energies, proj_reg, momentum, old_updates, solver, cg_opts)
-
-
-def _refuse_jvp(primals, tangents):
-    del primals, tangents
-    raise TypeError(
-        f"{_UPDATE}: differentiating through the sample-space SR update is not supported. Fix: "
-        "differentiate the parameter-space form, which is the same vector when momentum is None "
-        "(push-through identity): vmcgrad.QGT(logpsi, params, samples, diag_shift=λ).solve(F) with "
-        "F the force (vmcgrad.expect_grad), whose solve is differentiated implicitly; or wrap the "
-        "update in jax.lax.stop_gradient if no derivative is needed."
-    )
-
-
-@partial(jax.jit, static_argnums=(0, 6))
-def _update_program(
-    prob: Problem, op: NTKOperator, e_loc, proj_reg, momentum, old_updates, solver, cg_opts
-) -> tuple[Any, Any, Any]:
-    @jax.custom_jvp
-    def run(op, e_loc, proj_reg, momentum, old_updates, cg_opts):
-        return _update(op._at(prob), e_loc, proj_reg, momentum, old_updates, solver, cg_opts)
-
-    run.defjvp(_refuse_jvp)
-    return run(op, e_loc, proj_reg, momentum, old_updates, cg_opts)
-
-
-def _update(op: NTKOperator, e_loc, proj_reg, momentum, old_updates, solver, cg_opts):
-    n, k, mode = op.problem.n, _k(op.mode), op.mode
-    sqrt_n = math.sqrt(n)
-    dv = 2.0 * (e_loc - jnp.mean(e_loc)) / sqrt_n
-    if mode == "complex":
-        dv = jnp.stack([jnp.real(dv), jnp.imag(dv)], axis=-1)
-    elif mode == "real":
-        dv = jnp.real(dv)[:, None]
-    else:
-        dv = dv[:, None]
-    dv = dv.astype(op.dtype)
-    if momentum is not None and old_updates is not None:
-        dv = dv - momentum * op._j(old_updates) / sqrt_n
-    dv = dv.reshape(-1)
-    info = None
-    if solver == "cg":
-        tol, atol, maxiter = cg_opts
-        if proj_reg is None:
-            apply = partial(_product, op)
-        else:
-            apply = lambda v: _product(op, v) + proj_reg / n * jnp.sum(v)
-        x, info = cg(apply, dv, None, tol=tol, atol=atol, maxiter=maxiter)
-    else:
-        a = _dense_program(op.problem, op)
-        if proj_reg is not None:
-            a = a + proj_reg / n
-        x, info = _dense_solve(solver, a, dv)
-    x = x.reshape(n, k) / sqrt_n  # centred by _jdagger
-    updates = op._jdagger(x)
-    if momentum is not None:
-        if old_updates is not None:
-            updates = jax.tree.map(lambda u, o: u + momentum * o, updates, old_updates)
-        return updates, updates, info
-    return updates, None, info

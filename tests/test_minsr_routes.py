@@ -1,0 +1,169 @@
+"""The routes of ``vmcgrad.minsr_update`` (dense kernel, parameter-space matrix, matrix-free CG with the
+Nyström preconditioner), the rule that chooses them, and ``NTKOperator.solve``'s agreement with the QGT's.
+
+References: the dense-kernel route, itself equal to NetKet's ``srt`` (tests/test_ntk.py); dense kernels
+from ``vmcgrad.NTK(...).to_dense()`` (equal to jax.jacrev's, tests/test_ntk.py). N = 18 on 4 devices
+divides neither the devices nor the chunk 5.
+"""
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_tree_allclose
+from test_ntk import MODELS, _data, _logpsi, _params
+
+import vmcgrad
+from vmcgrad._sr import minsr, nystrom
+
+DIAG = 1e-3
+N = 18
+slow = pytest.mark.slow
+
+
+def _tree_norm(t):
+    return float(jnp.sqrt(sum(jnp.sum(jnp.abs(a) ** 2) for a in jax.tree.leaves(t))))
+
+
+def _tree_max_diff(a, b):
+    return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+#: (model, mode): complex (real parameters, complex output: K = 2, P = 29 < NK = 36) and holomorphic.
+ROUTE_CASES = [
+    ("r2c", "complex"),
+    ("holo", "holomorphic"),
+    pytest.param("real", "real", marks=slow),
+    pytest.param("nonholo", "complex", marks=slow),
+]
+
+
+@pytest.mark.parametrize("model,mode", ROUTE_CASES)
+def test_routes_equal_the_dense_kernel(model, mode):
+    """The parameter-space route (push-through identity) and the preconditioned CG route give the dense
+    route's update, with SPRING momentum, proj_reg and a given old_updates. CG's bound is derived:
+    with the true residual below tol·‖b‖ and ‖(T + λ + r/N 11ᵀ)⁻¹‖ ≤ 1/λ,
+    ‖δ_cg − δ‖ ≤ ‖ΔJ†/√N‖ ‖x_cg − x‖ ≤ √‖T‖ tol ‖b‖ / λ, ‖b‖ ≤ 2‖E − Ē‖/√N + μ √‖T‖ ‖δ_old‖."""
+    apply, cplx = MODELS[model]
+    params = _params(cplx)
+    x, e = _data(N)
+    lp = _logpsi(apply)
+    old = jax.tree.map(lambda a: 0.1 * jnp.cos(jnp.arange(a.size).reshape(a.shape)).astype(a.dtype), params)
+    kw = dict(diag_shift=DIAG, mode=mode, chunk_size=5, proj_reg=0.5, momentum=0.8, old_updates=old)
+    ref, _, _ = vmcgrad.minsr_update(lp, params, x, e, route="dense", **kw)
+    par, _, info = vmcgrad.minsr_update(lp, params, x, e, route="parameter", **kw)
+    assert info is None
+    assert_tree_allclose(par, ref, rtol=0, atol=1e-10)
+    tol = 1e-12
+    got, _, info = vmcgrad.minsr_update(lp, params, x, e, route="cg", tol=tol, **kw)
+    assert bool(info.converged)
+    t_norm = float(jnp.linalg.norm(vmcgrad.NTK(lp, params, x, mode=mode).to_dense(), 2))
+    e_c = e.real if mode == "real" else e
+    b_norm = 2 * float(jnp.linalg.norm(e_c - e_c.mean())) / np.sqrt(N) + 0.8 * np.sqrt(t_norm) * _tree_norm(
+        old
+    )
+    bound = np.sqrt(t_norm) * tol * b_norm / DIAG + 1e-10
+    assert _tree_max_diff(got, ref) <= bound, (_tree_max_diff(got, ref), bound)
+
+
+def _walk(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    yield from _walk(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    yield from _walk(sub)
+
+
+def _what_ran(f, *args):
+    """The sides of the matrices factorised by Cholesky and whether a while loop (CG) is traced."""
+    eqns = list(_walk(jax.make_jaxpr(f)(*args).jaxpr))
+    sides = sorted({e.invars[0].aval.shape[-1] for e in eqns if e.primitive.name == "cholesky"})
+    return sides, any(e.primitive.name == "while" for e in eqns)
+
+
+#: budget (bytes) -> the route and what it runs, for 'complex' mode at N = 18 (NK = 36) and P = 29:
+#: the parameter-space matrix and its factor need 2·29²·8 = 13 456 bytes, the kernel's 2·36²·8 = 20 736.
+BUDGET_ROUTES = [(2**20, "parameter", [29], False), (13_000, "cg", [], True)]
+
+
+@pytest.mark.parametrize("budget,route,sides,loop", BUDGET_ROUTES)
+def test_the_rule_chooses_the_route_that_runs(budget, route, sides, loop):
+    """choose_route picks the smaller dense system that fits the budget, else matrix-free CG; the traced
+    update holds exactly that route's factorisation (or CG's loop and none), and route= overrides."""
+    apply, _ = MODELS["r2c"]
+    params = _params(False)
+    x, e = _data(N)
+    lp = _logpsi(apply)
+    nk, p, itemsize = minsr.system_sizes("complex", N, params)
+    assert (nk, p, itemsize) == (36, 29, 8)
+    assert minsr.choose_route(nk, p, itemsize, budget) == route
+
+    def update(e, **kw):
+        return vmcgrad.minsr_update(lp, params, x, e, diag_shift=DIAG, chunk_size=5, **kw)[0]
+
+    assert _what_ran(lambda e: update(e, memory_budget=budget), e) == (sides, loop)
+    assert _what_ran(lambda e: update(e, memory_budget=budget, route="dense"), e) == ([36], False)
+
+
+def test_the_rule_on_sizes():
+    """The kernel when it is the smaller system, the parameter-space matrix when that is; CG when the
+    smaller does not fit; ties to the kernel."""
+    assert minsr.choose_route(100, 1000, 8, 2**30) == "dense"
+    assert minsr.choose_route(1000, 100, 8, 2**30) == "parameter"
+    assert minsr.choose_route(100, 100, 8, 2 * 100**2 * 8) == "dense"
+    assert minsr.choose_route(100, 100, 8, 2 * 100**2 * 8 - 1) == "cg"
+    assert minsr.choose_route(10**5, 10**6, 8, 2**30) == "cg"
+
+
+def test_nystrom_preconditioner():
+    """With every sample (r = N) the Nyström approximation is the kernel itself, so the preconditioned
+    matrix has two eigenvalues (1 on T's range, λ/(θ_min + λ) off it) and PCG stops within 3
+    iterations where plain CG takes many; M is Hermitian positive definite; the rank from the budget
+    is at most N/2, grows with the budget and is 0 when nothing fits."""
+    apply, _ = MODELS["r2c"]
+    params = _params(False)
+    x, e = _data(N)
+    lp = _logpsi(apply)
+    kw = dict(diag_shift=DIAG, chunk_size=5, route="cg", tol=1e-10)
+    _, _, full = vmcgrad.minsr_update(lp, params, x, e, nystrom_rank=N, **kw)
+    _, _, plain = vmcgrad.minsr_update(lp, params, x, e, nystrom_rank=None, **kw)
+    assert bool(full.converged) and bool(plain.converged)
+    assert int(full.iterations) <= 3 < 10 <= int(plain.iterations), (full.iterations, plain.iterations)
+
+    op = vmcgrad.NTK(lp, params, x, chunk_size=5, diag_shift=DIAG, mode="complex")
+    m = jax.jit(lambda op: jax.vmap(nystrom.build(op._at(op.problem), 6, 5))(jnp.eye(op.dim)))(op)
+    np.testing.assert_allclose(m, m.T, rtol=0, atol=1e-12 * float(jnp.max(jnp.abs(m))))
+    assert float(jnp.min(jnp.linalg.eigvalsh(m))) > 0
+
+    ranks = [nystrom.nystrom_rank(1000, 2, 10_000, 8, b) for b in (1e3, 1e6, 1e8, 1e10)]
+    assert ranks[0] == 0 and ranks[1] < ranks[2] < ranks[3] == 500, ranks
+
+
+def test_ntk_solve_agrees_with_the_qgt_solve():
+    """Same default tolerance as AbstractQGT.solve, and the CG solve is differentiated implicitly (a
+    reverse derivative through CG's loop is not defined): its gradient in the parameters and in b
+    equals the dense solve's."""
+    default = lambda f: inspect.signature(f).parameters["tol"].default
+    assert default(vmcgrad.NTKOperator.solve) == default(vmcgrad.QGTOperator.solve) == 1e-5
+    apply, _ = MODELS["r2c"]
+    params = _params(False)
+    x, _ = _data(N)
+    lp = _logpsi(apply)
+    b = jnp.cos(jnp.arange(2 * N) + 0.3)
+
+    def loss(p, b, **kw):
+        T = vmcgrad.NTK(lp, p, x, chunk_size=5, diag_shift=1e-1, mode="complex")
+        return jnp.sum(jnp.sin(T.solve(b, **kw)[0]))
+
+    ref = jax.grad(loss, argnums=(0, 1))(params, b)
+    got = jax.grad(partial_cg(loss), argnums=(0, 1))(params, b)
+    assert_tree_allclose(got, ref, rtol=0, atol=1e-8)
+
+
+def partial_cg(loss):
+    return lambda p, b: loss(p, b, solver="cg", tol=1e-13)

@@ -1,0 +1,317 @@
+r"""``minsr_update``: the sample-space SR (MinSR, SPRING) update of NetKet's ``VMC_SR``, by three routes.
+
+.. math::
+
+    \delta\theta = \frac{1}{\sqrt N}\Delta J^\dagger (T + \lambda)^{-1}\varepsilon + \mu\,\delta_\mathrm{old}
+                 = (S + \lambda)^{-1}\frac{\Delta J^\dagger\varepsilon}{\sqrt N} + \mu\,\delta_\mathrm{old},
+    \qquad T = \frac1N \Delta J\Delta J^\dagger,\quad S = \frac1N \Delta J^\dagger \Delta J
+
+(push-through identity; :math:`\varepsilon` already holds SPRING's
+:math:`-\mu\Delta J\delta_\mathrm{old}/\sqrt N`).
+The routes (:data:`ROUTES`), chosen by :func:`choose_route` unless given:
+
+* ``"dense"``: the :math:`NK \times NK` kernel :math:`T` in blocks (:mod:`vmcgrad._sr.ntk_dense`) and a
+  dense solve: per-sample Jacobians about :math:`N(1 + (N - c)/2c)`, then :math:`(NK)^3/3` for the factor;
+* ``"parameter"``: the :math:`P \times P` matrix :math:`S` from each row chunk's Jacobian (N per-sample
+  Jacobians, once each) and a dense solve, then :math:`P^3/3`: the cheaper one when :math:`P < NK`;
+* ``"cg"``: matrix-free conjugate gradient on :math:`T v` (one vjp and one jvp pass per iteration), with
+  the Nyström preconditioner of :mod:`vmcgrad._sr.nystrom` (r samples, r set by the budget): no N×N or
+  P×P matrix, for when neither fits.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.flatten_util import ravel_pytree
+
+from vmcgrad._chunks.budget import default_memory_budget
+from vmcgrad._chunks.plan import plan_chunks
+from vmcgrad._problem import validation as check
+from vmcgrad._problem.problem import Problem, call, problem
+from vmcgrad._problem.sharding import unsplit_explicit
+from vmcgrad._runner.primitive import map_reduce_problem
+from vmcgrad._runner.runner import REPLICATED
+from vmcgrad._sr import nystrom
+from vmcgrad._sr.ntk import NTKOperator, _check_solver, _dense_program, _dense_solve, _product
+from vmcgrad._sr.ntk_modes import (
+    choose_ntk_mode,
+    components,
+    jacobian,
+    jacobian_batch,
+    k_of,
+    mean_jacobian,
+    params_of,
+    rows_fun,
+    theta_of,
+    vector_dtype,
+)
+from vmcgrad._sr.solve import cg
+
+_UPDATE = "vmcgrad.minsr_update"
+ROUTES = ("dense", "parameter", "cg")
+
+
+def system_sizes(mode: str, n: int, params: Any) -> tuple[int, int, int]:
+    """``(NK, P, itemsize)``: the sides of the two dense systems, in the mode's parametrisation (P
+    counts real entries, a complex leaf twice, except in 'holomorphic' mode), and bytes per entry."""
+    leaves = jax.tree.leaves(params)
+    split = mode != "holomorphic"
+    p = sum(x.size * (2 if split and jnp.iscomplexobj(x) else 1) for x in leaves)
+    itemsize = jnp.dtype(vector_dtype(mode, params)).itemsize
+    return n * k_of(mode), int(p), int(itemsize)
+
+
+def choose_route(nk: int, p: int, itemsize: int, budget: float) -> str:
+    r"""The route of the update, from the sizes of its two dense systems and the budget.
+
+    The smaller of the kernel (side :math:`NK`) and the parameter-space matrix (side :math:`P`) is
+    solved densely when it and its factor, :math:`2 d^2` entries, fit ``budget``: the smaller system
+    costs less to build (:math:`NKd` per sample against the other's larger side) and to factor
+    (:math:`d^3/3`), and both derive each row's Jacobian at most as often. Ties go to ``"dense"`` (the
+    kernel, NetKet's MinSR system). When the smaller does not fit, neither does the larger:
+    ``"cg"``, matrix-free.
+
+    Args:
+        nk: side of the kernel (N·K). p: side of the parameter-space matrix.
+        itemsize: bytes per entry. budget: bytes per device.
+    """
+    route, side = ("parameter", p) if p < nk else ("dense", nk)
+    return route if 2 * side * side * itemsize <= budget else "cg"
+
+
+def minsr_update(
+    logpsi: Any,
+    params: Any,
+    samples: Any,
+    local_energies: Any,
+    *,
+    diag_shift: float | jax.Array,
+    mode: str | None = None,
+    proj_reg: float | jax.Array | None = None,
+    momentum: float | jax.Array | None = None,
+    old_updates: Any = None,
+    solver: Any = None,
+    route: str | None = None,
+    nystrom_rank: int | str | None = "auto",
+    chunk_size: int | str | None = None,
+    memory_budget: float | None = None,
+    tol: float = 1e-10,
+    maxiter: int | None = None,
+) -> tuple[Any, Any, Any]:
+    r"""The update of sample-space stochastic reconfiguration (MinSR, SPRING), as NetKet's ``VMC_SR``.
+
+    .. math::
+
+        \varepsilon = \frac{2}{\sqrt N}\big(E_\mathrm{loc} - \bar E\big)
+                      - \mu\,\frac{\Delta J\,\delta_\mathrm{old}}{\sqrt N},
+        \qquad
+        x = \Big(T + \lambda\mathbb 1 + \frac{r}{N}\mathbf 1\mathbf 1^T\Big)^{-1} \varepsilon,
+
+        \delta\theta = \frac{1}{\sqrt N}\Delta J^\dagger x + \mu\, \delta_\mathrm{old},
+
+    with :math:`T` the kernel of :func:`NTK` in the mode's representation (:math:`\varepsilon` split
+    into (Re, Im) per sample in 'complex' mode, its real part in 'real' mode), :math:`\lambda` =
+    ``diag_shift``, :math:`r` = ``proj_reg`` and :math:`\mu` = ``momentum`` (NetKet's ``srt`` and
+    ``srt_onthefly``; by the push-through identity it equals
+    :math:`(S + \lambda)^{-1}\Delta J^\dagger\varepsilon/\sqrt N + \mu\delta_\mathrm{old}`, the
+    ``"parameter"`` route). :math:`\Delta J^\dagger x` is one chunked pullback with one reduction, the
+    path of :func:`vmcgrad.batched_vjp`.
+
+    Args:
+        logpsi, params, samples, chunk_size, mode, memory_budget: as for :func:`NTK`.
+        local_energies: :math:`E_\mathrm{loc}(\sigma_i)`, shape ``(N,)``.
+        diag_shift: :math:`\lambda \ge 0`.
+        proj_reg: :math:`r \ge 0` or None (changes nothing in exact arithmetic: :math:`\varepsilon`
+            and the solution are orthogonal to the constant vectors; it regularises the solver).
+        momentum: :math:`\mu` (SPRING) or None.
+        old_updates: :math:`\delta_\mathrm{old}`, a pytree like ``params`` (the previous call's second
+            result), or None for zeros. Only read with ``momentum``.
+        solver: the dense solver of the ``"dense"`` and ``"parameter"`` routes: None (Cholesky) or a
+            NetKet-style ``solver(A, b)``; or ``"cg"``, the same as ``route="cg"``.
+        route: ``"dense"`` (the N×N kernel in blocks), ``"parameter"`` (the P×P matrix) or ``"cg"``
+            (matrix-free), or None: :func:`choose_route` on N, P and the budget (``memory_budget``, else
+            the default budget), or ``"cg"`` when ``solver="cg"``.
+        nystrom_rank: samples of the ``"cg"`` route's Nyström preconditioner: ``"auto"``
+            (:func:`vmcgrad._sr.nystrom.nystrom_rank` of the budget, at most N/2), an int in ``[0, N]``,
+            or None / 0 for plain CG.
+        tol, maxiter: for ``"cg"`` (relative residual of the kernel system, iteration cap).
+
+    Returns:
+        ``(updates, old_updates, info)``: ``updates`` a pytree like ``params`` (apply it with the
+        optimiser as NetKet does, :math:`\theta \leftarrow \theta - \eta\,\delta\theta`); ``old_updates``
+        the same pytree with ``momentum`` (else None); ``info`` the solver's info (a
+        :class:`vmcgrad.CGInfo` for ``"cg"``) or None.
+
+    Raises:
+        TypeError, ValueError: for bad input, before anything is traced.
+        TypeError: when differentiated (see the message for the alternative).
+    """
+    name = _UPDATE
+    prob, inputs, _ = problem(
+        name, logpsi, params, samples, chunk_size=chunk_size, memory_budget=memory_budget, arg="logpsi"
+    )
+    mode = choose_ntk_mode(name, inputs.params, prob.out_dtype, mode)
+    real = jnp.finfo(vector_dtype(mode, inputs.params)).dtype
+    local_energies = check.as_arrays(name, "local_energies", local_energies)
+    if isinstance(local_energies, jax.Array):
+        local_energies = local_energies.reshape(-1) if local_energies.size == prob.n else local_energies
+    check.check_local_values(name, local_energies, prob.n)
+    diag_shift = check.check_nonnegative_scalar(name, "diag_shift", diag_shift, real)
+    if proj_reg is not None:
+        proj_reg = check.check_nonnegative_scalar(name, "proj_reg", proj_reg, real, example="1.0")
+    if momentum is not None:
+        momentum = check.check_nonnegative_scalar(name, "momentum", momentum, real, example="0.8")
+        if old_updates is not None:
+            old_updates = check.as_arrays(name, "old_updates", old_updates)
+            check.check_tangent(name, old_updates, inputs.params)
+    else:
+        old_updates = None
+    solver = _check_solver(name, solver)
+    route = resolve_route(name, route, solver, mode, prob.n, inputs.params, prob.memory_budget)
+    rank = _check_rank(name, nystrom_rank, route, mode, prob, inputs.params)
+    tol, atol = check.check_tolerances(name, tol, 0.0)
+    maxiter = check.check_maxiter(name, maxiter, default=10 * prob.n * k_of(mode))
+    op = NTKOperator(inputs=inputs, diag_shift=diag_shift, problem=prob, mode=mode)
+    how = (route, None if solver == "cg" else solver, rank)
+    cg_opts = (tol, atol, maxiter)
+    return call(_update_program, prob, op, local_energies, proj_reg, momentum, old_updates, how, cg_opts)
+
+
+def resolve_route(
+    where: str, route: Any, solver: Any, mode: str, n: int, params: Any, budget: float | None
+) -> str:
+    """The route the update takes: ``route`` checked, or :func:`choose_route` (``"cg"`` for
+    ``solver="cg"``)."""
+    if route is not None and (not isinstance(route, str) or route not in ROUTES):
+        raise ValueError(
+            f"{where}: `route` must be one of {ROUTES} or None; got {route!r}. Fix: leave it None to "
+            "choose from N, P and the memory budget."
+        )
+    if isinstance(solver, str):  # "cg"
+        if route not in (None, "cg"):
+            raise ValueError(
+                f"{where}: solver='cg' is the matrix-free route; got route={route!r} with it. Fix: pass "
+                "a dense solver (or None) with that route, or drop one of the two."
+            )
+        return "cg"
+    if route is not None:
+        return route
+    nk, p, itemsize = system_sizes(mode, n, params)
+    return choose_route(nk, p, itemsize, budget if budget is not None else default_memory_budget())
+
+
+def _check_rank(where: str, rank: Any, route: str, mode: str, prob: Problem, params: Any) -> int:
+    if rank is None or route != "cg":
+        return 0
+    if isinstance(rank, str) and rank == "auto":
+        _, p, itemsize = system_sizes(mode, prob.n, params)
+        budget = prob.memory_budget if prob.memory_budget is not None else default_memory_budget()
+        return nystrom.nystrom_rank(prob.n, k_of(mode), p, itemsize, budget)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank <= prob.n:
+        raise ValueError(
+            f"{where}: `nystrom_rank` must be 'auto', None or an int in [0, N = {prob.n}]; got {rank!r}. "
+            "Fix: nystrom_rank='auto' sizes it to the memory budget; 0 or None runs plain CG."
+        )
+    return rank
+
+
+def _refuse_jvp(primals, tangents):
+    del primals, tangents
+    raise TypeError(
+        f"{_UPDATE}: differentiating through the sample-space SR update is not supported. Fix: "
+        "differentiate the parameter-space form, which is the same vector when momentum is None "
+        "(push-through identity): vmcgrad.QGT(logpsi, params, samples, diag_shift=λ).solve(F) with "
+        "F the force (vmcgrad.expect_grad), whose solve is differentiated implicitly; or wrap the "
+        "update in jax.lax.stop_gradient if no derivative is needed."
+    )
+
+
+@partial(jax.jit, static_argnums=(0, 6))
+def _update_program(
+    prob: Problem, op: NTKOperator, e_loc, proj_reg, momentum, old_updates, how, cg_opts
+) -> tuple[Any, Any, Any]:
+    @jax.custom_jvp
+    def run(op, e_loc, proj_reg, momentum, old_updates, cg_opts):
+        return _update(op._at(prob), e_loc, proj_reg, momentum, old_updates, how, cg_opts)
+
+    run.defjvp(_refuse_jvp)
+    return run(op, e_loc, proj_reg, momentum, old_updates, cg_opts)
+
+
+def _update(op: NTKOperator, e_loc, proj_reg, momentum, old_updates, how, cg_opts):
+    route, solver, rank = how
+    n, k, mode = op.problem.n, k_of(op.mode), op.mode
+    sqrt_n = math.sqrt(n)
+    dv = components(mode, 2.0 * (e_loc - jnp.mean(e_loc)) / sqrt_n).astype(op.dtype)
+    if momentum is not None and old_updates is not None:
+        dv = dv - momentum * op._j(old_updates) / sqrt_n
+    info = None
+    if route == "parameter":
+        updates, info = _parameter_space(op, dv / sqrt_n, solver)
+    else:
+        dv = dv.reshape(-1)
+        if route == "cg":
+            x, info = _cg(op, dv, proj_reg, rank, cg_opts)
+        else:
+            a = _dense_program(op.problem, op)
+            if proj_reg is not None:
+                a = a + proj_reg / n
+            x, info = _dense_solve(solver, a, dv)
+        updates = op._jdagger(x.reshape(n, k) / sqrt_n)  # (centred by _jdagger)
+    if momentum is not None:
+        if old_updates is not None:
+            updates = jax.tree.map(lambda u, o: u + momentum * o, updates, old_updates)
+        return updates, updates, info
+    return updates, None, info
+
+
+def _cg(op: NTKOperator, dv: jax.Array, proj_reg, rank: int, cg_opts):
+    tol, atol, maxiter = cg_opts
+    n = op.problem.n
+    if proj_reg is None:
+        apply = partial(_product, op)
+    else:
+        apply = lambda v: _product(op, v) + proj_reg / n * jnp.sum(v)
+    cols = min(plan_chunks(op.problem.n_local, op.problem.chunk_size).size, n)
+    precondition = nystrom.build(op, rank, cols) if rank > 0 else None
+    return cg(apply, dv, None, tol=tol, atol=atol, maxiter=maxiter, M=precondition)
+
+
+def gram_chunk(fun, params, x, w, shift, *, mode: str) -> tuple[tuple, tuple]:
+    r"""One chunk's :math:`\sum_i w_i \tilde J_i^\dagger \tilde J_i` (``(P, P)``) and
+    :math:`\sum_i w_i \tilde J_i` (``(K, P)``), with :math:`\tilde J = J - s` in the mode's flat
+    parametrisation."""
+    f = rows_fun(fun, mode, params)
+    c, k = w.shape[0], k_of(mode)
+    rows = jacobian(f, theta_of(mode, params), x, mode, jacobian_batch(c))
+    rows = jax.tree.map(lambda j, s: j - s, rows, shift)
+    flat = jnp.concatenate([r.reshape(c, k, -1) for r in jax.tree.leaves(rows)], axis=-1)
+    flat = flat * w.astype(jnp.finfo(flat.dtype).dtype)[:, None, None]
+    mat = flat.reshape(c * k, -1)
+    return (jnp.conj(mat).T @ mat, jnp.sum(flat, axis=0)), ()
+
+
+def _parameter_space(op: NTKOperator, x: jax.Array, solver: Any) -> tuple[Any, Any]:
+    r""":math:`(S + \lambda)^{-1}\Delta J^\dagger x` for ``x`` of shape ``(N, K)``, parameter-shaped: the
+    matrix :math:`S` in one pass (each row chunk's Jacobian once), :math:`\Delta J^\dagger x` in one
+    vjp pass, a dense solve of side P."""
+    prob, mode = op.problem, op.mode
+    n = prob.n
+    f = rows_fun(op._fun(), mode, op.params)
+    theta = theta_of(mode, op.params)
+    cols = min(plan_chunks(prob.n_local, prob.chunk_size).size, n)
+    shift = mean_jacobian(f, theta, unsplit_explicit(op.samples), n, mode, cols)
+    (gram, total), _ = map_reduce_problem(
+        prob, op.inputs, partial(gram_chunk, mode=mode), (shift, REPLICATED)
+    )
+    mean = total / n
+    s = gram / n - jnp.conj(mean).T @ mean
+    s = s + op.diag_shift * jnp.eye(s.shape[0], dtype=s.dtype)
+    rhs, unravel = ravel_pytree(theta_of(mode, op._jdagger(x)))
+    delta, info = _dense_solve(solver, s.astype(rhs.dtype), rhs)
+    return params_of(mode, unravel(delta.astype(rhs.dtype)), op.params), info

@@ -1,0 +1,151 @@
+r"""The modes of sample-space SR (NetKet's ``VMC_SR`` conventions) and the per-sample Jacobians they take.
+
+A mode says which real (or, 'holomorphic', complex) rows a sample contributes to :math:`J` and with
+respect to which parametrisation :math:`\tilde\theta`:
+
+* 'real': :math:`K = 1` row, :math:`\mathrm{Re}\log\psi`; complex parameter leaves split into
+  (re, im);
+* 'complex': :math:`K = 2` rows, :math:`(\mathrm{Re}\log\psi, \mathrm{Im}\log\psi)`; complex leaves
+  split into (re, im);
+* 'holomorphic': :math:`K = 1` complex row, :math:`\log\psi` of the complex parameters themselves.
+
+:func:`components` is that map from a per-sample output to its K components, written once: the
+kernel's rows, the product :math:`\Delta J t` and the right-hand side of the update all use it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from vmcgrad._chunks.plan import cast_like
+from vmcgrad._sr.qgt_modes import from_rep, to_rep
+
+MODES = ("real", "complex", "holomorphic")
+#: Samples in NetKet's mean-Jacobian estimate (``srt_onthefly``'s ``n_subset``).
+SHIFT_SAMPLES = 32
+
+
+def is_complex(x: Any) -> bool:
+    """Whether ``x`` (an array or a dtype) is complex."""
+    return jnp.issubdtype(jnp.result_type(x), jnp.complexfloating)
+
+
+def choose_ntk_mode(where: str, params: Any, out_dtype: Any, mode: Any) -> str:
+    """NetKet's ``VMC_SR`` rule: 'real' if parameters and output are real, else 'complex'.
+
+    'real' keeps only :math:`\\mathrm{Re}\\log\\psi` (for real wave functions with a sign; NetKet's
+    ``VMC_SR(mode='real')``), 'complex' splits output and complex parameters into real and imaginary
+    parts, 'holomorphic' takes :math:`O = \\partial\\log\\psi/\\partial\\theta` of complex parameters.
+    """
+    leaves = jax.tree.leaves(params)
+    any_complex = any(is_complex(p) for p in leaves)
+    complex_out = jnp.issubdtype(out_dtype, jnp.complexfloating)
+    if mode is None:
+        return "complex" if (any_complex or complex_out) else "real"
+    if not isinstance(mode, str) or mode not in MODES:
+        raise ValueError(
+            f"{where}: `mode` must be one of {MODES} or None; got {mode!r}. Fix: leave it None to "
+            "choose as NetKet's VMC_SR does ('real' for real parameters and output, else 'complex')."
+        )
+    if mode == "holomorphic" and not (all(is_complex(p) for p in leaves) and complex_out):
+        raise ValueError(
+            f"{where}: mode='holomorphic' needs complex parameters (every leaf) and a complex output; "
+            f"got output dtype {out_dtype} and parameter dtypes "
+            f"{sorted({str(jnp.result_type(p)) for p in leaves})}. Fix: use mode='complex'."
+        )
+    return mode
+
+
+def k_of(mode: str) -> int:
+    """Output components per sample: 2 in 'complex' mode (Re, Im), else 1."""
+    return 2 if mode == "complex" else 1
+
+
+def components(mode: str, y: jax.Array) -> jax.Array:
+    """A per-sample output ``(N,)`` as the mode's ``(N, K)`` components (the one mode -> components map)."""
+    if mode == "complex":
+        return jnp.stack([jnp.real(y), jnp.imag(y)], axis=-1)
+    if mode == "real":
+        return jnp.real(y)[:, None]
+    return y[:, None]
+
+
+def vector_dtype(mode: str, params: Any) -> Any:
+    """The kernel's dtype: complex in 'holomorphic' mode, else the real dtype of the parameters."""
+    dtype = jnp.result_type(*jax.tree.leaves(params))
+    real = jnp.finfo(dtype).dtype
+    return jnp.result_type(real, jnp.complex64) if mode == "holomorphic" else real
+
+
+def theta_of(mode: str, params: Any) -> Any:
+    """The parametrisation differentiated: complex leaves split into (re, im), except 'holomorphic'."""
+    return params if mode == "holomorphic" else to_rep("complex", params)
+
+
+def params_of(mode: str, theta: Any, params: Any) -> Any:
+    """The inverse of :func:`theta_of`: a pytree like ``params`` (dtypes included)."""
+    return theta if mode == "holomorphic" else cast_like(from_rep("complex", theta), params)
+
+
+def rows_fun(fun: Callable, mode: str, params: Any) -> Callable:
+    """``f(theta, batch) -> (batch, K)``: the mode's output components as functions of ``theta``."""
+    return lambda theta, x: components(mode, fun(params_of(mode, theta, params), x))
+
+
+#: Rows of a chunk whose Jacobians are derived at once: 1/JACOBIAN_SPLIT of the chunk, at least
+#: :data:`JACOBIAN_BATCH_MIN` (see :func:`jacobian_batch`).
+JACOBIAN_SPLIT = 8
+JACOBIAN_BATCH_MIN = 16
+
+
+def jacobian_batch(rows: int) -> int:
+    """Samples whose Jacobians a chunk of ``rows`` derives at once: ``max(16, rows // 8)``, at most
+    ``rows``. A per-sample Jacobian's intermediates (a reverse pass per output component) can outweigh
+    the Jacobian itself many times (NetKet's GCNN on 6×6: about 10×), so deriving them in eighths keeps
+    a chunk's memory near that of its stored Jacobians, and the budget buys larger chunks: fewer
+    recomputed Jacobians in the dense kernel (``docs/performance.md``)."""
+    return min(rows, max(JACOBIAN_BATCH_MIN, rows // JACOBIAN_SPLIT))
+
+
+def jacobian(f: Callable, theta: Any, x: Any, mode: str, batch: int | None = None) -> Any:
+    """Per-sample Jacobians of ``f``: leaves of shape ``(rows, K, *leaf)`` (vmap of one-sample jacrev),
+    ``batch`` rows at a time (``lax.map``; None: all at once), so that the model's intermediates are
+    held for ``batch`` samples only, next to the Jacobians of all ``rows``."""
+
+    def one(xi):
+        row = lambda t: f(t, jax.tree.map(lambda a: a[None], xi))[0]
+        return jax.jacrev(row, holomorphic=mode == "holomorphic")(theta)
+
+    rows = jax.tree.leaves(x)[0].shape[0]
+    if batch is None or batch >= rows:
+        return jax.vmap(one)(x)
+    return jax.lax.map(one, x, batch_size=batch)
+
+
+def contract(a: Any, b: Any, k: int) -> jax.Array:
+    r""":math:`A B^\dagger` over all parameters: ``(n_a, K, n_b, K)`` from leaves ``(n, K, *leaf)``."""
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    na, nb = la[0].shape[0], lb[0].shape[0]
+    total = None
+    for x, y in zip(la, lb):
+        blk = x.reshape(na * k, -1) @ jnp.conj(y.reshape(nb * k, -1)).T
+        total = blk if total is None else total + blk
+    return total.reshape(na, k, nb, k)
+
+
+def mean_jacobian(f: Callable, theta: Any, samples: Any, n: int, mode: str, most: int) -> Any:
+    """NetKet's estimate of the mean Jacobian: over ``min(n, 32, most)`` samples evenly strided (``most``
+    the chunk, so that no batch exceeds it), by pullbacks (leaves ``(K, *leaf)``); it only needs to
+    remove the bulk of the common part (it cancels exactly in the centred kernel)."""
+    k = min(n, SHIFT_SAMPLES, most)
+    idx = jnp.arange(k) * (n // k)
+    subset = jax.tree.map(lambda a: a[idx], samples)
+    out, pull = jax.vjp(lambda t: f(t, subset), theta)
+    eye = jnp.eye(out.shape[1], dtype=out.dtype)
+    cts = jnp.broadcast_to(eye[:, None, :] / k, (out.shape[1], *out.shape))
+    (mean,) = jax.vmap(pull)(cts)
+    return jax.lax.stop_gradient(mean)
