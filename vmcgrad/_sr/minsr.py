@@ -37,7 +37,8 @@ from vmcgrad._problem.sharding import unsplit_explicit
 from vmcgrad._runner.primitive import map_reduce_problem
 from vmcgrad._runner.runner import REPLICATED
 from vmcgrad._sr import nystrom
-from vmcgrad._sr.ntk import NTKOperator, _check_solver, _dense_program, _dense_solve, _product
+from vmcgrad._sr.ntk import NTKOperator, _check_solver, _product
+from vmcgrad._sr.ntk_dense import dense_program, dense_solve
 from vmcgrad._sr.ntk_modes import (
     choose_ntk_mode,
     components,
@@ -258,10 +259,10 @@ def _update(op: NTKOperator, e_loc, proj_reg, momentum, old_updates, how, cg_opt
         if route == "cg":
             x, info = _cg(op, dv, proj_reg, rank, cg_opts)
         else:
-            a = _dense_program(op.problem, op)
+            a = dense_program(op.problem, op)
             if proj_reg is not None:
                 a = a + proj_reg / n
-            x, info = _dense_solve(solver, a, dv)
+            x, info = dense_solve(solver, a, dv)
         updates = op._jdagger(x.reshape(n, k) / sqrt_n)  # (centred by _jdagger)
     if momentum is not None:
         if old_updates is not None:
@@ -313,5 +314,5 @@ def _parameter_space(op: NTKOperator, x: jax.Array, solver: Any) -> tuple[Any, A
     s = gram / n - jnp.conj(mean).T @ mean
     s = s + op.diag_shift * jnp.eye(s.shape[0], dtype=s.dtype)
     rhs, unravel = ravel_pytree(theta_of(mode, op._jdagger(x)))
-    delta, info = _dense_solve(solver, s.astype(rhs.dtype), rhs)
+    delta, info = dense_solve(solver, s.astype(rhs.dtype), rhs)
     return params_of(mode, unravel(delta.astype(rhs.dtype)), op.params), info

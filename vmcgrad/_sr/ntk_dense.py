@@ -1,0 +1,168 @@
+r"""The dense centred kernel of :class:`vmcgrad.NTKOperator` in blocks, and its dense solve.
+
+:func:`dense_program` makes one pass over each device's rows, ``c`` at a time. For a chunk of rows the
+chunk's Jacobian :math:`J_{[k]}` (``c K × P``) is taken, then an inner loop walks the N samples
+(gathered once, before the pass) ``c`` columns at a time, taking each column chunk's Jacobian and the
+block :math:`U_{[k][l]} = (J_{[k]} - \mathbf 1 s^T)(J_{[l]} - \mathbf 1 s^T)^\dagger`, only for the
+column chunks on or above the diagonal (from the one holding the chunk's first counted row; the
+chunk's own columns from its rows): the uncentred kernel is Hermitian,
+:math:`U_{[l][k]} = U_{[k][l]}^\dagger`, so the blocks below are filled after the pass, by one
+transpose of the rows (an all-to-all over the devices). About half the column Jacobians are derived:
+on one device :math:`N + N(N - c)/2c` per-sample Jacobians (rows, then the column chunks not yet
+seen) instead of :math:`N + N^2/c` (NetKet's NTK: N); with one block (``c`` ≥ N), N.
+
+Memory: the Jacobians are derived :func:`~vmcgrad._sr.ntk_modes.jacobian_batch` samples at a time, so
+a chunk holds about :math:`2cKP` numbers of Jacobians and the model's intermediates for an eighth of
+it, plus the device's :math:`N_\text{local} K \times NK` rows and the buffer of their transpose
+(which XLA may reuse, see ``benchmarks/bench_minsr.py``). So the chunk that ``chunk_size="auto"``
+picks for a budget (the largest whose compiled program fits, the N×N kernel and, in
+:func:`vmcgrad.minsr_update`, its factor included) is bounded by the stored Jacobians, and the
+recomputation is as small as the budget allows. No collective runs per block. :math:`s` is NetKet's
+mean-Jacobian estimate (32 evenly strided samples): it does not change the centred kernel in exact
+arithmetic, and keeps its small eigenvalues in float32 (taken over at most ``c`` samples, so that no
+model call exceeds the chunk). The centring follows, as row and column means of the blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from vmcgrad._chunks.plan import plan_chunks
+from vmcgrad._problem.problem import Problem
+from vmcgrad._problem.sharding import explicit_sharding, unsplit_explicit
+from vmcgrad._runner.primitive import map_reduce_problem
+from vmcgrad._runner.runner import REPLICATED, SAMPLES
+from vmcgrad._sr.ntk_modes import contract, jacobian, jacobian_batch, k_of, mean_jacobian, rows_fun, theta_of
+
+
+def column_chunk(prob: Problem) -> int:
+    """Columns per block: the row chunk (at most N), or all N for one block."""
+    c = plan_chunks(prob.n_local, prob.chunk_size).size
+    return min(c, prob.n)
+
+
+def dense_chunk(
+    fun: Callable,
+    params: Any,
+    x: Any,
+    w: jax.Array,
+    index: jax.Array,
+    all_x: Any,
+    shift: Any,
+    *,
+    mode: str,
+    cols: int,
+    n: int,
+) -> tuple[tuple, jax.Array]:
+    r"""One chunk of rows of the uncentred kernel on and above the diagonal: ``(c, K, N, K)``.
+
+    With :math:`\tilde J_i = J_i - s` (``shift`` the mean-Jacobian estimate :math:`s`), the entries
+    :math:`U_{r a, s b} = \tilde J_{r a} \tilde J_{s b}^\dagger` of the chunk's rows :math:`r` are taken
+    for the column blocks of ``cols`` samples (``all_x``: all samples, padded to a multiple of ``cols``)
+    from the one holding :math:`r_0`, the smallest global index ``index`` of a counted row
+    (``w > 0``), to the last: every entry with :math:`s \ge r` of a counted row, and the blocks before
+    are left zero (:func:`_dense_program` fills :math:`s < r` from :math:`U_{s b, r a} =
+    \overline{U_{r a, s b}}`). A column block's Jacobians are derived from its samples, except the
+    block the chunk's own rows are (``c == cols`` and the chunk starts at the block's first sample),
+    which reuses them. A row chunk starting at global sample :math:`g` thus derives about
+    :math:`N - g` column Jacobians, not :math:`N`.
+    """
+    f = rows_fun(fun, mode, params)
+    theta = theta_of(mode, params)
+    k = k_of(mode)
+    c = jax.tree.leaves(x)[0].shape[0]
+    rows = jax.tree.map(lambda j, s: j - s, jacobian(f, theta, x, mode, jacobian_batch(c)), shift)
+    n_pad = jax.tree.leaves(all_x)[0].shape[0]
+    blocks = n_pad // cols
+    dtype = jax.tree.leaves(rows)[0].dtype
+    if blocks == 1:  # one chunk, one block (c == N): the chunk's rows are all the samples
+        return (), contract(rows, rows, k)[:, :, :n, :]
+    # The first block with a column >= the smallest counted row (none for a chunk without one).
+    first = jnp.min(jnp.where(w > 0, index, n_pad)) // cols
+
+    def block(i, out):
+        def derived():
+            xc = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, i * cols, cols), all_x)
+            col = jacobian(f, theta, xc, mode, jacobian_batch(cols))
+            col = jax.tree.map(lambda j, s: j - s, col, shift)
+            return contract(rows, col, k)
+
+        # A chunk starting at block i's first sample holds its samples (rows padded to the device
+        # count repeat the last sample, as all_x's padding does): its own Jacobians.
+        own = (lambda: contract(rows, rows, k)) if c == cols else derived
+        skip = lambda: jnp.zeros((c, k, cols, k), dtype)
+        which = jnp.where(i < first, 0, jnp.where(index[0] == i * cols, 1, 2))
+        return jax.lax.dynamic_update_slice_in_dim(
+            out, jax.lax.switch(which, (skip, own, derived)), i * cols, axis=2
+        )
+
+    # Static bounds (a scan, reverse-differentiable); the blocks before `first` are skipped.
+    out = jax.lax.fori_loop(0, blocks, block, jnp.zeros((c, k, n_pad, k), dtype))
+    return (), out[:, :, :n, :]
+
+
+@partial(jax.jit, static_argnums=0)
+def dense_program(prob: Problem, op: Any) -> jax.Array:
+    op = op._at(prob)
+    n, k, mode = prob.n, k_of(op.mode), op.mode
+    f = rows_fun(op._fun(), mode, op.params)
+    theta = theta_of(mode, op.params)
+    cols = column_chunk(prob)
+    samples = unsplit_explicit(op.samples)  # all of them go to every device anyway
+    shift = mean_jacobian(f, theta, samples, n, mode, cols)
+    n_pad = -(-n // cols) * cols
+    all_x = jax.tree.map(lambda a: jnp.concatenate([a, jnp.repeat(a[-1:], n_pad - n, axis=0)]), samples)
+    chunk = partial(dense_chunk, mode=mode, cols=cols, n=n)
+    index = (jnp.arange(n), SAMPLES)
+    _, t = map_reduce_problem(prob, op.inputs, chunk, index, (all_x, REPLICATED), (shift, REPLICATED))
+    if n_pad > cols:  # (with one column block every chunk took all its columns)
+        t = hermitian_fill(t)
+    # Centring without a dense centring matrix (NetKet's srt_onthefly): row and column means.
+    col_means = t.mean(axis=0, keepdims=True)
+    row_means = t.mean(axis=2, keepdims=True)
+    t = (t - col_means - row_means + col_means.mean(axis=2, keepdims=True)) / n
+    t = flatten(t)
+    return (t + op.diag_shift * jnp.eye(n * k, dtype=t.dtype)).astype(op.dtype)
+
+
+def flatten(t: jax.Array) -> jax.Array:
+    """``(N, K, N, K) -> (NK, NK)``, the rows split as ``t``'s (on Explicit axes, stated: JAX does not
+    infer the split of a merged dimension)."""
+    n, k = t.shape[:2]
+    sharding = explicit_sharding(t)
+    if sharding is None:
+        return t.reshape(n * k, n * k)
+    out = NamedSharding(sharding.mesh, P((*sharding.spec, None)[0], None))
+    return jax.lax.reshape(t, (n * k, n * k), out_sharding=out)
+
+
+def hermitian_fill(t: jax.Array) -> jax.Array:
+    r"""The kernel ``(N, K, N, K)`` from its entries with column :math:`s \ge` row :math:`r`:
+    :math:`U_{r a, s b} = \overline{U_{s b, r a}}` for :math:`s < r` (one transpose of the rows split
+    over the devices: one all-to-all, outside every loop)."""
+    n = t.shape[0]
+    upper = (jnp.arange(n)[None, :] >= jnp.arange(n)[:, None])[:, None, :, None]
+    lower = jnp.conj(jnp.transpose(t, (2, 3, 0, 1)))
+    sharding = explicit_sharding(t)
+    if sharding is not None:
+        # Explicit axes: the transpose and the mask are typed otherwise; select wants t's sharding
+        lower = jax.sharding.reshard(lower, sharding)
+        upper = jax.sharding.reshard(jnp.broadcast_to(upper, t.shape), sharding)
+    return jnp.where(upper, t, lower)
+
+
+def dense_solve(solver: Any, a: jax.Array, b: jax.Array) -> tuple[jax.Array, Any]:
+    a, b = unsplit_explicit((a, b))  # Explicit axes: factorisations take unsplit matrices (as NetKet's)
+    if solver is None:
+        return jax.scipy.linalg.cho_solve(jax.scipy.linalg.cho_factor(a, lower=True), b), None
+    out = solver(a, b)
+    if isinstance(out, tuple):
+        return out[0], out[1]
+    return out, None
