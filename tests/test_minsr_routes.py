@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_tree_allclose
-from test_ntk import MODELS, _data, _logpsi, _params
+from test_ntk import MODELS, _data, _logpsi, _params, netket_mesh  # noqa: F401  (the autouse mesh)
 
 import vmcgrad
 from vmcgrad._sr import minsr, nystrom
@@ -167,3 +167,46 @@ def test_ntk_solve_agrees_with_the_qgt_solve():
 
 def partial_cg(loss):
     return lambda p, b: loss(p, b, solver="cg", tol=1e-13)
+
+
+#: (route given, memory budget, the route logged): RBM(alpha=1) on 6 spins, P = 48 real parameters,
+#: N = 30 per device, real mode (K = 1): P < N, so the rule takes the parameter-space matrix when it fits
+#: (2·48²·8 = 36 864 bytes) and CG below that; route= overrides it.
+DRIVER_ROUTES = [
+    (None, None, "parameter"),
+    pytest.param(None, 30_000, "cg", marks=slow),
+    pytest.param("dense", None, "dense", marks=slow),
+]
+
+
+@pytest.mark.parametrize("route,budget,logged", DRIVER_ROUTES)
+def test_vmc_sr_logs_the_route_it_took(route, budget, logged):
+    """VMC_SR takes the rule's route (or the given one), logs it as ``minsr_route`` each step (and CG's
+    iterations as ``cg_iterations``), and its update is minsr_update's on that route."""
+    import optax
+
+    with jax.set_mesh(None):
+        import netket as nk
+
+        import vmcgrad.netket as vnk
+
+    hi = nk.hilbert.Spin(0.5, 6)
+    sampler = nk.sampler.MetropolisLocal(hi, n_chains=2 * jax.device_count())
+    vs = vnk.MCState(sampler, nk.models.RBM(alpha=1), n_samples=30 * jax.device_count(), seed=3, chunk_size=7)
+    H = nk.operator.Ising(hi, nk.graph.Chain(6), h=1.0)
+    drv = vnk.VMC_SR(
+        H,
+        optax.sgd(0.02),
+        diag_shift=1e-3,
+        variational_state=vs,
+        use_ntk=True,
+        route=route,
+        memory_budget=budget,
+    )
+    log = nk.logging.RuntimeLog()
+    drv.run(1, out=log, show_progress=False)
+    assert drv.route == logged
+    assert list(log.data["minsr_route"]["value"]) == [logged]
+    assert ("cg_iterations" in log.data) == (logged == "cg")
+    if logged == "cg":
+        assert 0 < int(log.data["cg_iterations"]["value"][0]) < 10 * vs.n_samples

@@ -38,6 +38,7 @@ from netket.utils import struct, timing
 
 import vmcgrad
 from vmcgrad._problem import validation as check
+from vmcgrad._sr import minsr
 from vmcgrad._warnings import VmcgradWarning
 
 from . import _nk_private as nkp
@@ -62,6 +63,12 @@ class VMC_SR(nk.driver.VMC_SR):
             ``memory_budget``; a budget with no chunk given means ``"auto"``); with ``grow_samples`` and a
             dense solver, also the cap on N: the N×N kernel and its factor,
             :math:`2 (kN)^2` numbers (:math:`k = 2` in the 'complex' mode), must fit in it.
+        route: the update's route (:func:`vmcgrad.minsr_update`): ``"dense"`` (the N×N kernel in blocks),
+            ``"parameter"`` (the P×P matrix: the cheaper dense system when P < N·K), ``"cg"``
+            (matrix-free, Nyström-preconditioned), or None: chosen each step from N, P and
+            ``memory_budget`` (:func:`vmcgrad._sr.minsr.choose_route`: the smaller dense system whose
+            matrix and factor fit the budget, else ``"cg"``). The route taken is logged each step as
+            ``minsr_route`` (and CG's iterations as ``cg_iterations``) and kept in :attr:`route`.
         grow_samples: a :class:`GrowSamples` rule: N is multiplied by its ``factor`` (a multiple of
             the sampler's chains) whenever the energy has settled to its error bar over its
             ``window`` of steps, up to its ``max_samples`` and to what ``memory_budget`` holds (the
@@ -82,6 +89,9 @@ class VMC_SR(nk.driver.VMC_SR):
     _grow_history: Any = struct.field(pytree_node=False, default=None)
     grown: Any = struct.field(pytree_node=False, default=None)
     _n_sampled: Any = struct.field(pytree_node=False, default=None)
+    _route: Any = struct.field(pytree_node=False, default=None)
+    route: Any = struct.field(pytree_node=False, default=None)
+    _cg_iterations: Any = struct.field(pytree_node=False, default=None)
 
     def __init__(
         self,
@@ -93,6 +103,7 @@ class VMC_SR(nk.driver.VMC_SR):
         linear_solver: Any = nk.optimizer.solver.cholesky_with_fallback,
         memory_budget: float | None = None,
         grow_samples: GrowSamples | None = None,
+        route: str | None = None,
         **kwargs: Any,
     ):
         if isinstance(variational_state, nk.vqs.FullSumState) and kwargs.get("use_ntk"):
@@ -111,6 +122,11 @@ class VMC_SR(nk.driver.VMC_SR):
             raise TypeError(
                 f"{NAME}: `grow_samples` needs a sampled state (an MCState); got "
                 f"{type(variational_state).__name__}, which has no number of samples to raise."
+            )
+        if route is not None and route not in minsr.ROUTES:
+            raise ValueError(
+                f"{NAME}: `route` must be one of {minsr.ROUTES} or None; got {route!r}. Fix: leave it None "
+                "to choose each step from N, P and the memory budget."
             )
         chunk = check.check_chunk_size(NAME, chunk_size_bwd)
         budget = check.check_memory_budget(NAME, memory_budget)
@@ -147,6 +163,9 @@ class VMC_SR(nk.driver.VMC_SR):
             # vmcgrad's SPRING buffer: a pytree like the parameters (None: zeros).
             self._old_updates = None
         self._grow, self._grow_history, self.grown = grow_samples, [], []
+        if use_cg and route not in (None, "cg"):
+            raise ValueError(f"{NAME}: linear_solver='cg' is the matrix-free route; got route={route!r}.")
+        self._route = route
 
     @timing.timed
     def compute_loss_and_update(self):
@@ -175,20 +194,27 @@ class VMC_SR(nk.driver.VMC_SR):
         samples = self.state.samples
         samples = jax.lax.collapse(samples, 0, samples.ndim - 1)  # (chains, per chain, ...) -> rows
         logpsi = log_psi(nkp.apply_fun(self.state), self.state.model_state)
+        solver = "cg" if self._cg else self._linear_solver
+        mode = str(self.mode)  # NetKet's JacobianMode
+        self.route = minsr.resolve_route(
+            NAME, self._route, solver, mode, samples.shape[0], self.state.parameters, self._memory_budget
+        )
         self._dp, self._old_updates, info = vmcgrad.minsr_update(
             logpsi,
             self.state.parameters,
             samples,
             local_energies.reshape(-1),
             diag_shift=diag_shift,
-            mode=str(self.mode),  # NetKet's JacobianMode
+            mode=mode,
             proj_reg=proj_reg,
             momentum=momentum,
             old_updates=self._old_updates,
-            solver="cg" if self._cg else self._linear_solver,
+            solver=solver,
+            route=self.route,
             chunk_size=self.chunk_size_bwd,
             memory_budget=self._memory_budget,
         )
+        self._cg_iterations = int(info.iterations) if isinstance(info, vmcgrad.CGInfo) else None
         self.info = info if isinstance(info, dict) and info else None
         self._n_sampled = self.state.n_samples
         self._grow_samples()
@@ -251,7 +277,7 @@ class VMC_SR(nk.driver.VMC_SR):
         """An upper bound on the N whose update fits ``memory_budget``: the dense N×N kernel and its
         factor alone must fit (None: no bound, with no budget or with the matrix-free ``"cg"`` solver,
         which stores no N×N matrix). A raise is then checked on the compiled program itself."""
-        if self._memory_budget is None or self._cg or not self.use_ntk:
+        if self._memory_budget is None or self._cg or self._route == "cg" or not self.use_ntk:
             return None
         params = jax.tree_util.tree_leaves(self.state.parameters)
         complex_params = any(jax.numpy.iscomplexobj(p) for p in params)
@@ -263,6 +289,10 @@ class VMC_SR(nk.driver.VMC_SR):
 
     def _log_additional_data(self, log_dict: dict):
         super()._log_additional_data(log_dict)
+        if self.use_ntk and self.route is not None:
+            log_dict["minsr_route"] = self.route
+            if self._cg_iterations is not None:
+                log_dict["cg_iterations"] = self._cg_iterations
         if self._grow is not None:
             log_dict["n_samples"] = self._n_sampled  # this step's N (the next one may be raised)
 
