@@ -210,3 +210,40 @@ def test_vmc_sr_logs_the_route_it_took(route, budget, logged):
     assert ("cg_iterations" in log.data) == (logged == "cg")
     if logged == "cg":
         assert 0 < int(log.data["cg_iterations"]["value"][0]) < 10 * vs.n_samples
+
+
+def test_dense_blocks_sized_by_the_budget():
+    """With chunk_size="auto" the dense route's chunk is the largest whose whole update program (kernel
+    blocks, the N×N kernel, its factor, the pullback) fits the budget: at budgets near those fixed
+    chunks 4, 8 and 16 compile to, the compiled program and its temporaries stay within each budget and
+    the chosen chunk grows with the budget (N = 64; the last pass traced is the chosen program's).
+    The model is the r2c one with 256 hidden units (P = 1 541), so that a chunk's Jacobians, not the
+    64×64 kernel, set the memory."""
+    from netket_spy import vmcgrad_passes
+
+    apply, _ = MODELS["r2c"]
+    k = jax.random.split(jax.random.key(8), 3)
+    params = {
+        "w": 0.3 * jax.random.normal(k[0], (5, 256)),
+        "b": 0.1 * jax.random.normal(k[1], (256,)),
+        "a": 0.2 * jax.random.normal(k[2], (5,)),
+    }
+    x, e = _data(64)
+    lp = _logpsi(apply)
+
+    def compiled(chunk, budget=None):
+        def update(p, x, e):
+            kw = dict(diag_shift=DIAG, route="dense", chunk_size=chunk, memory_budget=budget)
+            return vmcgrad.minsr_update(lp, p, x, e, **kw)[0]
+
+        with vmcgrad_passes() as passes:
+            out = jax.jit(update).lower(params, x, e).compile()
+        return out, passes[-1].chunk_size
+
+    chosen = []
+    for c in (4, 8, 16):
+        budget = vmcgrad.program_bytes(compiled(c)[0])
+        program, chunk = compiled("auto", budget)
+        assert program.memory_analysis().temp_size_in_bytes <= vmcgrad.program_bytes(program) <= budget
+        chosen.append(chunk)
+    assert chosen == sorted(chosen) and chosen[0] < chosen[-1], chosen
