@@ -25,6 +25,15 @@ ALLOWED = {
     name: {"netket._src.ngd.sr_srt_common", "netket._src.ngd.srt_onthefly"}
     for name in ("large.py", "bench_minsr.py", "time_to_energy.py")
 } | {"bench_switch.py": {"vmcgrad._problem"}}
+#: MinSR's routes benchmark reads vmcgrad's rule and sizes (``_sr.minsr``, ``_sr.nystrom``), the chunk the
+#: budget picks (``_problem.problem``), toggles the Jacobian batches (``_sr.ntk_modes``) and runs the CG
+#: with a preconditioner (``_sr.solve``): the internals it measures, not public API.
+ALLOWED["bench_minsr_routes.py"] = {
+    "vmcgrad._sr",
+    "vmcgrad._problem",
+    "vmcgrad._chunks.budget",
+    "vmcgrad._sr.solve",
+}
 #: Private names a script may use: ``bench_switch.py --before`` turns vmcgrad's per-signature
 #: validation cache off (``vmcgrad._problem.problem``, the module allowed above) to time the per-step
 #: work that cache removed.

@@ -99,15 +99,17 @@ def rows_fun(fun: Callable, mode: str, params: Any) -> Callable:
 #: Rows of a chunk whose Jacobians are derived at once: 1/JACOBIAN_SPLIT of the chunk, at least
 #: :data:`JACOBIAN_BATCH_MIN` (see :func:`jacobian_batch`).
 JACOBIAN_SPLIT = 8
-JACOBIAN_BATCH_MIN = 16
+JACOBIAN_BATCH_MIN = 1
 
 
 def jacobian_batch(rows: int) -> int:
-    """Samples whose Jacobians a chunk of ``rows`` derives at once: ``max(16, rows // 8)``, at most
-    ``rows``. A per-sample Jacobian's intermediates (a reverse pass per output component) can outweigh
-    the Jacobian itself many times (NetKet's GCNN on 6×6: about 10×), so deriving them in eighths keeps
-    a chunk's memory near that of its stored Jacobians, and the budget buys larger chunks: fewer
-    recomputed Jacobians in the dense kernel (``docs/performance.md``)."""
+    """Samples whose Jacobians a chunk of ``rows`` derives at once: ``max(1, rows // 8)``.
+
+    A per-sample Jacobian's intermediates (a reverse pass per output component) can outweigh the
+    Jacobian itself many times (NetKet's GCNN on 6×6: about 10×), so deriving them in eighths keeps a
+    chunk's memory near that of its stored Jacobians, and a budget buys larger chunks: fewer
+    recomputed Jacobians in the dense kernel (``docs/performance.md``).
+    """
     return min(rows, max(JACOBIAN_BATCH_MIN, rows // JACOBIAN_SPLIT))
 
 

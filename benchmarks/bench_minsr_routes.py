@@ -1,0 +1,221 @@
+r"""MinSR's routes in time: the dense blocks at a budget, the Nyström-preconditioned CG, and the same
+preconditioner on the parameter-space QGT.
+
+Model: NetKet's ``GCNN`` on the 6×6 square lattice over its space group (288 symmetries), 2 layers of 4
+features (the CLI's ``gcnn``), complex parameters by default (P = 9 520 real entries, 'complex' mode,
+K = 2), float64; random configurations and random complex local energies (the timing does not depend
+on them). One device. Each timed call is one eager ``vmcgrad.minsr_update`` (compiled before timing),
+blocked on; candidates are called in turns, ``--repeats`` rounds, the median reported.
+
+Parts (``--part``):
+
+- ``blocks``: the dense route at the chunk ``chunk_size="auto"`` picks for the budget
+  :math:`B_q = \mathrm{Jacobian}/q + 2(NK)^2 \cdot 8` bytes (the N×P Jacobian's q-th part beside the
+  N×N kernel and its factor), for each ``--fractions`` q, against one block (``chunk_size=None``, no
+  budget). Prints the chosen chunk, the compiled bytes, the time and its ratio to one block.
+  ``--no-jacobian-batches`` derives each chunk's Jacobians all at once (the code before the
+  ``jacobian_batch`` split) for comparison.
+- ``cg``: CG iterations and update time at ``--n`` of the matrix-free route, plain and with the
+  Nyström preconditioner (``--ranks``; ``auto`` is the budget's), against the dense route (max. abs.
+  difference of the update too).
+- ``qgt``: the parameter-space QGT CG (``vmcgrad.QGT``, 'real' mode of the real parametrisation) at
+  ``--n``, plain and preconditioned by the subsampled QGT of r evenly strided samples,
+  :math:`M = (\frac1r \Delta J_S^\dagger \Delta J_S + \lambda)^{-1}` applied by Woodbury (the
+  parameter-space analogue of the Nyström preconditioner: an rK×rK system); iterations only.
+
+Usage (standalone; PYTHONPATH=. in a checkout)::
+
+    python benchmarks/bench_minsr_routes.py --part blocks --sizes 128 256 512 --fractions 1 2 4
+    python benchmarks/bench_minsr_routes.py --part cg --n 512 --ranks 0 auto --tol 1e-8
+    python benchmarks/bench_minsr_routes.py --part qgt --n 512 --ranks 0 128 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--part", choices=["blocks", "cg", "qgt"], default="blocks")
+    ap.add_argument("--sizes", type=int, nargs="+", default=[128, 256, 512], help="N of the blocks part")
+    ap.add_argument(
+        "--fractions", type=float, nargs="+", default=[1, 2, 4], help="q: budget = Jacobian/q + 2(NK)²·8"
+    )
+    ap.add_argument("--no-jacobian-batches", action="store_true")
+    ap.add_argument("--n", type=int, default=512, help="N of the cg and qgt parts")
+    ap.add_argument("--ranks", nargs="+", default=["0", "auto"], help="Nyström samples r (0: plain CG)")
+    ap.add_argument("--chunk", type=int, default=64, help="chunk of the cg and qgt parts")
+    ap.add_argument("--diag-shift", type=float, default=1e-3)
+    ap.add_argument("--tol", type=float, default=1e-8)
+    ap.add_argument("--param-dtype", default="complex128", choices=["complex128", "float64"])
+    ap.add_argument("--repeats", type=int, default=3)
+    return ap.parse_args(argv)
+
+
+def setup(n, param_dtype):
+    import jax
+    import jax.numpy as jnp
+    import netket as nk
+    import numpy as np
+
+    g = nk.graph.Square(6)
+    model = nk.models.GCNN(
+        symmetries=g.space_group(), layers=2, features=4, param_dtype=np.dtype(param_dtype)
+    )
+    hi = nk.hilbert.Spin(0.5, N=36)
+    x = jnp.asarray(hi.random_state(jax.random.key(0), n), jnp.float64)
+    params = model.init(jax.random.key(1), x[:2])["params"]
+    k1, k2 = jax.random.split(jax.random.key(2))
+    e = jax.random.normal(k1, (n,)) + 1j * jax.random.normal(k2, (n,))
+    return (lambda p, x: model.apply({"params": p}, x)), params, x, e
+
+
+def timed(calls, repeats):
+    """Median seconds of each zero-argument call (the harness's interleaved timing)."""
+    from benchlib import Candidate, measure
+
+    rows = measure("minsr_routes", {}, [Candidate(str(k), f) for k, f in calls.items()], repeats=repeats)
+    return {k: statistics.median(row.times) for k, row in zip(calls, rows)}
+
+
+def blocks(args):
+    import jax
+
+    import vmcgrad
+    from vmcgrad._problem import problem as problem_module
+    from vmcgrad._sr import minsr, ntk_modes
+
+    if args.no_jacobian_batches:
+        ntk_modes.JACOBIAN_BATCH_MIN = 1 << 40
+    print("| N | budget | chunk | compiled MiB | time per update (s) | × one block |")
+    print("|---|---|---|---|---|---|")
+    for n in args.sizes:
+        lp, params, x, e = setup(n, args.param_dtype)
+        nk_, p, itemsize = minsr.system_sizes("complex", n, params)
+        jac = nk_ * p * itemsize
+        kernel = 2 * nk_ * nk_ * itemsize
+        chosen, calls, nbytes = {}, {}, {}
+        for q in [None, *args.fractions]:
+            budget = None if q is None else int(jac / q + kernel)
+            kw = dict(diag_shift=args.diag_shift, route="dense", memory_budget=budget)
+            kw["chunk_size"] = None if q is None else "auto"
+            seen = []
+            at_chunk = problem_module.Problem.at_chunk
+            problem_module.Problem.at_chunk = lambda self, c, seen=seen, at=at_chunk: (
+                seen.append(c) or at(self, c)
+            )
+            try:
+                f = jax.jit(lambda p, x, e, kw=kw, lp=lp: vmcgrad.minsr_update(lp, p, x, e, **kw)[0])
+                nbytes[q] = vmcgrad.program_bytes(f.lower(params, x, e).compile())
+            finally:
+                problem_module.Problem.at_chunk = at_chunk
+            chosen[q] = seen[-1] if seen else n
+            calls[q] = lambda f=f, a=(params, x, e): f(*a)
+        times = timed(calls, args.repeats)
+        for q in [None, *args.fractions]:
+            label = (
+                "none (one block)"
+                if q is None
+                else f"Jacobian/{q:g} + kernel, factor: {_mib(jac / q + kernel)}"
+            )
+            print(
+                f"| {n} | {label} | {chosen[q]} | {_mib(nbytes[q])} | {times[q]:.3f} | "
+                f"{times[q] / times[None]:.2f} |",
+                flush=True,
+            )
+
+
+def _mib(b):
+    return f"{b / 2**20:.1f}"
+
+
+def cg_part(args):
+    import jax
+    import jax.numpy as jnp
+
+    import vmcgrad
+    from vmcgrad._chunks.budget import default_memory_budget
+    from vmcgrad._sr import minsr, nystrom
+
+    lp, params, x, e = setup(args.n, args.param_dtype)
+    n = args.n
+    _, p, itemsize = minsr.system_sizes("complex", n, params)
+    kw = dict(diag_shift=args.diag_shift, chunk_size=args.chunk)
+    calls = {"dense": lambda: vmcgrad.minsr_update(lp, params, x, e, route="dense", **kw)}
+    for r in args.ranks:
+        rank = r if r == "auto" else int(r)
+        calls[f"cg r={r}"] = lambda rank=rank: vmcgrad.minsr_update(
+            lp, params, x, e, route="cg", nystrom_rank=rank, tol=args.tol, **kw
+        )
+    results = {name: f() for name, f in calls.items()}
+    times = timed(calls, args.repeats)
+    ref = results["dense"][0]
+    auto = nystrom.nystrom_rank(n, 2, p, itemsize, default_memory_budget())
+    print(
+        f"N = {n}, P = {p}, diag_shift = {args.diag_shift}, tol = {args.tol}, chunk {args.chunk}, "
+        f"auto r = {auto}"
+    )
+    print("| route | CG iterations | converged | time per update (s) | × dense | max abs diff to dense |")
+    print("|---|---|---|---|---|---|")
+    for name, (u, _, info) in results.items():
+        diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(u), jax.tree.leaves(ref)))
+        its = "-" if info is None else int(info.iterations)
+        conv = "-" if info is None else bool(info.converged)
+        print(
+            f"| {name} | {its} | {conv} | {times[name]:.3f} | {times[name] / times['dense']:.2f} | "
+            f"{diff:.1e} |"
+        )
+
+
+def qgt_part(args):
+    import jax
+    import jax.numpy as jnp
+    from jax.flatten_util import ravel_pytree
+
+    import vmcgrad
+    from vmcgrad._sr import ntk_modes
+    from vmcgrad._sr.solve import cg
+
+    lp, params, x, _ = setup(args.n, args.param_dtype)
+    n, lam = args.n, args.diag_shift
+    theta = ntk_modes.theta_of("complex", params)
+    real_lp = lambda t, x: lp(ntk_modes.params_of("complex", t, params), x)
+    S = vmcgrad.QGT(real_lp, theta, x, chunk_size=args.chunk, diag_shift=lam)
+    flat, _ = ravel_pytree(theta)
+    b = jnp.cos(jnp.arange(flat.size) * 0.37)
+    f = ntk_modes.rows_fun(real_lp, "complex", theta)
+    print(f"N = {n}, P = {flat.size}, diag_shift = {lam}, tol = {args.tol}")
+    print("| preconditioner | CG iterations | converged |")
+    print("|---|---|---|")
+    for r in args.ranks:
+        r = int(r)
+        m = None
+        if r:
+            xs = x[(jnp.arange(r) * n) // r]
+            js = ntk_modes.jacobian(f, theta, xs, "complex", ntk_modes.jacobian_batch(args.chunk))
+            u = jnp.concatenate([j.reshape(r * 2, -1) for j in jax.tree.leaves(js)], axis=1)
+            u = u.reshape(r, 2, -1)
+            u = (u - u.mean(0)).reshape(2 * r, -1).T / jnp.sqrt(r)  # P × rK
+            small = jnp.linalg.cholesky(lam * jnp.eye(2 * r) + u.T @ u)
+            m = lambda v, u=u, small=small: (v - u @ jax.scipy.linalg.cho_solve((small, True), u.T @ v)) / lam
+        _, info = jax.jit(
+            lambda b, m=m: cg(lambda v: S @ v, b, None, tol=args.tol, maxiter=20 * flat.size, M=m)
+        )(b)
+        print(
+            f"| {'none' if not r else f'subsampled QGT, r = {r}'} | {int(info.iterations)} | "
+            f"{bool(info.converged)} |"
+        )
+
+
+def main(argv=None):
+    import jax
+
+    jax.config.update("jax_enable_x64", True)
+    args = parse(argv)
+    {"blocks": blocks, "cg": cg_part, "qgt": qgt_part}[args.part](args)
+
+
+if __name__ == "__main__":
+    main()
