@@ -185,7 +185,7 @@ def qgt_part(args):
     S = vmcgrad.QGT(real_lp, theta, x, chunk_size=args.chunk, diag_shift=lam)
     flat, _ = ravel_pytree(theta)
     b = jnp.cos(jnp.arange(flat.size) * 0.37)
-    f = ntk_modes.rows_fun(real_lp, "complex", theta)
+    f = ntk_modes.rows_fun(lp, "complex", params)
     print(f"N = {n}, P = {flat.size}, diag_shift = {lam}, tol = {args.tol}")
     print("| preconditioner | CG iterations | converged |")
     print("|---|---|---|")
