@@ -486,11 +486,6 @@ def module_level_definitions(root: Path, names) -> dict[str, list[str]]:
     return found
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="vmcgrad/_sr/ntk.py still defines MODES and _is_complex; once it imports them from "
-    "vmcgrad._sr.qgt_modes this passes and the mark must go (strict)",
-)
 def test_each_concept_is_defined_once():
     found = module_level_definitions(PACKAGE, ONE_DEFINITION)
     expected = {name: [] if home is None else [home] for name, home in ONE_DEFINITION.items()}

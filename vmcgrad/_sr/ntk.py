@@ -50,12 +50,12 @@ from vmcgrad._sr.ntk_dense import dense_program, dense_solve
 from vmcgrad._sr.ntk_modes import (
     choose_ntk_mode,
     components,
-    is_complex,
     k_of,
     vector_dtype,
 )
 from vmcgrad._sr.operator import AbstractOperator
 from vmcgrad._sr.qgt_apply import differentiable_cg
+from vmcgrad._sr.qgt_modes import is_complex
 from vmcgrad._sr.solve import CGInfo
 
 _NAME = "vmcgrad.NTK"

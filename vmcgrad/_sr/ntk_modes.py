@@ -22,16 +22,10 @@ import jax
 import jax.numpy as jnp
 
 from vmcgrad._chunks.plan import cast_like
-from vmcgrad._sr.qgt_modes import from_rep, to_rep
+from vmcgrad._sr.qgt_modes import MODES, from_rep, is_complex, to_rep
 
-MODES = ("real", "complex", "holomorphic")
 #: Samples in NetKet's mean-Jacobian estimate (``srt_onthefly``'s ``n_subset``).
 SHIFT_SAMPLES = 32
-
-
-def is_complex(x: Any) -> bool:
-    """Whether ``x`` (an array or a dtype) is complex."""
-    return jnp.issubdtype(jnp.result_type(x), jnp.complexfloating)
 
 
 def choose_ntk_mode(where: str, params: Any, out_dtype: Any, mode: Any) -> str:
