@@ -170,7 +170,7 @@ def partial_cg(loss):
 
 
 #: (route given, memory budget, the route logged): RBM(alpha=1) on 6 spins, P = 48 real parameters,
-#: N = 30 per device, real mode (K = 1): P < N, so the rule takes the parameter-space matrix when it fits
+#: N = 120, real mode (K = 1): P < N, so the rule takes the parameter-space matrix when it fits
 #: (2·48²·8 = 36 864 bytes) and CG below that; route= overrides it.
 DRIVER_ROUTES = [
     (None, None, "parameter"),
@@ -192,7 +192,7 @@ def test_vmc_sr_logs_the_route_it_took(route, budget, logged):
 
     hi = nk.hilbert.Spin(0.5, 6)
     sampler = nk.sampler.MetropolisLocal(hi, n_chains=2 * jax.device_count())
-    vs = vnk.MCState(sampler, nk.models.RBM(alpha=1), n_samples=30 * jax.device_count(), seed=3, chunk_size=7)
+    vs = vnk.MCState(sampler, nk.models.RBM(alpha=1), n_samples=120, seed=3, chunk_size=7)
     H = nk.operator.Ising(hi, nk.graph.Chain(6), h=1.0)
     drv = vnk.VMC_SR(
         H,
