@@ -144,6 +144,7 @@ def test_nystrom_preconditioner():
     assert ranks[0] == 0 and ranks[1] < ranks[2] < ranks[3] == 500, ranks
 
 
+@slow
 def test_ntk_solve_agrees_with_the_qgt_solve():
     """Same default tolerance as AbstractQGT.solve, and the CG solve is differentiated implicitly (a
     reverse derivative through CG's loop is not defined): its gradient in the parameters and in b
@@ -173,7 +174,7 @@ def partial_cg(loss):
 #: N = 120, real mode (K = 1): P < N, so the rule takes the parameter-space matrix when it fits
 #: (2·48²·8 = 36 864 bytes) and CG below that; route= overrides it.
 DRIVER_ROUTES = [
-    (None, None, "parameter"),
+    pytest.param(None, None, "parameter", marks=slow),
     pytest.param(None, 30_000, "cg", marks=slow),
     pytest.param("dense", None, "dense", marks=slow),
 ]
@@ -212,6 +213,7 @@ def test_vmc_sr_logs_the_route_it_took(route, budget, logged):
         assert 0 < int(log.data["cg_iterations"]["value"][0]) < 10 * vs.n_samples
 
 
+@pytest.mark.heavy
 def test_dense_blocks_sized_by_the_budget():
     """With chunk_size="auto" the dense route's chunk is the largest whose whole update program (kernel
     blocks, the N×N kernel, its factor, the pullback) fits the budget: at budgets near those fixed
