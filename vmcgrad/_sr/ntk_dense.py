@@ -14,10 +14,10 @@ seen) instead of :math:`N + N^2/c` (NetKet's NTK: N); with one block (``c`` ≥ 
 Memory: the Jacobians are derived :func:`~vmcgrad._sr.ntk_modes.jacobian_batch` samples at a time, so
 a chunk holds about :math:`2cKP` numbers of Jacobians and the model's intermediates for an eighth of
 it, plus the device's :math:`N_\text{local} K \times NK` rows and the buffer of their transpose
-(which XLA may reuse, see ``benchmarks/bench_minsr.py``). So the chunk that ``chunk_size="auto"``
-picks for a budget (the largest whose compiled program fits, the N×N kernel and, in
-:func:`vmcgrad.minsr_update`, its factor included) is bounded by the stored Jacobians, and the
-recomputation is as small as the budget allows. No collective runs per block. :math:`s` is NetKet's
+(which XLA may reuse, see ``benchmarks/bench_minsr.py``). ``chunk_size="auto"`` picks the largest
+chunk whose compiled program fits the budget, the N×N kernel and, in :func:`vmcgrad.minsr_update`,
+its factor and pullback included; there the pullback's chunk, which shares this one and holds a
+chunk's intermediates whole, is what binds (``docs/performance.md``). No collective runs per block. :math:`s` is NetKet's
 mean-Jacobian estimate (32 evenly strided samples): it does not change the centred kernel in exact
 arithmetic, and keeps its small eigenvalues in float32 (taken over at most ``c`` samples, so that no
 model call exceeds the chunk). The centring follows, as row and column means of the blocks.
