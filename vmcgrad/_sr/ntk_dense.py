@@ -17,10 +17,11 @@ it, plus the device's :math:`N_\text{local} K \times NK` rows and the buffer of 
 (which XLA may reuse, see ``benchmarks/bench_minsr.py``). ``chunk_size="auto"`` picks the largest
 chunk whose compiled program fits the budget, the N×N kernel and, in :func:`vmcgrad.minsr_update`,
 its factor and pullback included; there the pullback's chunk, which shares this one and holds a
-chunk's intermediates whole, is what binds (``docs/performance.md``). No collective runs per block. :math:`s` is NetKet's
-mean-Jacobian estimate (32 evenly strided samples): it does not change the centred kernel in exact
-arithmetic, and keeps its small eigenvalues in float32 (taken over at most ``c`` samples, so that no
-model call exceeds the chunk). The centring follows, as row and column means of the blocks.
+chunk's intermediates whole, is what binds (``docs/performance.md``). No collective runs per block.
+:math:`s` is NetKet's mean-Jacobian estimate (32 evenly strided samples): it does not change the
+centred kernel in exact arithmetic, and keeps its small eigenvalues in float32 (taken over at most
+``c`` samples, so that no model call exceeds the chunk). The centring follows, as row and column
+means of the blocks.
 """
 
 from __future__ import annotations
