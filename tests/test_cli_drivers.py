@@ -75,7 +75,7 @@ def test_minsr_equals_netkets_vmc_sr(tmp_path):
     assert "MinSR diag_shift 0.01" in stdout and "driver minsr" in stdout
     log = _log(out)
     assert log["info"]["driver"].startswith("vmcgrad.netket.VMC_SR") and log["n_samples"] == [256] * 6
-    assert log["route"] == ["dense"] * 6  # N = 256 > P = 144: the N x N kernel, in blocks of 48
+    assert log["route"] == ["parameter"] * 6  # N = 256 > P = 144: the P x P matrix, the smaller system
     assert all(set(b) == {"gradient", "kernel"} and min(b.values()) > 0 for b in log["temp_bytes"])
     system = _systems.build("heisenberg1d", 8)
     chains = log["info"]["n_chains"]
