@@ -13,7 +13,9 @@ arguments + outputs (:func:`vmcgrad.program_bytes`), the figure a budget is comp
   (c rows × c columns, per-chunk Jacobians, the blocks on and above the diagonal, the rest filled by
   symmetry), Cholesky solve of the N×N (2N×2N) kernel;
 - ``vmcgrad cg``: the same with ``solver="cg"``, ``--cg-iters`` iterations of ``T @ v`` (one jvp and one
-  vjp pass each; no N×N matrix);
+  vjp pass each; no N×N matrix), without the Nyström preconditioner (``nystrom_rank=None``): the
+  route's memory floor. Its default ``nystrom_rank="auto"`` adds r sampled Jacobian rows, r at most
+  N/2 and what half the budget holds (``benchmarks/bench_minsr_routes.py --part cg`` measures it);
 - ``VMC_SR dense``: NetKet's ``use_ntk=False`` kernel (the N×P Jacobian and the P×P matrix);
 - ``VMC_SR ntk``: ``use_ntk=True, on_the_fly=False`` (``srt``: the N×P Jacobian, the N×N kernel);
 - ``VMC_SR ntk otf``: ``use_ntk=True, on_the_fly=True`` (``srt_onthefly``: an N/d × P Jacobian per device);
@@ -96,6 +98,7 @@ def compiled_bytes(impl, prob, n, args):
                 chunk_size=args.chunk,
                 solver=solver,
                 route="cg" if solver else "dense",  # the route measured, not the rule's choice
+                nystrom_rank=None,  # plain CG: the matrix-free route's memory floor (no sampled rows)
                 maxiter=args.cg_iters,
                 tol=0.0,
             )[0]
