@@ -109,6 +109,57 @@ def test_the_package_import_graph_has_no_cycle():
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
+#: No module of the package is longer than this (issue 35: one concept per file).
+MAX_MODULE_LINES = 500
+
+
+def long_modules(root: Path, limit: int = MAX_MODULE_LINES) -> list[tuple[str, int]]:
+    """The modules under ``root`` longer than ``limit`` lines, with their lengths."""
+    sizes = ((str(p.relative_to(root)), len(p.read_text().splitlines())) for p in sorted(root.rglob("*.py")))
+    return [(name, n) for name, n in sizes if n > limit]
+
+
+def test_no_module_is_over_500_lines():
+    assert long_modules(PACKAGE) == []
+
+
+def test_the_length_check_sees_a_long_module(tmp_path):
+    (tmp_path / "short.py").write_text("x = 1\n")
+    (tmp_path / "long.py").write_text("x = 1\n" * 501)
+    assert long_modules(tmp_path) == [("long.py", 501)]
+
+
+def layout(root: Path = PACKAGE) -> str:
+    """The package's layout figures: modules per folder, the longest chain of imports inside the
+    package (function-level imports included) and the largest files. ``python tests/test_package.py``
+    prints them."""
+    import collections
+    import functools
+
+    graph = import_graph(root)
+    graph = {k: {v for v in vs if v in graph} for k, vs in graph.items()}
+
+    @functools.cache
+    def depth(m):
+        return 1 + max((depth(v) for v in graph[m]), default=0)
+
+    chain = [max(graph, key=depth)]
+    while graph[chain[-1]]:
+        chain.append(max(graph[chain[-1]], key=depth))
+    modules = (p for p in root.rglob("*.py") if p.name != "__init__.py")
+    folders = collections.Counter(str(p.parent.relative_to(root.parent)) for p in modules)
+    sizes = sorted(
+        (len(p.read_text().splitlines()), str(p.relative_to(root.parent))) for p in root.rglob("*.py")
+    )
+    return "\n".join(
+        [
+            f"modules per folder: {dict(sorted(folders.items()))}",
+            f"longest import chain: {len(chain)} modules: {' -> '.join(chain)}",
+            f"largest files: {sizes[::-1][:5]}",
+        ]
+    )
+
+
 def test_the_cycle_finder_sees_a_function_level_cycle(tmp_path):
     pkg = tmp_path / "pkg"
     pkg.mkdir()
@@ -500,3 +551,7 @@ def test_the_one_definition_check_sees_a_second_definition(tmp_path):
     (package / "b.py").write_text("from .a import MODES\n\ndef _is_complex(x):\n    return True\n")
     found = module_level_definitions(package, ["MODES", "is_complex", "_is_complex"])
     assert found == {"MODES": ["pkg.a"], "is_complex": ["pkg.a"], "_is_complex": ["pkg.b"]}
+
+
+if __name__ == "__main__":
+    print(layout())
