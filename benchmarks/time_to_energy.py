@@ -28,7 +28,9 @@ wall time (compilation included: it is part of a user's run).
   ``grow_samples=vmcgrad.netket.GrowSamples(max_samples=--grow-max, window=--grow-window)`` within the
   budget (each step's N is in the trace; the table's N is the first, then the last where it grew).
 
-Each (contender, seed) runs in a process of its own (so its peak RSS is its own), for ``--minutes``.
+Each (contender, seed) runs in a process of its own (so its peak RSS is its own), for ``--minutes``;
+with ``--parallel K``, K of them at once, each pinned to a CPU core of its own, the runs of a seed
+side by side (on a small machine: contenders that run together share its background load).
 Every step records the wall time since the process began building the driver, the energy and its
 error, and three phases: sampling, ``expect_and_grad`` / local energies (the gradient included for
 VMC), and the preconditioner (SR: QGT and solve; ``VMC_SR``: the sample-space kernel and its solve).
@@ -63,6 +65,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -117,11 +120,27 @@ def parse(argv=None):
         help="JAX platform of the workers (jax_platforms: cpu, cuda, tpu, ...); default JAX's own choice",
     )
     ap.add_argument("--chains", type=int, default=16, help="sampler chains: min(N, CHAINS) per contender")
+    ap.add_argument(
+        "--parallel",
+        type=int,
+        default=1,
+        help="runs at once, each pinned to a CPU core of its own (os.sched_setaffinity); "
+        "the runs of one seed start together, so contenders side by side share the machine's load",
+    )
     ap.add_argument("--smoke", action="store_true", help="chain, tiny GCNN, 2 contenders, 24 s each")
     ap.add_argument("--worker", help=argparse.SUPPRESS)  # one run, in a process of its own
     args = ap.parse_args(argv)
     if args.chains <= 0:
         ap.error(f"--chains {args.chains}: expected a positive number of sampler chains")
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if args.worker:  # a run pinned to its core: the race, not the run, holds the cores
+        args.parallel = 1
+    if args.parallel < 1 or (args.parallel > 1 and args.parallel > len(cores)):
+        ap.error(
+            f"--parallel {args.parallel}: expected 1, or at most the {len(cores)} CPU cores this process "
+            "may run on (each run gets a core of its own)"
+        )
+    args.cores = cores[: args.parallel] if args.parallel > 1 else None
     if args.smoke:
         args.problem, args.layers, args.features, args.minutes, args.seeds = "chain", 2, 4, 0.4, [0]
         if args.contenders == list(CONTENDERS):
@@ -412,7 +431,7 @@ def worker(args, name, seed, trace_path):
 # --- the race ----------------------------------------------------------------------------------
 
 
-def run_one(args, name, seed, out: Path) -> Path:
+def run_one(args, name, seed, out: Path, core: int | None = None) -> Path:
     trace = out / f"trace-{name}-seed{seed}.jsonl"
     argv = [sys.argv[0], *[a for a in sys.argv[1:] if a != "--smoke"], "--worker", f"{name},{seed},{trace}"]
     if args.smoke:
@@ -422,7 +441,10 @@ def run_one(args, name, seed, out: Path) -> Path:
         "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
     }
     timeout = args.minutes * 60 + 600  # the last step and the kernel's compile may run past the limit
-    proc = subprocess.run([sys.executable, *argv], env=env, timeout=timeout, capture_output=True, text=True)
+    pin = None if core is None else (lambda: os.sched_setaffinity(0, {core}))  # XLA sizes its pool by it
+    proc = subprocess.run(
+        [sys.executable, *argv], env=env, timeout=timeout, capture_output=True, text=True, preexec_fn=pin
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"time_to_energy: {name} seed {seed} failed:\n{proc.stderr[-3000:]}")
     return trace
@@ -555,18 +577,38 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows, failures = [], []
-    for i, seed in enumerate(args.seeds):
-        order = args.contenders if i % 2 == 0 else args.contenders[::-1]  # alternate who runs first
-        for name in order:
-            print(f"time_to_energy: {name} seed {seed} N={args.sizes[name][0]} ...", flush=True)
-            try:
-                rows.append(summarise(name, seed, run_one(args, name, seed, out), args.window))
-            except (RuntimeError, subprocess.TimeoutExpired) as err:  # report it; the others still run
-                print(err, flush=True)
-                failures.append((name, seed, str(err)[-3000:]))
-                continue
-            print(race_table([rows[-1]]), flush=True)
+    jobs = [  # alternate who runs first
+        (name, seed)
+        for i, seed in enumerate(args.seeds)
+        for name in (args.contenders if i % 2 == 0 else args.contenders[::-1])
+    ]
+
+    lock = threading.Lock()
+
+    def one(job, core=None):
+        name, seed = job
+        print(f"time_to_energy: {name} seed {seed} N={args.sizes[name][0]} ...", flush=True)
+        try:
+            row = summarise(name, seed, run_one(args, name, seed, out, core), args.window)
+        except (RuntimeError, subprocess.TimeoutExpired) as err:  # report it; the others still run
+            print(err, flush=True)
+            failures.append((name, seed, str(err)[-3000:]))
+            return
+        with lock:  # runs side by side finish apart, but one may finish while another reports
+            rows.append(row)
+            print(race_table([row]), flush=True)
             write_report(args, rows, failures, out)  # a race stopped later keeps this run
+
+    if args.cores is None:
+        for job in jobs:
+            one(job)
+    else:  # len(cores) runs at once, a core each; the next batch starts when the whole batch is done
+        from concurrent.futures import ThreadPoolExecutor
+
+        k = len(args.cores)
+        with ThreadPoolExecutor(k) as pool:
+            for b in range(0, len(jobs), k):
+                list(pool.map(one, jobs[b : b + k], args.cores))
     text = write_report(args, rows, failures, out)
     print(text)
     return 1 if failures else 0
