@@ -101,16 +101,16 @@ def blocks(args):
             budget = None if q is None else int(jac / q + kernel)
             kw = dict(diag_shift=args.diag_shift, route="dense", memory_budget=budget)
             kw["chunk_size"] = None if q is None else "auto"
-            seen = []
-            at_chunk = problem_module.Problem.at_chunk
-            problem_module.Problem.at_chunk = lambda self, c, seen=seen, at=at_chunk: (
-                seen.append(c) or at(self, c)
+            seen = []  # the chunks chunk_size="auto" chose (the kernel's; its passes run narrower)
+            auto_chunk = problem_module.auto_chunk
+            problem_module.auto_chunk = lambda *a, seen=seen, auto=auto_chunk: (
+                seen.append(auto(*a)) or seen[-1]
             )
             try:
                 f = jax.jit(lambda p, x, e, kw=kw, lp=lp: vmcgrad.minsr_update(lp, p, x, e, **kw)[0])
                 nbytes[q] = vmcgrad.program_bytes(f.lower(params, x, e).compile())
             finally:
-                problem_module.Problem.at_chunk = at_chunk
+                problem_module.auto_chunk = auto_chunk
             chosen[q] = seen[-1] if seen else n
             calls[q] = lambda f=f, a=(params, x, e): f(*a)
         times = timed(calls, args.repeats)

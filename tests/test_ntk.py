@@ -240,22 +240,26 @@ def test_dense_blocks_run_no_collective_in_a_loop():
 
 def _jacobians_derived(n, devices, chunk):
     """Samples whose Jacobian ``to_dense`` derives: NetKet's mean-Jacobian subset, each row chunk's rows,
-    and, per row chunk, the column blocks (of the chunk's size) from the one holding its first counted
-    row to the last, except the block that is the chunk itself (its rows reused). The plan and the row
-    weights follow vmcgrad._chunks.plan: balanced chunks, the last shifted back, padded and re-read rows
-    not counted. Also returns the cost of walking every column block for every chunk (before)."""
+    and, per row chunk, the column blocks (a sixteenth of the chunk wide, or all N for one block) from the
+    one holding its first counted row to the last, except the blocks that are the chunk's own rows, in
+    order and short of the padding (reused). The plan and the row weights follow
+    vmcgrad._chunks.plan: balanced chunks, the last shifted back, padded and re-read rows not counted.
+    Also returns the cost of walking every column block, a chunk wide, for every chunk (before)."""
     n_local = -(-n // devices)
     count = -(-n_local // (chunk or n_local))
     size = -(-n_local // count)
-    blocks = -(-n // size)
+    cols = n if size >= n else max(1, size // 16)
+    blocks = -(-n // cols)
     new = old = min(n, 32, size)
     for d in range(devices):
         for k in range(count):
             start = min(k * size, n_local - size)
             g0 = d * n_local + start
             counted = [d * n_local + r for r in range(k * size, start + size) if d * n_local + r < n]
-            new += size + size * sum(b * size != g0 for b in range(min(counted, default=n) // size, blocks))
-            old += size + size * blocks
+            own = lambda b, g0=g0: 0 <= b * cols - g0 <= size - cols and (b + 1) * cols <= n
+            first = min(counted, default=n) // cols
+            new += size + cols * sum(not own(b) for b in range(first, blocks))
+            old += size + size * -(-n // size)
     return new, old
 
 

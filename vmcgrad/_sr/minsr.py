@@ -244,16 +244,29 @@ def _update_program(
     return run(op, e_loc, proj_reg, momentum, old_updates, cg_opts)
 
 
+def passes(op: NTKOperator) -> NTKOperator:
+    r"""``op`` with the chunk of its single jvp and vjp passes (:math:`\Delta J t`, :math:`\Delta
+    J^\dagger x`) on the dense routes: the chunk's Jacobian batch
+    (:func:`~vmcgrad._sr.ntk_modes.jacobian_batch`). A pass holds the model's intermediates for all of
+    its chunk's samples, the Jacobians for a batch of them: at the chunk's own size the pass, run once,
+    would bind the budget and shrink the chunk that sets how often the Jacobians are derived."""
+    prob = op.problem
+    if prob.chunk_size is None:  # unchunked: every pass over all samples at once
+        return op
+    return op._at(prob.at_chunk(jacobian_batch(plan_chunks(prob.n_local, prob.chunk_size).size)))
+
+
 def _update(op: NTKOperator, e_loc, proj_reg, momentum, old_updates, how, cg_opts):
     route, solver, rank = how
     n, k, mode = op.problem.n, k_of(op.mode), op.mode
     sqrt_n = math.sqrt(n)
     dv = components(mode, 2.0 * (e_loc - jnp.mean(e_loc)) / sqrt_n).astype(op.dtype)
+    once = op if route == "cg" else passes(op)  # CG's passes are its iterations: at the chunk
     if momentum is not None and old_updates is not None:
-        dv = dv - momentum * op._j(old_updates) / sqrt_n
+        dv = dv - momentum * once._j(old_updates) / sqrt_n
     info = None
     if route == "parameter":
-        updates, info = _parameter_space(op, dv / sqrt_n, solver)
+        updates, info = _parameter_space(op, once, dv / sqrt_n, solver)
     else:
         dv = dv.reshape(-1)
         if route == "cg":
@@ -263,7 +276,7 @@ def _update(op: NTKOperator, e_loc, proj_reg, momentum, old_updates, how, cg_opt
             if proj_reg is not None:
                 a = a + proj_reg / n
             x, info = dense_solve(solver, a, dv)
-        updates = op._jdagger(x.reshape(n, k) / sqrt_n)  # (centred by _jdagger)
+        updates = once._jdagger(x.reshape(n, k) / sqrt_n)  # (centred by _jdagger)
     if momentum is not None:
         if old_updates is not None:
             updates = jax.tree.map(lambda u, o: u + momentum * o, updates, old_updates)
@@ -289,18 +302,17 @@ def gram_chunk(fun, params, x, w, shift, *, mode: str) -> tuple[tuple, tuple]:
     parametrisation."""
     f = rows_fun(fun, mode, params)
     c, k = w.shape[0], k_of(mode)
-    rows = jacobian(f, theta_of(mode, params), x, mode, jacobian_batch(c))
-    rows = jax.tree.map(lambda j, s: j - s, rows, shift)
+    rows = jacobian(f, theta_of(mode, params), x, mode, jacobian_batch(c), shift)
     flat = jnp.concatenate([r.reshape(c, k, -1) for r in jax.tree.leaves(rows)], axis=-1)
     flat = flat * w.astype(jnp.finfo(flat.dtype).dtype)[:, None, None]
     mat = flat.reshape(c * k, -1)
     return (jnp.conj(mat).T @ mat, jnp.sum(flat, axis=0)), ()
 
 
-def _parameter_space(op: NTKOperator, x: jax.Array, solver: Any) -> tuple[Any, Any]:
+def _parameter_space(op: NTKOperator, once: NTKOperator, x: jax.Array, solver: Any) -> tuple[Any, Any]:
     r""":math:`(S + \lambda)^{-1}\Delta J^\dagger x` for ``x`` of shape ``(N, K)``, parameter-shaped: the
     matrix :math:`S` in one pass (each row chunk's Jacobian once), :math:`\Delta J^\dagger x` in one
-    vjp pass, a dense solve of side P."""
+    vjp pass (``once``: :func:`passes`), a dense solve of side P."""
     prob, mode = op.problem, op.mode
     n = prob.n
     f = rows_fun(op._fun(), mode, op.params)
@@ -313,6 +325,6 @@ def _parameter_space(op: NTKOperator, x: jax.Array, solver: Any) -> tuple[Any, A
     mean = total / n
     s = gram / n - jnp.conj(mean).T @ mean
     s = s + op.diag_shift * jnp.eye(s.shape[0], dtype=s.dtype)
-    rhs, unravel = ravel_pytree(theta_of(mode, op._jdagger(x)))
+    rhs, unravel = ravel_pytree(theta_of(mode, once._jdagger(x)))
     delta, info = dense_solve(solver, s.astype(rhs.dtype), rhs)
     return params_of(mode, unravel(delta.astype(rhs.dtype)), op.params), info

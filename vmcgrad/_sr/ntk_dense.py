@@ -44,9 +44,17 @@ from vmcgrad._sr.ntk_modes import contract, jacobian, jacobian_batch, k_of, mean
 
 
 def column_chunk(prob: Problem) -> int:
-    """Columns per block: the row chunk (at most N), or all N for one block."""
+    """Columns per block: all N for one block (a chunk of at least N rows), else the chunk's Jacobian
+    batch (:func:`~vmcgrad._sr.ntk_modes.jacobian_batch`, an eighth of it): the columns are derived that
+    many at a time anyway, so narrow blocks hold the model's intermediates of a wide one and leave the
+    rows most of the budget (fewer row chunks: fewer recomputed column Jacobians)."""
     c = plan_chunks(prob.n_local, prob.chunk_size).size
-    return min(c, prob.n)
+    return prob.n if c >= prob.n else jacobian_batch(c)
+
+
+def row_chunk(prob: Problem) -> int:
+    """Rows per chunk (at most N)."""
+    return min(plan_chunks(prob.n_local, prob.chunk_size).size, prob.n)
 
 
 def dense_chunk(
@@ -79,27 +87,33 @@ def dense_chunk(
     theta = theta_of(mode, params)
     k = k_of(mode)
     c = jax.tree.leaves(x)[0].shape[0]
-    rows = jax.tree.map(lambda j, s: j - s, jacobian(f, theta, x, mode, jacobian_batch(c)), shift)
+    rows = jacobian(f, theta, x, mode, jacobian_batch(c), shift)
     n_pad = jax.tree.leaves(all_x)[0].shape[0]
     blocks = n_pad // cols
     dtype = jax.tree.leaves(rows)[0].dtype
-    if blocks == 1:  # one chunk, one block (c == N): the chunk's rows are all the samples
+    if blocks == 1:  # one chunk, one block (c >= N): the chunk's rows are all the samples
         return (), contract(rows, rows, k)[:, :, :n, :]
     # The first block with a column >= the smallest counted row (none for a chunk without one).
     first = jnp.min(jnp.where(w > 0, index, n_pad)) // cols
+    offsets = jnp.arange(cols, dtype=index.dtype)
 
     def block(i, out):
         def derived():
             xc = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, i * cols, cols), all_x)
-            col = jacobian(f, theta, xc, mode, jacobian_batch(cols))
-            col = jax.tree.map(lambda j, s: j - s, col, shift)
+            col = jacobian(f, theta, xc, mode, shift=shift)  # at once: cols is a Jacobian batch
             return contract(rows, col, k)
 
-        # A chunk starting at block i's first sample holds its samples (rows padded to the device
-        # count repeat the last sample, as all_x's padding does): its own Jacobians.
-        own = (lambda: contract(rows, rows, k)) if c == cols else derived
+        # Block i's samples are rows o .. o + cols of this chunk when the rows' global indices there
+        # are exactly i * cols + 0, 1, ... (padded rows repeat the last index, so a block reaching the
+        # padding is derived): then their Jacobians are the chunk's own.
+        o = jnp.clip(i * cols - index[0], 0, c - cols)
+        own_rows = jax.lax.dynamic_slice_in_dim(index, o, cols) == i * cols + offsets
+        is_own = jnp.all(own_rows) & (i * cols + cols <= n)
+        own = lambda: contract(
+            rows, jax.tree.map(lambda r: jax.lax.dynamic_slice_in_dim(r, o, cols), rows), k
+        )
         skip = lambda: jnp.zeros((c, k, cols, k), dtype)
-        which = jnp.where(i < first, 0, jnp.where(index[0] == i * cols, 1, 2))
+        which = jnp.where(i < first, 0, jnp.where(is_own, 1, 2))
         return jax.lax.dynamic_update_slice_in_dim(
             out, jax.lax.switch(which, (skip, own, derived)), i * cols, axis=2
         )
@@ -117,7 +131,7 @@ def dense_program(prob: Problem, op: Any) -> jax.Array:
     theta = theta_of(mode, op.params)
     cols = column_chunk(prob)
     samples = unsplit_explicit(op.samples)  # all of them go to every device anyway
-    shift = mean_jacobian(f, theta, samples, n, mode, cols)
+    shift = mean_jacobian(f, theta, samples, n, mode, row_chunk(prob))
     n_pad = -(-n // cols) * cols
     all_x = jax.tree.map(lambda a: jnp.concatenate([a, jnp.repeat(a[-1:], n_pad - n, axis=0)]), samples)
     chunk = partial(dense_chunk, mode=mode, cols=cols, n=n)

@@ -92,29 +92,32 @@ def rows_fun(fun: Callable, mode: str, params: Any) -> Callable:
 
 #: Rows of a chunk whose Jacobians are derived at once: 1/JACOBIAN_SPLIT of the chunk, at least
 #: :data:`JACOBIAN_BATCH_MIN` (see :func:`jacobian_batch`).
-JACOBIAN_SPLIT = 8
+JACOBIAN_SPLIT = 16
 JACOBIAN_BATCH_MIN = 1
 
 
 def jacobian_batch(rows: int) -> int:
-    """Samples whose Jacobians a chunk of ``rows`` derives at once: ``max(1, rows // 8)``.
+    """Samples whose Jacobians a chunk of ``rows`` derives at once: ``max(1, rows // 16)``.
 
     A per-sample Jacobian's intermediates (a reverse pass per output component) can outweigh the
-    Jacobian itself many times (NetKet's GCNN on 6×6: about 10×), so deriving them in eighths keeps a
-    chunk's memory near that of its stored Jacobians, and a budget buys larger chunks: fewer
-    recomputed Jacobians in the dense kernel (``docs/performance.md``).
+    Jacobian itself many times (NetKet's GCNN on 6×6: about 10×), so deriving them a sixteenth at a
+    time keeps a chunk's memory near that of its stored Jacobians, and a budget buys larger chunks:
+    fewer recomputed Jacobians in the dense kernel. On that GCNN at N = 256 a chunk of 128 compiles to
+    34.0 MiB in sixteenths against 44.5 MiB in eighths, in the same time (``docs/performance.md``).
     """
     return min(rows, max(JACOBIAN_BATCH_MIN, rows // JACOBIAN_SPLIT))
 
 
-def jacobian(f: Callable, theta: Any, x: Any, mode: str, batch: int | None = None) -> Any:
+def jacobian(f: Callable, theta: Any, x: Any, mode: str, batch: int | None = None, shift: Any = None) -> Any:
     """Per-sample Jacobians of ``f``: leaves of shape ``(rows, K, *leaf)`` (vmap of one-sample jacrev),
     ``batch`` rows at a time (``lax.map``; None: all at once), so that the model's intermediates are
-    held for ``batch`` samples only, next to the Jacobians of all ``rows``."""
+    held for ``batch`` samples only, next to the Jacobians of all ``rows``; less ``shift`` (leaves
+    ``(K, *leaf)``), taken per batch so that no second copy of the rows is made."""
 
     def one(xi):
         row = lambda t: f(t, jax.tree.map(lambda a: a[None], xi))[0]
-        return jax.jacrev(row, holomorphic=mode == "holomorphic")(theta)
+        j = jax.jacrev(row, holomorphic=mode == "holomorphic")(theta)
+        return j if shift is None else jax.tree.map(jnp.subtract, j, shift)
 
     rows = jax.tree.leaves(x)[0].shape[0]
     if batch is None or batch >= rows:

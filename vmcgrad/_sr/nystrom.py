@@ -85,9 +85,8 @@ def nystrom_rank(n: int, k: int, p: int, itemsize: int, budget: float) -> int:
 def nystrom_chunk(fun, params, x, w, js, shift, *, mode: str) -> tuple[tuple, jax.Array]:
     r"""One chunk of rows of :math:`C = \tilde J \tilde J_S^\dagger`: ``(c, K, r, K)``."""
     f = rows_fun(fun, mode, params)
-    rows = jacobian(f, theta_of(mode, params), x, mode, jacobian_batch(w.shape[0]))  # (w: padded rows are
-    # cut after the pass)
-    rows = jax.tree.map(lambda j, s: j - s, rows, shift)
+    # (w: padded rows are cut after the pass)
+    rows = jacobian(f, theta_of(mode, params), x, mode, jacobian_batch(w.shape[0]), shift)
     return (), contract(rows, js, k_of(mode))
 
 
@@ -102,8 +101,7 @@ def build(op: Any, rank: int, cols: int) -> Nystrom:
     shift = mean_jacobian(f, theta, samples, n, mode, cols)
     subset = jax.tree.map(lambda a: a[(jnp.arange(rank) * n) // rank], samples)
 
-    js = jacobian(f, theta, subset, mode, jacobian_batch(min(cols, rank)))
-    js = jax.lax.stop_gradient(jax.tree.map(lambda j, s: j - s, js, shift))
+    js = jax.lax.stop_gradient(jacobian(f, theta, subset, mode, jacobian_batch(min(cols, rank)), shift))
     _, c = map_reduce_problem(prob, op.inputs, _partial_chunk(mode), (js, REPLICATED), (shift, REPLICATED))
     c = unsplit_explicit(c)
     c = (c - jnp.mean(c, axis=0, keepdims=True)).reshape(n * k, rank * k)  # Q C
