@@ -218,10 +218,13 @@ def test_dense_blocks_sized_by_the_budget():
     """With chunk_size="auto" the dense route's chunk is the largest whose whole update program (kernel
     blocks, the N×N kernel, its factor, the pullback) fits the budget: at budgets near those fixed
     chunks 4, 8 and 16 compile to, the compiled program and its temporaries stay within each budget and
-    the chosen chunk grows with the budget (N = 64; the last pass traced is the chosen program's).
-    The model is the r2c one with 256 hidden units (P = 1 541), so that a chunk's Jacobians, not the
-    64×64 kernel, set the memory."""
+    the chosen chunk grows with the budget (N = 64; the last two passes traced are the chosen
+    program's: the kernel's at the chunk, then the pullback's, at the chunk's Jacobian batch, so that
+    a pass run once does not bind the budget). The model is the r2c one with 256 hidden units
+    (P = 1 541), so that a chunk's Jacobians, not the 64×64 kernel, set the memory."""
     from netket_spy import vmcgrad_passes
+
+    from vmcgrad._sr.ntk_modes import jacobian_batch
 
     apply, _ = MODELS["r2c"]
     k = jax.random.split(jax.random.key(8), 3)
@@ -240,7 +243,9 @@ def test_dense_blocks_sized_by_the_budget():
 
         with vmcgrad_passes() as passes:
             out = jax.jit(update).lower(params, x, e).compile()
-        return out, passes[-1].chunk_size
+        kernel, pullback = passes[-2].chunk_size, passes[-1].chunk_size
+        assert pullback == jacobian_batch(kernel), (kernel, pullback)
+        return out, kernel
 
     chosen = []
     for c in (4, 8, 16):

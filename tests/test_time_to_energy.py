@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -87,7 +88,7 @@ def _fake_trace(path: Path, n: int, device_peak: int | None) -> Path:
 def test_a_failed_contender_is_reported_and_the_others_still_run(tmp_path, monkeypatch):
     import time_to_energy as tte
 
-    def run_one(args, name, seed, out):
+    def run_one(args, name, seed, out, core=None):
         if name == "netket-vmcsr":
             raise RuntimeError(f"time_to_energy: {name} seed {seed} failed:\nXlaRuntimeError: boom")
         return _fake_trace(out / f"trace-{name}-seed{seed}.jsonl", args.sizes[name][0], 3 * 2**20)
@@ -103,6 +104,27 @@ def test_a_failed_contender_is_reported_and_the_others_still_run(tmp_path, monke
     assert table["vmcgrad-vmcsr"][:5] == ["vmcgrad-vmcsr", "0", "128", "32", "3"], table
     assert "netket-vmcsr" not in table and "failed: netket-vmcsr seed 0" in text
     assert (out / "energy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="--parallel 2 needs two CPU cores")
+def test_parallel_runs_pin_the_runs_of_a_seed_to_cores_of_their_own(tmp_path, monkeypatch):
+    """``--parallel 2``: the two runs of the smoke's seed run at once, each given its own core (the
+    worker pins itself with it); a count beyond the cores is refused before anything runs."""
+    import time_to_energy as tte
+
+    seen = []
+
+    def run_one(args, name, seed, out, core=None):
+        seen.append((name, core))
+        time.sleep(0.2)  # both in flight at once
+        return _fake_trace(out / f"trace-{name}-seed{seed}.jsonl", args.sizes[name][0], 3 * 2**20)
+
+    monkeypatch.setattr(tte, "run_one", run_one)
+    assert tte.main(["--smoke", "--parallel", "2", "--out", str(tmp_path / "race")]) == 0
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    assert sorted(seen) == [("netket-vmcsr", cores[0]), ("vmcgrad-vmcsr", cores[1])], seen
+    with pytest.raises(SystemExit):
+        tte.parse(["--parallel", str(len(os.sched_getaffinity(0)) + 1)])
 
 
 def test_the_device_peak_column_appears_only_where_a_device_reports_it(tmp_path):

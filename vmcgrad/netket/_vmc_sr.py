@@ -251,7 +251,7 @@ class VMC_SR(nk.driver.VMC_SR):
 
         samples = self.state.samples
         rows = jax.ShapeDtypeStruct((n, samples.shape[-1]), samples.dtype, sharding=samples.sharding)
-        e = jax.ShapeDtypeStruct((n,), np.result_type(self._loss_stats.mean), sharding=samples.sharding)
+        e = jax.ShapeDtypeStruct((n,), np.asarray(self._loss_stats.mean).dtype, sharding=samples.sharding)
         logpsi = log_psi(nkp.apply_fun(self.state), self.state.model_state)
 
         def update(w, x, e_loc):
