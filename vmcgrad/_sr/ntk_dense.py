@@ -2,26 +2,28 @@ r"""The dense centred kernel of :class:`vmcgrad.NTKOperator` in blocks, and its 
 
 :func:`dense_program` makes one pass over each device's rows, ``c`` at a time. For a chunk of rows the
 chunk's Jacobian :math:`J_{[k]}` (``c K × P``) is taken, then an inner loop walks the N samples
-(gathered once, before the pass) ``c`` columns at a time, taking each column chunk's Jacobian and the
-block :math:`U_{[k][l]} = (J_{[k]} - \mathbf 1 s^T)(J_{[l]} - \mathbf 1 s^T)^\dagger`, only for the
-column chunks on or above the diagonal (from the one holding the chunk's first counted row; the
-chunk's own columns from its rows): the uncentred kernel is Hermitian,
-:math:`U_{[l][k]} = U_{[k][l]}^\dagger`, so the blocks below are filled after the pass, by one
-transpose of the rows (an all-to-all over the devices). About half the column Jacobians are derived:
-on one device :math:`N + N(N - c)/2c` per-sample Jacobians (rows, then the column chunks not yet
-seen) instead of :math:`N + N^2/c` (NetKet's NTK: N); with one block (``c`` ≥ N), N.
+(gathered once, before the pass) ``b`` columns at a time, ``b`` the chunk's Jacobian batch
+(:func:`~vmcgrad._sr.ntk_modes.jacobian_batch`, a sixteenth of it; all N for one block), taking each
+column block's Jacobian and the block :math:`U_{[k][l]} = (J_{[k]} - \mathbf 1 s^T)(J_{[l]} - \mathbf 1
+s^T)^\dagger`, only for the column blocks on or above the diagonal (from the one holding the chunk's
+first counted row). A column block whose samples are rows of the chunk itself, in order, takes their
+Jacobians from the rows instead of deriving them. The uncentred kernel is Hermitian,
+:math:`U_{[l][k]} = U_{[k][l]}^\dagger`, so the blocks below are filled after the pass, by one transpose
+of the rows (an all-to-all over the devices). On one device :math:`N + N(N - c)/2c` per-sample
+Jacobians are derived (rows, then the columns after each chunk's own), as with blocks a chunk wide, but
+narrow column blocks leave the rows most of the memory: the chunk, and so the rows' share of the
+Jacobian held at once, is about twice as large at the same budget. With one block (``c`` ≥ N), N.
 
-Memory: the Jacobians are derived :func:`~vmcgrad._sr.ntk_modes.jacobian_batch` samples at a time, so
-a chunk holds about :math:`2cKP` numbers of Jacobians and the model's intermediates for an eighth of
-it, plus the device's :math:`N_\text{local} K \times NK` rows and the buffer of their transpose
-(which XLA may reuse, see ``benchmarks/bench_minsr.py``). ``chunk_size="auto"`` picks the largest
-chunk whose compiled program fits the budget, the N×N kernel and, in :func:`vmcgrad.minsr_update`,
-its factor and pullback included; there the pullback's chunk, which shares this one and holds a
-chunk's intermediates whole, is what binds (``docs/performance.md``). No collective runs per block.
-:math:`s` is NetKet's mean-Jacobian estimate (32 evenly strided samples): it does not change the
-centred kernel in exact arithmetic, and keeps its small eigenvalues in float32 (taken over at most
-``c`` samples, so that no model call exceeds the chunk). The centring follows, as row and column
-means of the blocks.
+Memory: a chunk holds :math:`(c + b) K P` numbers of Jacobians, the model's intermediates for ``b``
+samples (rows and columns are derived ``b`` at a time, the shift :math:`s` taken off per batch), and the
+device's :math:`N_\text{local} K \times NK` rows and the buffer of their transpose (which XLA may
+reuse, see ``benchmarks/bench_minsr.py``). ``chunk_size="auto"`` picks the largest chunk whose compiled
+program fits the budget, the N×N kernel and, in :func:`vmcgrad.minsr_update`, its factor and pullback
+included (the pullback runs at the Jacobian batch, :func:`vmcgrad._sr.minsr.passes`, so that it does
+not bind). No collective runs per block. :math:`s` is NetKet's mean-Jacobian estimate (32 evenly
+strided samples): it does not change the centred kernel in exact arithmetic, and keeps its small
+eigenvalues in float32 (taken over at most ``c`` samples, so that no model call exceeds the chunk). The
+centring follows, as row and column means of the blocks.
 """
 
 from __future__ import annotations
@@ -77,11 +79,11 @@ def dense_chunk(
     for the column blocks of ``cols`` samples (``all_x``: all samples, padded to a multiple of ``cols``)
     from the one holding :math:`r_0`, the smallest global index ``index`` of a counted row
     (``w > 0``), to the last: every entry with :math:`s \ge r` of a counted row, and the blocks before
-    are left zero (:func:`_dense_program` fills :math:`s < r` from :math:`U_{s b, r a} =
-    \overline{U_{r a, s b}}`). A column block's Jacobians are derived from its samples, except the
-    block the chunk's own rows are (``c == cols`` and the chunk starts at the block's first sample),
-    which reuses them. A row chunk starting at global sample :math:`g` thus derives about
-    :math:`N - g` column Jacobians, not :math:`N`.
+    are left zero (:func:`dense_program` fills :math:`s < r` from :math:`U_{s b, r a} =
+    \overline{U_{r a, s b}}`). A column block's Jacobians are derived from its samples, except where
+    the chunk's rows hold exactly the block's samples in order (their global ``index`` says so; padded
+    rows repeat the last index and never match a block past the last sample): those are reused. A row
+    chunk starting at global sample :math:`g` thus derives about :math:`N - g - c` column Jacobians.
     """
     f = rows_fun(fun, mode, params)
     theta = theta_of(mode, params)
