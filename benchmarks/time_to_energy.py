@@ -29,8 +29,9 @@ wall time (compilation included: it is part of a user's run).
   budget (each step's N is in the trace; the table's N is the first, then the last where it grew).
 
 Each (contender, seed) runs in a process of its own (so its peak RSS is its own), for ``--minutes``;
-with ``--parallel K``, K of them at once, each pinned to a CPU core of its own, the runs of a seed
-side by side (on a small machine: contenders that run together share its background load).
+with ``--parallel K``, K of them at once, each pinned to a CPU core of its own: K consecutive runs of
+the serial order (a seed's contenders, then the next seed's in reverse) start together, so contenders
+side by side share the machine's background load.
 Every step records the wall time since the process began building the driver, the energy and its
 error, and three phases: sampling, ``expect_and_grad`` / local energies (the gradient included for
 VMC), and the preconditioner (SR: QGT and solve; ``VMC_SR``: the sample-space kernel and its solve).
@@ -124,8 +125,8 @@ def parse(argv=None):
         "--parallel",
         type=int,
         default=1,
-        help="runs at once, each pinned to a CPU core of its own (os.sched_setaffinity); "
-        "the runs of one seed start together, so contenders side by side share the machine's load",
+        help="runs at once, each pinned to a CPU core of its own (os.sched_setaffinity); K consecutive "
+        "runs start together, so contenders side by side share the machine's load",
     )
     ap.add_argument("--smoke", action="store_true", help="chain, tiny GCNN, 2 contenders, 24 s each")
     ap.add_argument("--worker", help=argparse.SUPPRESS)  # one run, in a process of its own

@@ -47,7 +47,7 @@ from vmcgrad._sr.ntk_modes import contract, jacobian, jacobian_batch, k_of, mean
 
 def column_chunk(prob: Problem) -> int:
     """Columns per block: all N for one block (a chunk of at least N rows), else the chunk's Jacobian
-    batch (:func:`~vmcgrad._sr.ntk_modes.jacobian_batch`, an eighth of it): the columns are derived that
+    batch (:func:`~vmcgrad._sr.ntk_modes.jacobian_batch`, a sixteenth of it): the columns are derived
     many at a time anyway, so narrow blocks hold the model's intermediates of a wide one and leave the
     rows most of the budget (fewer row chunks: fewer recomputed column Jacobians)."""
     c = plan_chunks(prob.n_local, prob.chunk_size).size
