@@ -220,7 +220,8 @@ def test_dense_blocks_sized_by_the_budget():
     chunks 4, 8 and 16 compile to, the compiled program and its temporaries stay within each budget and
     the chosen chunk grows with the budget (N = 64; the last two passes traced are the chosen
     program's: the kernel's at the chunk, then the pullback's, at the chunk's Jacobian batch, so that
-    a pass run once does not bind the budget). The model is the r2c one with 256 hidden units
+    a pass run once does not bind the budget; under "auto", the batch the search fixed, at most
+    that). The model is the r2c one with 256 hidden units
     (P = 1 541), so that a chunk's Jacobians, not the 64×64 kernel, set the memory."""
     from netket_spy import vmcgrad_passes
 
@@ -244,7 +245,10 @@ def test_dense_blocks_sized_by_the_budget():
         with vmcgrad_passes() as passes:
             out = jax.jit(update).lower(params, x, e).compile()
         kernel, pullback = passes[-2].chunk_size, passes[-1].chunk_size
-        assert pullback == jacobian_batch(kernel), (kernel, pullback)
+        if chunk == "auto":  # the batch of the power of two the search fixed (ntk_dense.choose_dense)
+            assert pullback <= jacobian_batch(kernel), (kernel, pullback)
+        else:
+            assert pullback == jacobian_batch(kernel), (kernel, pullback)
         return out, kernel
 
     chosen = []

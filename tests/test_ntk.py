@@ -238,17 +238,18 @@ def test_dense_blocks_run_no_collective_in_a_loop():
         assert report.total_outside > 0, report  # the kernel really is split over the devices
 
 
-def _jacobians_derived(n, devices, chunk):
+def _jacobians_derived(n, devices, chunk, batch=None):
     """Samples whose Jacobian ``to_dense`` derives: NetKet's mean-Jacobian subset, each row chunk's rows,
     and, per row chunk, the column blocks (a sixteenth of the chunk wide, or all N for one block) from the
     one holding its first counted row to the last, except the blocks that are the chunk's own rows, in
-    order and short of the padding (reused). The plan and the row weights follow
+    order and short of the padding (reused); ``batch``: a Jacobian batch fixed by the chunk choice,
+    the column blocks' width. The plan and the row weights follow
     vmcgrad._chunks.plan: balanced chunks, the last shifted back, padded and re-read rows not counted.
     Also returns the cost of walking every column block, a chunk wide, for every chunk (before)."""
     n_local = -(-n // devices)
     count = -(-n_local // (chunk or n_local))
     size = -(-n_local // count)
-    cols = n if size >= n else max(1, size // 16)
+    cols = n if size >= n else (min(size, batch) if batch else max(1, size // 16))
     blocks = -(-n // cols)
     new = old = min(n, 32, size)
     for d in range(devices):
@@ -291,6 +292,90 @@ def test_dense_blocks_derive_each_pair_once(chunk):
         assert_tree_allclose(
             ours, g(params, lambda p: _dense_reference(apply, p, x, "complex")), rtol=0, atol=1e-10
         )
+
+
+@pytest.mark.heavy
+def test_auto_chunk_takes_fewer_larger_chunks_at_the_batch_the_budget_bought():
+    """chunk_size="auto" on the dense kernel (ntk_dense.choose_dense): the powers of two fix the
+    Jacobian batch (a sixteenth of the chunk they choose), and with that batch held fewer, larger
+    chunks are searched. At a budget a chunk of 32 fits only at batch 1 (at its own batch, 2, it does
+    not), the powers choose 16 and the dense choice 32, at batch 1: within the budget, fewer Jacobians
+    derived (counted at run time, against the reference count of the chunk and the batch), the
+    kernel equal to jax.jacrev's. 64 samples per device on any device count; the r2c model with 256
+    hidden units (P = 1 541), so that the rows' Jacobians, not the kernel, grow with the chunk."""
+    import dataclasses
+
+    from vmcgrad._sr import ntk_dense
+
+    apply, _ = MODELS["r2c"]
+    k = jax.random.split(jax.random.key(8), 3)
+    params = {
+        "w": 0.3 * jax.random.normal(k[0], (L, 256)),
+        "b": 0.1 * jax.random.normal(k[1], (256,)),
+        "a": 0.2 * jax.random.normal(k[2], (L,)),
+    }
+    devices = jax.device_count()
+    n = 64 * devices
+    x, _ = _data(n)
+    seen = []
+
+    def counted(v, x):
+        jax.debug.callback(lambda x: seen.append(x.size // L), x)
+        return apply(v, x)
+
+    def program_bytes(op, chunk):
+        lowered = ntk_dense.dense_program.lower(op.problem.at_chunk(chunk), op)
+        return vmcgrad.program_bytes(lowered.compile())
+
+    T = vmcgrad.NTK(_logpsi(counted), params, x, chunk_size=32, mode="complex")
+    budget = program_bytes(dataclasses.replace(T, jacobian_batch=1), 32)
+    assert program_bytes(T, 32) > budget  # the powers of two alone stop at 16
+    auto = vmcgrad.NTK(_logpsi(counted), params, x, chunk_size="auto", mode="complex", memory_budget=budget)
+    assert auto.chunk_size == 32
+    dense = jax.block_until_ready(auto.to_dense())
+    derived, _ = _jacobians_derived(n, devices, 32, batch=1)
+    at_16, _ = _jacobians_derived(n, devices, 16)
+    assert sum(seen) == derived < at_16, (sum(seen), derived, at_16)
+    np.testing.assert_allclose(dense, _dense_reference(apply, params, x, "complex"), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "model,mode", [("real", "real"), ("r2c", "complex"), ("nonholo", "complex"), ("holo", "holomorphic")]
+)
+def test_one_chunk_of_every_sample_keeps_its_jacobian(model, mode):
+    """Where one chunk holds every sample (one device, chunk_size None), the dense route keeps the
+    Jacobian it derives (minsr._whole_jacobian), as NetKet's srt: the model is evaluated on exactly N
+    samples, counted at run time (the blocked route adds NetKet's mean-Jacobian estimate on min(N, 32)
+    samples and a pullback pass over all N: red with the route off), and two calls of a SPRING chain
+    (momentum, proj_reg) equal NetKet's srt (the blocked route's in holomorphic mode, which srt lacks)."""
+    apply, cplx = MODELS[model]
+    params, (x, e) = jax.device_put((_params(cplx), _data(18)), jax.devices()[0])
+    n = 18
+    seen = []
+
+    def counted(v, x):
+        jax.debug.callback(lambda x: seen.append(x.size // L), x)
+        return apply(v, x)
+
+    one = Mesh(np.array(jax.devices()[:1]), ("S",), axis_types=(AxisType.Auto,))
+    with jax.set_mesh(one):
+        ours = dict(diag_shift=DIAG, mode=mode, solver=solve, chunk_size=None, route="dense")
+        jax.block_until_ready(vmcgrad.minsr_update(_logpsi(counted), params, x, e, **ours))
+        assert sum(seen) == n, (sum(seen), n)
+        if mode != "holomorphic":
+            _compare_steps(srt, model, mode, n, 2, ours, 1e-10)
+            return
+        # NetKet's srt has no holomorphic mode: against the blocked route (chunk 5), itself equal to
+        # NetKet's in 'complex' mode and to 'complex' for this model (tests above)
+        kw, old, old_blocked = dict(proj_reg=0.5, momentum=0.8), None, None
+        for seed in (2, 7):
+            x, e = _data(n, seed=seed)
+            u, old, _ = vmcgrad.minsr_update(_logpsi(apply), params, x, e, old_updates=old, **ours, **kw)
+            blocked = dict(ours, chunk_size=5)
+            ref, old_blocked, _ = vmcgrad.minsr_update(
+                _logpsi(apply), params, x, e, old_updates=old_blocked, **blocked, **kw
+            )
+            assert_tree_allclose(u, ref, rtol=0, atol=1e-10)
 
 
 def test_jit_of_update_and_grad_refused():

@@ -175,6 +175,40 @@ def test_auto_chunk_search_finds_what_a_bisection_finds_in_fewer_compilations():
     assert ours <= 0.75 * theirs, (ours, theirs)
 
 
+def test_the_search_over_given_candidates_finds_the_largest_that_fits():
+    """choose_chunk over candidates of its caller's (the dense kernel's chunks of ``ceil(n / m)``
+    samples, m = 1 .. 7: vmcgrad._sr.ntk_dense.choose_dense): on every curve, sample count and
+    budget, the largest candidate that fits (what a scan finds), none compiled twice, and where none
+    fits a MemoryError that names the smallest candidate's bytes."""
+    fixed = 1_000_000
+    for name, curve in _CURVES.items():
+        for n in (1, 7, 100, 1000, 65_536):
+            candidates = sorted({-(-n // m) for m in range(1, 8)})
+            low, high = fixed + curve(candidates[0]), fixed + curve(candidates[-1])
+            for budget in {low - 1, low, high, *(low + (high - low) * i // 9 for i in range(1, 9))}:
+                compiled = []
+
+                def compile_at(c, compiled=compiled, curve=curve):
+                    compiled.append(c)
+                    return _Analysis(curve(c), fixed)
+
+                _auto_chunk._cache.clear()
+                fits = [c for c in candidates if fixed + curve(c) <= budget]
+                case = (name, n, budget, compiled)
+                if not fits:
+                    with pytest.raises(MemoryError, match=f"even ({candidates[0]}|one) sample") as err:
+                        _auto_chunk.choose_chunk(
+                            object(), n, compile_at, budget, where="t", candidates=candidates
+                        )
+                    assert err.value.need == low, case
+                    continue
+                got = _auto_chunk.choose_chunk(
+                    object(), n, compile_at, budget, where="t", candidates=candidates
+                )
+                assert got == fits[-1], case
+                assert len(set(compiled)) == len(compiled) <= len(candidates), case
+
+
 def test_the_search_checks_fail_on_a_slow_or_a_wrong_search(monkeypatch):
     """The check above can fail: on a search that scans up from chunk 1 (exact, but compiling every
     chunk below the answer), and on one that answers half the largest fitting chunk."""

@@ -1,4 +1,5 @@
-"""Automatic chunk size: the largest power of two whose compiled program fits a memory budget.
+"""Automatic chunk size: the largest power of two (or other candidate) whose compiled program fits a
+memory budget.
 
 NetKet's ``AutoChunkSize`` halves the chunk after an out-of-memory crash. Here the choice is made
 before running, from the compiled program itself: for a candidate chunk ``c`` the program is
@@ -24,8 +25,9 @@ else :data:`DEFAULT_MEMORY_BUDGET` (CPU reports nothing).
 
 from __future__ import annotations
 
+import bisect
 import warnings
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
@@ -73,9 +75,16 @@ def signature(tree: Any) -> Hashable:
 
 
 def choose_chunk(
-    key: Hashable, n_local: int, compile_at: Callable[[int], Any], budget: int, *, where: str
+    key: Hashable,
+    n_local: int,
+    compile_at: Callable[[int], Any],
+    budget: int,
+    *,
+    where: str,
+    candidates: Sequence[int] | None = None,
 ) -> int:
-    """The largest power-of-two chunk (at most ``n_local``) whose program fits ``budget`` bytes.
+    """The largest candidate chunk (by default a power of two at most ``n_local``) whose program fits
+    ``budget`` bytes.
 
     Args:
         key: cache key identifying the program, the function and its inputs (see :func:`signature`),
@@ -84,6 +93,9 @@ def choose_chunk(
         compile_at: ``chunk -> jax.stages.Compiled`` (lowered and compiled, not run).
         budget: bytes per device.
         where: the public function's name, for the error message.
+        candidates: the chunks to choose from, increasing (default: the powers of two up to
+            ``n_local``); the program's bytes must not decrease along them. Part of the cache key
+            through ``key`` only: a caller passing its own must key them.
 
     Raises:
         MemoryError: when even a chunk of one sample does not fit (attributes ``need``, the bytes of
@@ -92,7 +104,9 @@ def choose_chunk(
     key = (key, n_local, budget)
     if key in _cache:
         return _cache.get(key)
-    candidates = [2**k for k in range(n_local.bit_length())]  # 1, 2, 4, ... <= n_local
+    if candidates is None:
+        candidates = [2**k for k in range(n_local.bit_length())]  # 1, 2, 4, ... <= n_local
+    candidates = list(candidates)
     probed: dict[int, tuple[int, int]] = {}  # candidate index -> (bytes, bytes that do not grow with c)
     lo, hi = 0, len(candidates) - 1  # bytes(c) is non-decreasing in c: candidates[:lo] fit, [hi+1:] not
     while lo <= hi:
@@ -102,11 +116,12 @@ def choose_chunk(
             lo = i + 1
         else:
             hi = i - 1
-    if hi < 0:  # not even one sample per chunk fits
-        need = probed[0][0] if 0 in probed else program_bytes(compile_at(1))
+    if hi < 0:  # not even the smallest chunk (one sample by default) fits
+        need = probed[0][0] if 0 in probed else program_bytes(compile_at(candidates[0]))
+        smallest = "one sample" if candidates[0] == 1 else f"{candidates[0]} samples"
         err = MemoryError(
             f"{where}: chunk_size='auto' found no chunk that fits the memory budget of {budget} bytes "
-            f"per device; even one sample per chunk needs {need} bytes. Fix: pass a larger budget to "
+            f"per device; even {smallest} per chunk needs {need} bytes. Fix: pass a larger budget to "
             f"{where}, e.g. memory_budget={2 * need}, use more devices, or reduce the model size."
         )
         err.need, err.budget = need, budget  # for callers that word their own advice (vmcgrad.netket)
@@ -152,7 +167,7 @@ def _next_probe(candidates: list[int], probed: dict, lo: int, hi: int, budget: i
     if slope <= 0:
         return (lo + hi) // 2
     largest = (budget - b1) / slope + c1  # where the line crosses the budget
-    k = int(largest).bit_length() - 1 if largest >= 1 else 0  # the largest power of two below it
+    k = bisect.bisect_right(candidates, largest) - 1  # the largest candidate below it
     return min(max(k, lo), hi)
 
 

@@ -195,20 +195,29 @@ def _check_problem_cached(name: str, fun: Callable, params: Any, samples: Any, a
     return params, samples, n, out
 
 
-def call(program: Any, prob: Problem, *args: Any) -> Any:
+def call(program: Any, prob: Problem, *args: Any, choose: Chooser | None = None) -> Any:
     """Runs ``program(prob, *args)``; with ``chunk_size="auto"``, at the automatic chunk.
 
     The chunk is the largest power of two whose compiled program fits the memory budget (cached per
-    program, problem and argument signature; nothing runs to choose it). An eager call that still runs
-    out of memory is retried once at half the chunk, with a warning, and the smaller chunk is
-    remembered.
+    program, problem and argument signature; nothing runs to choose it), or what ``choose`` returns
+    for programs with a knob besides the chunk (:func:`vmcgrad._sr.ntk_dense.choose_dense`). An
+    eager call that still runs out of memory is retried once at half the chunk, with a warning, and
+    the smaller chunk is remembered.
+
+    Args:
+        choose: ``choose(program, prob, *args) -> (chunk, args)``, the chunk and the arguments to run
+            at (compile only); default :func:`auto_chunk` with the arguments unchanged.
     """
+    choose = choose or _powers_of_two
     if LOWERING.get():
-        chunk = prob.chunk_size if prob.chunk_size != "auto" else auto_chunk(program, prob, *args)
+        if prob.chunk_size == "auto":
+            chunk, args = choose(program, prob, *args)
+        else:
+            chunk = prob.chunk_size
         return program.lower(prob.at_chunk(chunk), *args)
     if prob.chunk_size != "auto":
         return program(prob, *args)
-    chunk = auto_chunk(program, prob, *args)
+    chunk, args = choose(program, prob, *args)
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
         return program(prob.at_chunk(chunk), *args)
     key, budget = _key(program, prob, args), _budget(prob)
@@ -220,14 +229,30 @@ def call(program: Any, prob: Problem, *args: Any) -> Any:
     )
 
 
-def auto_chunk(program: Any, prob: Problem, *args: Any) -> int:
-    """The automatic chunk of ``program`` on ``args`` (see :func:`call`), compile only."""
+#: ``choose(program, prob, *args) -> (chunk, args)``: how :func:`call` resolves ``chunk_size="auto"``.
+Chooser = Callable[..., tuple[int, tuple]]
+
+
+def _powers_of_two(program: Any, prob: Problem, *args: Any) -> tuple[int, tuple]:
+    return auto_chunk(program, prob, *args), args
+
+
+def auto_chunk(program: Any, prob: Problem, *args: Any, candidates: Any = None) -> int:
+    """The automatic chunk of ``program`` on ``args`` (see :func:`call`), compile only: the largest
+    of ``candidates`` (default: powers of two, :func:`vmcgrad._chunks.budget.choose_chunk`) that fits."""
     abstract = _abstract(args)
 
     def compile_at(c):
         return program.lower(prob.at_chunk(c), *abstract).compile()
 
-    return choose_chunk(_key(program, prob, args), prob.n_local, compile_at, _budget(prob), where=prob.name)
+    return choose_chunk(
+        _key(program, prob, args),
+        prob.n_local,
+        compile_at,
+        _budget(prob),
+        where=prob.name,
+        candidates=candidates,
+    )
 
 
 def _budget(prob: Problem) -> int:

@@ -12,6 +12,8 @@ The routes (:data:`ROUTES`), chosen by :func:`choose_route` unless given:
 
 * ``"dense"``: the :math:`NK \times NK` kernel :math:`T` in blocks (:mod:`vmcgrad._sr.ntk_dense`) and a
   dense solve: per-sample Jacobians about :math:`N(1 + (N - c)/2c)`, then :math:`(NK)^3/3` for the factor;
+  where one chunk holds all N on one device, the Jacobian is kept (:func:`_whole_jacobian`): N, as
+  NetKet's ``srt``;
 * ``"parameter"``: the :math:`P \times P` matrix :math:`S` from each row chunk's Jacobian (N per-sample
   Jacobians, once each) and a dense solve, then :math:`P^3/3`: the cheaper one when :math:`P < NK`;
 * ``"cg"``: matrix-free conjugate gradient on :math:`T v` (one vjp and one jvp pass per iteration), with
@@ -38,7 +40,7 @@ from vmcgrad._runner.primitive import map_reduce_problem
 from vmcgrad._runner.runner import REPLICATED
 from vmcgrad._sr import nystrom
 from vmcgrad._sr.ntk import NTKOperator, _check_solver, _product
-from vmcgrad._sr.ntk_dense import dense_program, dense_solve
+from vmcgrad._sr.ntk_dense import choose_dense, dense_program, dense_solve
 from vmcgrad._sr.ntk_modes import (
     choose_ntk_mode,
     components,
@@ -180,7 +182,9 @@ def minsr_update(
     op = NTKOperator(inputs=inputs, diag_shift=diag_shift, problem=prob, mode=mode)
     how = (route, None if solver == "cg" else solver, rank)
     cg_opts = (tol, atol, maxiter)
-    return call(_update_program, prob, op, local_energies, proj_reg, momentum, old_updates, how, cg_opts)
+    choose = choose_dense if route == "dense" else None
+    args = (op, local_energies, proj_reg, momentum, old_updates, how, cg_opts)
+    return call(_update_program, prob, *args, choose=choose)
 
 
 def resolve_route(
@@ -247,13 +251,15 @@ def _update_program(
 def passes(op: NTKOperator) -> NTKOperator:
     r"""``op`` with the chunk of its single jvp and vjp passes (:math:`\Delta J t`, :math:`\Delta
     J^\dagger x`) on the dense routes: the chunk's Jacobian batch
-    (:func:`~vmcgrad._sr.ntk_modes.jacobian_batch`). A pass holds the model's intermediates for all of
+    (:func:`~vmcgrad._sr.ntk_modes.jacobian_batch`, the operator's own where the chunk choice fixed it).
+    A pass holds the model's intermediates for all of
     its chunk's samples, the Jacobians for a batch of them: at the chunk's own size the pass, run once,
     would bind the budget and shrink the chunk that sets how often the Jacobians are derived."""
     prob = op.problem
     if prob.chunk_size is None:  # unchunked: every pass over all samples at once
         return op
-    return op._at(prob.at_chunk(jacobian_batch(plan_chunks(prob.n_local, prob.chunk_size).size)))
+    batch = jacobian_batch(plan_chunks(prob.n_local, prob.chunk_size).size, op.jacobian_batch)
+    return op._at(prob.at_chunk(batch))
 
 
 def _update(op: NTKOperator, e_loc, proj_reg, momentum, old_updates, how, cg_opts):
@@ -261,6 +267,9 @@ def _update(op: NTKOperator, e_loc, proj_reg, momentum, old_updates, how, cg_opt
     n, k, mode = op.problem.n, k_of(op.mode), op.mode
     sqrt_n = math.sqrt(n)
     dv = components(mode, 2.0 * (e_loc - jnp.mean(e_loc)) / sqrt_n).astype(op.dtype)
+    if route == "dense" and holds_every_row(op.problem):
+        updates, info = _whole_jacobian(op, dv, proj_reg, momentum, old_updates, solver)
+        return _with_momentum(updates, info, momentum, old_updates)
     once = op if route == "cg" else passes(op)  # CG's passes are its iterations: at the chunk
     if momentum is not None and old_updates is not None:
         dv = dv - momentum * once._j(old_updates) / sqrt_n
@@ -277,11 +286,54 @@ def _update(op: NTKOperator, e_loc, proj_reg, momentum, old_updates, how, cg_opt
                 a = a + proj_reg / n
             x, info = dense_solve(solver, a, dv)
         updates = once._jdagger(x.reshape(n, k) / sqrt_n)  # (centred by _jdagger)
+    return _with_momentum(updates, info, momentum, old_updates)
+
+
+def _with_momentum(updates, info, momentum, old_updates):
     if momentum is not None:
         if old_updates is not None:
             updates = jax.tree.map(lambda u, o: u + momentum * o, updates, old_updates)
         return updates, updates, info
     return updates, None, info
+
+
+def holds_every_row(prob: Problem) -> bool:
+    """Whether one chunk holds every sample's Jacobian: one device's rows are all N, in one chunk."""
+    return prob.n_local == prob.n and plan_chunks(prob.n_local, prob.chunk_size).count == 1
+
+
+def jacobian_rows(fun, params, x, w, *, mode: str, batch: int | None) -> tuple[tuple, jax.Array]:
+    """One chunk's per-sample Jacobians in the mode's flat parametrisation, ``(c, K, P)``, derived a
+    Jacobian batch at a time (:func:`~vmcgrad._sr.ntk_modes.jacobian_batch`)."""
+    f = rows_fun(fun, mode, params)
+    c, k = w.shape[0], k_of(mode)
+    rows = jacobian(f, theta_of(mode, params), x, mode, jacobian_batch(c, batch))
+    return (), jnp.concatenate([r.reshape(c, k, -1) for r in jax.tree.leaves(rows)], axis=-1)
+
+
+def _whole_jacobian(op: NTKOperator, dv: jax.Array, proj_reg, momentum, old_updates, solver):
+    r"""The dense route where one chunk holds every sample's Jacobian (:func:`holds_every_row`), as
+    NetKet's ``srt``: :math:`\Delta J` exactly centred once, :math:`T = \Delta J\Delta J^\dagger/N +
+    \lambda`, and :math:`\Delta J\delta_\mathrm{old}`, :math:`\Delta J^\dagger x` as products with it.
+    N per-sample Jacobians in all: no mean-Jacobian estimate and no separate jvp or vjp pass, which
+    the blocked kernel needs because it does not keep its rows (at N = 64 on the race's GCNN those
+    cost as much again as the kernel's Jacobians)."""
+    prob, mode = op.problem, op.mode
+    n, k = prob.n, k_of(mode)
+    sqrt_n = math.sqrt(n)
+    chunk = partial(jacobian_rows, mode=mode, batch=op.jacobian_batch)
+    _, j = map_reduce_problem(prob, op.inputs, chunk)
+    j = (j - jnp.mean(j, axis=0, keepdims=True)).reshape(n * k, -1)  # ΔJ, exactly centred
+    theta, unravel = ravel_pytree(theta_of(mode, op.params))
+    if momentum is not None and old_updates is not None:
+        old = ravel_pytree(theta_of(mode, old_updates))[0].astype(j.dtype)
+        dv = dv - momentum * (j @ old).reshape(n, k).astype(dv.dtype) / sqrt_n
+    a = (j @ jnp.conj(j).T / n).astype(op.dtype) + op.diag_shift * jnp.eye(n * k, dtype=op.dtype)
+    if proj_reg is not None:
+        a = a + proj_reg / n
+    x, info = dense_solve(solver, a, dv.reshape(-1))
+    delta = (jnp.conj(j).T @ x.astype(j.dtype)) / sqrt_n
+    return params_of(mode, unravel(delta.astype(theta.dtype)), op.params), info
 
 
 def _cg(op: NTKOperator, dv: jax.Array, proj_reg, rank: int, cg_opts):

@@ -46,7 +46,7 @@ from vmcgrad._problem import validation as check
 from vmcgrad._problem.function import join_fun
 from vmcgrad._problem.problem import Problem, call, problem
 from vmcgrad._runner.primitive import map_reduce_problem
-from vmcgrad._sr.ntk_dense import dense_program, dense_solve
+from vmcgrad._sr.ntk_dense import choose_dense, dense_program, dense_solve
 from vmcgrad._sr.ntk_modes import (
     choose_ntk_mode,
     components,
@@ -75,6 +75,12 @@ class NTKOperator(AbstractOperator):
     """
 
     _builder = _NAME
+    _described = ("jacobian_batch",)
+
+    #: Samples whose Jacobians the dense kernel derives at once, or None for a sixteenth of the chunk
+    #: (:func:`~vmcgrad._sr.ntk_modes.jacobian_batch`). Static; ``chunk_size="auto"`` sets it
+    #: (:func:`~vmcgrad._sr.ntk_dense.choose_dense`).
+    jacobian_batch: int | None = dataclasses.field(default=None, metadata={"static": True})
 
     @property
     def dim(self) -> int:
@@ -100,7 +106,7 @@ class NTKOperator(AbstractOperator):
 
     def to_dense(self) -> jax.Array:
         """The ``(dim, dim)`` matrix, block by block (rows split over the devices like the samples)."""
-        return call(dense_program, self.problem, self)
+        return call(dense_program, self.problem, self, choose=choose_dense)
 
     def solve(
         self,
@@ -141,7 +147,7 @@ class NTKOperator(AbstractOperator):
             tol, atol = check.check_tolerances(where, tol, atol)
             maxiter = check.check_maxiter(where, maxiter, default=10 * self.dim)
             return call(_cg_program, self.problem, self, b, x0, tol, atol, maxiter)
-        return call(_dense_solve_program, self.problem, self, b, solver)
+        return call(_dense_solve_program, self.problem, self, b, solver, choose=choose_dense)
 
     def _vector(self, name: str, v: Any) -> jax.Array:
         where = f"{_NAME} ({name})"
@@ -168,6 +174,9 @@ class NTKOperator(AbstractOperator):
 
     def _sizing_call(self) -> tuple:
         return dense_program, self.problem, self
+
+    def _auto_chunk(self) -> int:
+        return choose_dense(*self._sizing_call())[0]
 
     def _fun(self) -> Callable:
         return join_fun(self.problem.fun, tuple(self.inputs.fun_data))
@@ -235,8 +244,10 @@ def NTK(
         params: the parameter pytree.
         samples: the N samples along axis 0 (sharded over devices or not; any N).
         chunk_size: rows and columns per block on each device (any positive int), None for one block
-            (all local rows against all samples), or ``"auto"``: the largest power of two whose
-            :meth:`~NTKOperator.to_dense` program fits ``memory_budget``.
+            (all local rows against all samples), or ``"auto"``: the largest chunk whose
+            :meth:`~NTKOperator.to_dense` program fits ``memory_budget``, among the powers of two
+            and then, at the Jacobian batch they fix, the fewer larger chunks
+            (:func:`~vmcgrad._sr.ntk_dense.choose_dense`).
         mode: 'real', 'complex', 'holomorphic', or None: 'real' for real parameters and output,
             else 'complex' (NetKet's default).
         diag_shift: :math:`\lambda`.

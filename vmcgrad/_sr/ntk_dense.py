@@ -18,7 +18,8 @@ Memory: a chunk holds :math:`(c + b) K P` numbers of Jacobians, the model's inte
 samples (rows and columns are derived ``b`` at a time, the shift :math:`s` taken off per batch), and the
 device's :math:`N_\text{local} K \times NK` rows and the buffer of their transpose (which XLA may
 reuse, see ``benchmarks/bench_minsr.py``). ``chunk_size="auto"`` picks the largest chunk whose compiled
-program fits the budget, the N×N kernel and, in :func:`vmcgrad.minsr_update`, its factor and pullback
+program fits the budget (:func:`choose_dense`: the powers of two, then fewer larger chunks at the
+Jacobian batch those fixed), the N×N kernel and, in :func:`vmcgrad.minsr_update`, its factor and pullback
 included (the pullback runs at the Jacobian batch, :func:`vmcgrad._sr.minsr.passes`, so that it does
 not bind). No collective runs per block. :math:`s` is NetKet's mean-Jacobian estimate (32 evenly
 strided samples): it does not change the centred kernel in exact arithmetic, and keeps its small
@@ -28,6 +29,7 @@ centring follows, as row and column means of the blocks.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -38,20 +40,47 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from vmcgrad._chunks.plan import plan_chunks
-from vmcgrad._problem.problem import Problem
+from vmcgrad._problem.problem import Problem, auto_chunk
 from vmcgrad._problem.sharding import explicit_sharding, unsplit_explicit
 from vmcgrad._runner.primitive import map_reduce_problem
 from vmcgrad._runner.runner import REPLICATED, SAMPLES
 from vmcgrad._sr.ntk_modes import contract, jacobian, jacobian_batch, k_of, mean_jacobian, rows_fun, theta_of
 
 
-def column_chunk(prob: Problem) -> int:
+def column_chunk(prob: Problem, batch: int | None = None) -> int:
     """Columns per block: all N for one block (a chunk of at least N rows), else the chunk's Jacobian
-    batch (:func:`~vmcgrad._sr.ntk_modes.jacobian_batch`, a sixteenth of it): the columns are derived
-    many at a time anyway, so narrow blocks hold the model's intermediates of a wide one and leave the
-    rows most of the budget (fewer row chunks: fewer recomputed column Jacobians)."""
+    batch (:func:`~vmcgrad._sr.ntk_modes.jacobian_batch`: ``batch``, or a sixteenth of the chunk): the
+    columns are derived many at a time anyway, so narrow blocks hold the model's intermediates of a
+    wide one and leave the rows most of the budget (fewer row chunks: fewer recomputed column
+    Jacobians)."""
     c = plan_chunks(prob.n_local, prob.chunk_size).size
-    return prob.n if c >= prob.n else jacobian_batch(c)
+    return prob.n if c >= prob.n else jacobian_batch(c, batch)
+
+
+def choose_dense(program: Any, prob: Problem, op: Any, *args: Any) -> tuple[int, tuple]:
+    r"""``chunk_size="auto"`` for a program built on the dense kernel (:func:`vmcgrad._problem.problem.call`'s
+        ``choose``): ``(chunk, (op, *args))`` with the operator's Jacobian batch fixed.
+
+        The chunk sets how often column Jacobians are derived again, :math:`N + N(N - c)/2c`, and the
+        Jacobian batch :math:`b` how many samples' intermediates are held. The powers of two are searched
+        first with :math:`b = c/16` (:func:`~vmcgrad._sr.ntk_modes.jacobian_batch`); the largest that fits,
+        :math:`c^*`, fixes :math:`b^* = c^*/16`. With :math:`b^*` held, a chunk's bytes grow only by its
+        rows' Jacobians, so fewer and larger chunks may still fit: the candidates :math:`\lceil
+        N_\text{local}/m
+    ceil` for :math:`m` = 1 to the count of :math:`c^*` (:math:`m` balanced chunks
+        derive :math:`N(m + 1)/2` Jacobians on one device) are searched in the same way, and the largest
+        that fits is taken (at worst :math:`c^*` itself). On the race's GCNN at N = 256 and 64 MiB this is
+        two chunks of 128 at :math:`b` = 4 where the powers of two alone give four of 64: 1.5 N Jacobians
+        against 2.5 N (``docs/performance.md``). An operator whose batch is already fixed, or a single
+        chunk, is left as the powers of two chose.
+    """
+    chunk = auto_chunk(program, prob, op, *args)
+    plan = plan_chunks(prob.n_local, chunk)
+    if plan.count == 1 or op.jacobian_batch is not None:
+        return chunk, (op, *args)
+    fixed = dataclasses.replace(op, jacobian_batch=jacobian_batch(plan.size))
+    fewer = sorted({-(-prob.n_local // m) for m in range(1, plan.count + 1)})
+    return auto_chunk(program, prob, fixed, *args, candidates=fewer), (fixed, *args)
 
 
 def row_chunk(prob: Problem) -> int:
@@ -71,6 +100,7 @@ def dense_chunk(
     mode: str,
     cols: int,
     n: int,
+    batch: int | None = None,
 ) -> tuple[tuple, jax.Array]:
     r"""One chunk of rows of the uncentred kernel on and above the diagonal: ``(c, K, N, K)``.
 
@@ -89,7 +119,7 @@ def dense_chunk(
     theta = theta_of(mode, params)
     k = k_of(mode)
     c = jax.tree.leaves(x)[0].shape[0]
-    rows = jacobian(f, theta, x, mode, jacobian_batch(c), shift)
+    rows = jacobian(f, theta, x, mode, jacobian_batch(c, batch), shift)
     n_pad = jax.tree.leaves(all_x)[0].shape[0]
     blocks = n_pad // cols
     dtype = jax.tree.leaves(rows)[0].dtype
@@ -131,12 +161,12 @@ def dense_program(prob: Problem, op: Any) -> jax.Array:
     n, k, mode = prob.n, k_of(op.mode), op.mode
     f = rows_fun(op._fun(), mode, op.params)
     theta = theta_of(mode, op.params)
-    cols = column_chunk(prob)
+    cols = column_chunk(prob, op.jacobian_batch)
     samples = unsplit_explicit(op.samples)  # all of them go to every device anyway
     shift = mean_jacobian(f, theta, samples, n, mode, row_chunk(prob))
     n_pad = -(-n // cols) * cols
     all_x = jax.tree.map(lambda a: jnp.concatenate([a, jnp.repeat(a[-1:], n_pad - n, axis=0)]), samples)
-    chunk = partial(dense_chunk, mode=mode, cols=cols, n=n)
+    chunk = partial(dense_chunk, mode=mode, cols=cols, n=n, batch=op.jacobian_batch)
     index = (jnp.arange(n), SAMPLES)
     _, t = map_reduce_problem(prob, op.inputs, chunk, index, (all_x, REPLICATED), (shift, REPLICATED))
     if n_pad > cols:  # (with one column block every chunk took all its columns)

@@ -96,8 +96,9 @@ JACOBIAN_SPLIT = 16
 JACOBIAN_BATCH_MIN = 1
 
 
-def jacobian_batch(rows: int) -> int:
-    """Samples whose Jacobians a chunk of ``rows`` derives at once: ``max(1, rows // 16)``.
+def jacobian_batch(rows: int, fixed: int | None = None) -> int:
+    """Samples whose Jacobians a chunk of ``rows`` derives at once: ``max(1, rows // 16)``, or
+    ``fixed`` (at most ``rows``) where the chunk choice set it (:func:`vmcgrad._sr.ntk_dense.choose_dense`).
 
     A per-sample Jacobian's intermediates (a reverse pass per output component) can outweigh the
     Jacobian itself many times (NetKet's GCNN on 6×6: about 10×), so deriving them a sixteenth at a
@@ -105,6 +106,8 @@ def jacobian_batch(rows: int) -> int:
     fewer recomputed Jacobians in the dense kernel. On that GCNN at N = 256 a chunk of 128 compiles to
     34.0 MiB in sixteenths against 44.5 MiB in eighths, in the same time (``docs/performance.md``).
     """
+    if fixed is not None:
+        return min(rows, fixed)
     return min(rows, max(JACOBIAN_BATCH_MIN, rows // JACOBIAN_SPLIT))
 
 

@@ -70,10 +70,11 @@ class AbstractOperator(abc.ABC):
     @property
     def chunk_size(self) -> int | None:
         """Samples per chunk on each device (for ``chunk_size="auto"``, chosen here: the largest power
-        of two whose sizing program fits the memory budget)."""
+        of two whose sizing program fits the memory budget, unless the operator chooses otherwise,
+        :meth:`_auto_chunk`)."""
         if self.problem.chunk_size != "auto":
             return self.problem.chunk_size
-        return auto_chunk(*self._sizing_call())
+        return self._auto_chunk()
 
     @property
     @abc.abstractmethod
@@ -122,6 +123,10 @@ class AbstractOperator(abc.ABC):
     @abc.abstractmethod
     def _sizing_call(self) -> tuple:
         """``(program, problem, *args)``: the compiled program whose memory ``chunk_size="auto"`` sizes."""
+
+    def _auto_chunk(self) -> int:
+        """What ``chunk_size="auto"`` chooses for the sizing program (compile only)."""
+        return auto_chunk(*self._sizing_call())
 
     def _check_shift(self, where: str, name: str, value: Any) -> Any:
         """A shift: a finite real number >= 0 (checked when concrete), a 0-d array of ``_real_dtype``."""
