@@ -14,7 +14,11 @@ Parts (``--part``):
   N×N kernel and its factor), for each ``--fractions`` q, against one block (``chunk_size=None``, no
   budget). Prints the chosen chunk, the compiled bytes, the time and its ratio to one block.
   ``--no-jacobian-batches`` derives each chunk's Jacobians all at once (the code before the
-  ``jacobian_batch`` split) for comparison.
+  ``jacobian_batch`` split) for comparison. The chunk column gives the chunk and its Jacobian batch;
+  ``--compare-powers`` times, interleaved with it, the chunk the powers of two alone choose (the
+  choice before ``ntk_dense.choose_dense`` took fewer, larger chunks at the batch they fix);
+  ``--compare-kept`` times one block as before it kept its Jacobian (``passes``: the mean-Jacobian
+  estimate and a pullback pass besides the kernel's Jacobians).
 - ``cg``: CG iterations and update time at ``--n`` of the matrix-free route, plain and with the
   Nyström preconditioner (``--ranks``; ``auto`` is the budget's), against the dense route (max. abs.
   difference of the update too).
@@ -41,9 +45,19 @@ def parse(argv=None):
     ap.add_argument("--part", choices=["blocks", "cg", "qgt"], default="blocks")
     ap.add_argument("--sizes", type=int, nargs="+", default=[128, 256, 512], help="N of the blocks part")
     ap.add_argument(
-        "--fractions", type=float, nargs="+", default=[1, 2, 4], help="q: budget = Jacobian/q + 2(NK)²·8"
+        "--fractions", type=float, nargs="*", default=[1, 2, 4], help="q: budget = Jacobian/q + 2(NK)²·8"
     )
     ap.add_argument("--no-jacobian-batches", action="store_true")
+    ap.add_argument(
+        "--compare-powers",
+        action="store_true",
+        help="blocks: also time the chunk the powers of two alone choose, interleaved",
+    )
+    ap.add_argument(
+        "--compare-kept",
+        action="store_true",
+        help="blocks: also time one block without keeping its Jacobian (a shift pass, a pullback pass)",
+    )
     ap.add_argument("--n", type=int, default=512, help="N of the cg and qgt parts")
     ap.add_argument("--ranks", nargs="+", default=["0", "auto"], help="Nyström samples r (0: plain CG)")
     ap.add_argument("--chunk", type=int, default=64, help="chunk of the cg and qgt parts")
@@ -85,44 +99,57 @@ def blocks(args):
 
     import vmcgrad
     from vmcgrad._problem import problem as problem_module
-    from vmcgrad._sr import minsr, ntk_modes
+    from vmcgrad._sr import minsr, ntk_dense, ntk_modes
 
     if args.no_jacobian_batches:
         ntk_modes.JACOBIAN_BATCH_MIN = 1 << 40
-    print("| N | budget | chunk | compiled MiB | time per update (s) | × one block |")
-    print("|---|---|---|---|---|---|")
+    dense_choice, holds_every_row = minsr.choose_dense, minsr.holds_every_row
+    powers_only = lambda program, prob, *a: (problem_module.auto_chunk(program, prob, *a), a)
+    choices = {"fewer": dense_choice, **({"powers": powers_only} if args.compare_powers else {})}
+    print("| N | budget | choice | chunk (batch) | compiled MiB | time per update (s) | × one block |")
+    print("|---|---|---|---|---|---|---|")
     for n in args.sizes:
         lp, params, x, e = setup(n, args.param_dtype)
         nk_, p, itemsize = minsr.system_sizes("complex", n, params)
         jac = nk_ * p * itemsize
         kernel = 2 * nk_ * nk_ * itemsize
         chosen, calls, nbytes = {}, {}, {}
-        for q in [None, *args.fractions]:
+        kept = [(None, "fewer")] + ([(None, "passes")] if args.compare_kept else [])
+        cases = kept + [(q, c) for q in args.fractions for c in choices]
+        for q, choice in cases:
             budget = None if q is None else int(jac / q + kernel)
             kw = dict(diag_shift=args.diag_shift, route="dense", memory_budget=budget)
             kw["chunk_size"] = None if q is None else "auto"
-            seen = []  # the chunks chunk_size="auto" chose (the kernel's; its passes run narrower)
-            auto_chunk = problem_module.auto_chunk
-            problem_module.auto_chunk = lambda *a, seen=seen, auto=auto_chunk: (
-                seen.append(auto(*a)) or seen[-1]
+            seen = []  # the chunks the searches chose: the powers of two's, then the fewer chunks'
+            auto_chunk = ntk_dense.auto_chunk
+            ntk_dense.auto_chunk = problem_module.auto_chunk = lambda *a, seen=seen, auto=auto_chunk, **k: (
+                seen.append(auto(*a, **k)) or seen[-1]
             )
+            minsr.choose_dense = choices.get(choice, dense_choice)
+            if choice == "passes":  # one block as before it kept its Jacobian
+                minsr.holds_every_row = lambda prob: False
             try:
                 f = jax.jit(lambda p, x, e, kw=kw, lp=lp: vmcgrad.minsr_update(lp, p, x, e, **kw)[0])
-                nbytes[q] = vmcgrad.program_bytes(f.lower(params, x, e).compile())
+                # the compiled program is what is timed: calling f would trace it again, after the
+                # choice patched here is undone; vmcgrad's own jitted programs are traced afresh
+                jax.clear_caches()
+                f = f.lower(params, x, e).compile()
+                nbytes[q, choice] = vmcgrad.program_bytes(f)
             finally:
-                problem_module.auto_chunk = auto_chunk
-            chosen[q] = seen[-1] if seen else n
-            calls[q] = lambda f=f, a=(params, x, e): f(*a)
+                ntk_dense.auto_chunk = problem_module.auto_chunk = auto_chunk
+                minsr.choose_dense = dense_choice
+                minsr.holds_every_row = holds_every_row
+            batch = ntk_modes.jacobian_batch(seen[0]) if seen else ntk_modes.jacobian_batch(n)
+            chosen[q, choice] = f"{seen[-1]} ({batch})" if seen else f"{n} ({batch})"
+            calls[q, choice] = lambda f=f, a=(params, x, e): f(*a)
         times = timed(calls, args.repeats)
-        for q in [None, *args.fractions]:
-            label = (
-                "none (one block)"
-                if q is None
-                else f"Jacobian/{q:g} + kernel, factor: {_mib(jac / q + kernel)}"
-            )
+        for q, choice in cases:
+            label = "none (one block)" if q is None else f"J/{q:g} + kernel, factor: {_mib(jac / q + kernel)}"
             print(
-                f"| {n} | {label} | {chosen[q]} | {_mib(nbytes[q])} | {times[q]:.3f} | "
-                f"{times[q] / times[None]:.2f} |",
+                f"| {n} | {label} | {choice if choice == 'passes' else '-' if q is None else choice} | "
+                f"{chosen[q, choice]} | "
+                f"{_mib(nbytes[q, choice])} | {times[q, choice]:.3f} | "
+                f"{times[q, choice] / times[None, 'fewer']:.2f} |",
                 flush=True,
             )
 
