@@ -58,21 +58,20 @@ def column_chunk(prob: Problem, batch: int | None = None) -> int:
 
 
 def choose_dense(program: Any, prob: Problem, op: Any, *args: Any) -> tuple[int, tuple]:
-    r"""``chunk_size="auto"`` for a program built on the dense kernel (:func:`vmcgrad._problem.problem.call`'s
-        ``choose``): ``(chunk, (op, *args))`` with the operator's Jacobian batch fixed.
+    r"""``chunk_size="auto"`` for a program built on the dense kernel (the ``choose`` of
+    :func:`vmcgrad._problem.problem.call`): ``(chunk, (op, *args))``, the operator's Jacobian batch fixed.
 
-        The chunk sets how often column Jacobians are derived again, :math:`N + N(N - c)/2c`, and the
-        Jacobian batch :math:`b` how many samples' intermediates are held. The powers of two are searched
-        first with :math:`b = c/16` (:func:`~vmcgrad._sr.ntk_modes.jacobian_batch`); the largest that fits,
-        :math:`c^*`, fixes :math:`b^* = c^*/16`. With :math:`b^*` held, a chunk's bytes grow only by its
-        rows' Jacobians, so fewer and larger chunks may still fit: the candidates :math:`\lceil
-        N_\text{local}/m
-    ceil` for :math:`m` = 1 to the count of :math:`c^*` (:math:`m` balanced chunks
-        derive :math:`N(m + 1)/2` Jacobians on one device) are searched in the same way, and the largest
-        that fits is taken (at worst :math:`c^*` itself). On the race's GCNN at N = 256 and 64 MiB this is
-        two chunks of 128 at :math:`b` = 4 where the powers of two alone give four of 64: 1.5 N Jacobians
-        against 2.5 N (``docs/performance.md``). An operator whose batch is already fixed, or a single
-        chunk, is left as the powers of two chose.
+    The chunk sets how often column Jacobians are derived again, :math:`N + N(N - c)/2c`, and the
+    Jacobian batch :math:`b` how many samples' intermediates are held. The powers of two are searched
+    first with :math:`b = c/16` (:func:`~vmcgrad._sr.ntk_modes.jacobian_batch`); the largest that fits,
+    :math:`c^*`, fixes :math:`b^* = c^*/16`. With :math:`b^*` held, a chunk's bytes grow only by its
+    rows' Jacobians, so fewer and larger chunks may still fit: the candidates
+    :math:`\lceil N_\text{local}/m \rceil` for :math:`m` = 1 to the count of :math:`c^*` (:math:`m`
+    balanced chunks derive :math:`N(m + 1)/2` Jacobians on one device) are searched in the same way,
+    and the largest that fits is taken (at worst :math:`c^*` itself). On the race's GCNN at N = 256 and
+    64 MiB this is two chunks of 128 at :math:`b` = 4 where the powers of two alone give four of 64:
+    1.5 N Jacobians against 2.5 N (``docs/performance.md``). An operator whose batch is already fixed,
+    or a single chunk, is left as the powers of two chose.
     """
     chunk = auto_chunk(program, prob, op, *args)
     plan = plan_chunks(prob.n_local, chunk)
