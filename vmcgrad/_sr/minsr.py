@@ -323,6 +323,7 @@ def _whole_jacobian(op: NTKOperator, dv: jax.Array, proj_reg, momentum, old_upda
     sqrt_n = math.sqrt(n)
     chunk = partial(jacobian_rows, mode=mode, batch=op.jacobian_batch)
     _, j = map_reduce_problem(prob, op.inputs, chunk)
+    j = unsplit_explicit(j)  # (on an Explicit mesh of one device: its rows are all of them)
     j = (j - jnp.mean(j, axis=0, keepdims=True)).reshape(n * k, -1)  # ΔJ, exactly centred
     theta, unravel = ravel_pytree(theta_of(mode, op.params))
     if momentum is not None and old_updates is not None:
