@@ -27,11 +27,17 @@ Parts (``--part``):
   :math:`M = (\frac1r \Delta J_S^\dagger \Delta J_S + \lambda)^{-1}` applied by Woodbury (the
   parameter-space analogue of the Nyström preconditioner: an rK×rK system); iterations only.
 
+``--model j1j2`` runs the race's model instead (``benchmarks/time_to_energy.py``: the 4×4 GCNN, 3 × 8
+features; with ``--param-dtype float64`` P = 16 536 as in the race), and ``--budgets-mib`` adds budgets
+in MiB to the ``blocks`` part's fractions.
+
 Usage (standalone; PYTHONPATH=. in a checkout)::
 
     python benchmarks/bench_minsr_routes.py --part blocks --sizes 128 256 512 --fractions 1 2 4
     python benchmarks/bench_minsr_routes.py --part cg --n 512 --ranks 0 auto --tol 1e-8
     python benchmarks/bench_minsr_routes.py --part qgt --n 512 --ranks 0 128 256
+    python benchmarks/bench_minsr_routes.py --part blocks --model j1j2 --param-dtype float64 --sizes 256 \
+        --fractions --budgets-mib 64 --compare-powers
 """
 
 from __future__ import annotations
@@ -64,21 +70,33 @@ def parse(argv=None):
     ap.add_argument("--diag-shift", type=float, default=1e-3)
     ap.add_argument("--tol", type=float, default=1e-8)
     ap.add_argument("--param-dtype", default="complex128", choices=["complex128", "float64"])
+    ap.add_argument(
+        "--model",
+        default="gcnn6",
+        choices=["gcnn6", "j1j2"],
+        help="gcnn6: the 6×6 GCNN, 2 × 4 features; j1j2: time_to_energy's 4×4 GCNN, 3 × 8 features",
+    )
+    ap.add_argument(
+        "--budgets-mib", type=float, nargs="*", default=[], help="blocks: budgets in MiB besides --fractions"
+    )
     ap.add_argument("--repeats", type=int, default=3)
     return ap.parse_args(argv)
 
 
-def setup(n, param_dtype):
+def setup(n, param_dtype, model="gcnn6"):
     import jax
     import jax.numpy as jnp
     import netket as nk
     import numpy as np
 
-    g = nk.graph.Square(6)
+    side, layers, features = (6, 2, 4) if model == "gcnn6" else (4, 3, 8)
+    g = nk.graph.Square(side)
+    # j1j2: as time_to_energy.build_model (the graph's automorphisms; P = 16 536 with float64 parameters)
+    symmetries = g.space_group() if model == "gcnn6" else g
     model = nk.models.GCNN(
-        symmetries=g.space_group(), layers=2, features=4, param_dtype=np.dtype(param_dtype)
+        symmetries=symmetries, layers=layers, features=features, param_dtype=np.dtype(param_dtype)
     )
-    hi = nk.hilbert.Spin(0.5, N=36)
+    hi = nk.hilbert.Spin(0.5, N=side * side)
     x = jnp.asarray(hi.random_state(jax.random.key(0), n), jnp.float64)
     params = model.init(jax.random.key(1), x[:2])["params"]
     k1, k2 = jax.random.split(jax.random.key(2))
@@ -99,7 +117,7 @@ def blocks(args):
 
     import vmcgrad
     from vmcgrad._problem import problem as problem_module
-    from vmcgrad._sr import minsr, ntk_dense, ntk_modes
+    from vmcgrad._sr import minsr, ntk_modes
 
     if args.no_jacobian_batches:
         ntk_modes.JACOBIAN_BATCH_MIN = 1 << 40
@@ -109,23 +127,22 @@ def blocks(args):
     print("| N | budget | choice | chunk (batch) | compiled MiB | time per update (s) | × one block |")
     print("|---|---|---|---|---|---|---|")
     for n in args.sizes:
-        lp, params, x, e = setup(n, args.param_dtype)
+        lp, params, x, e = setup(n, args.param_dtype, args.model)
         nk_, p, itemsize = minsr.system_sizes("complex", n, params)
         jac = nk_ * p * itemsize
         kernel = 2 * nk_ * nk_ * itemsize
+        budgets = {q: int(jac / q + kernel) for q in args.fractions}
+        budgets |= {f"{mib:g} MiB": int(mib * 2**20) for mib in args.budgets_mib}
         chosen, calls, nbytes = {}, {}, {}
         kept = [(None, "fewer")] + ([(None, "passes")] if args.compare_kept else [])
-        cases = kept + [(q, c) for q in args.fractions for c in choices]
+        cases = kept + [(q, c) for q in budgets for c in choices]
         for q, choice in cases:
-            budget = None if q is None else int(jac / q + kernel)
+            budget = None if q is None else budgets[q]
             kw = dict(diag_shift=args.diag_shift, route="dense", memory_budget=budget)
             kw["chunk_size"] = None if q is None else "auto"
-            seen = []  # the chunks the searches chose: the powers of two's, then the fewer chunks'
-            auto_chunk = ntk_dense.auto_chunk
-            ntk_dense.auto_chunk = problem_module.auto_chunk = lambda *a, seen=seen, auto=auto_chunk, **k: (
-                seen.append(auto(*a, **k)) or seen[-1]
-            )
-            minsr.choose_dense = choices.get(choice, dense_choice)
+            seen = []  # what the choice returned: (chunk, (op, *args))
+            choose = choices.get(choice, dense_choice)
+            minsr.choose_dense = lambda *a, seen=seen, choose=choose: seen.append(choose(*a)) or seen[-1]
             if choice == "passes":  # one block as before it kept its Jacobian
                 minsr.holds_every_row = lambda prob: False
             try:
@@ -136,15 +153,20 @@ def blocks(args):
                 f = f.lower(params, x, e).compile()
                 nbytes[q, choice] = vmcgrad.program_bytes(f)
             finally:
-                ntk_dense.auto_chunk = problem_module.auto_chunk = auto_chunk
                 minsr.choose_dense = dense_choice
                 minsr.holds_every_row = holds_every_row
-            batch = ntk_modes.jacobian_batch(seen[0]) if seen else ntk_modes.jacobian_batch(n)
-            chosen[q, choice] = f"{seen[-1]} ({batch})" if seen else f"{n} ({batch})"
+            chunk, (op, *_) = seen[-1] if seen else (n, (None,))
+            batch = ntk_modes.jacobian_batch(chunk, op and op.jacobian_batch)
+            chosen[q, choice] = f"{chunk} ({batch})"
             calls[q, choice] = lambda f=f, a=(params, x, e): f(*a)
         times = timed(calls, args.repeats)
         for q, choice in cases:
-            label = "none (one block)" if q is None else f"J/{q:g} + kernel, factor: {_mib(jac / q + kernel)}"
+            if q is None:
+                label = "none (one block)"
+            elif isinstance(q, str):  # a budget given in MiB
+                label = q
+            else:
+                label = f"J/{q:g} + kernel, factor: {_mib(budgets[q])}"
             print(
                 f"| {n} | {label} | {choice if choice == 'passes' else '-' if q is None else choice} | "
                 f"{chosen[q, choice]} | "
@@ -166,7 +188,7 @@ def cg_part(args):
     from vmcgrad._chunks.budget import default_memory_budget
     from vmcgrad._sr import minsr, nystrom
 
-    lp, params, x, e = setup(args.n, args.param_dtype)
+    lp, params, x, e = setup(args.n, args.param_dtype, args.model)
     n = args.n
     _, p, itemsize = minsr.system_sizes("complex", n, params)
     kw = dict(diag_shift=args.diag_shift, chunk_size=args.chunk)
@@ -205,7 +227,7 @@ def qgt_part(args):
     from vmcgrad._sr import ntk_modes
     from vmcgrad._sr.solve import cg
 
-    lp, params, x, _ = setup(args.n, args.param_dtype)
+    lp, params, x, _ = setup(args.n, args.param_dtype, args.model)
     n, lam = args.n, args.diag_shift
     theta = ntk_modes.theta_of("complex", params)
     real_lp = lambda t, x: lp(ntk_modes.params_of("complex", t, params), x)

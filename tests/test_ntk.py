@@ -339,6 +339,62 @@ def test_auto_chunk_takes_fewer_larger_chunks_at_the_batch_the_budget_bought():
     np.testing.assert_allclose(dense, _dense_reference(apply, params, x, "complex"), rtol=0, atol=1e-12)
 
 
+def test_auto_chunk_takes_one_block_at_a_smaller_jacobian_batch(monkeypatch):
+    """On one device, where the powers of two and the fewer chunks leave several chunks, chunk_size=
+    "auto" tries one block at the Jacobian batches below theirs (ntk_dense.choose_dense). The update
+    of a model with many intermediates per sample (5 × 16 × 64) and P = 4 240 fits a budget between
+    its one-block bytes at batch 1 and at 2 in one block at batch 1 only; the powers of two stop at 32
+    (batch 2). Chosen: one block at batch 1, which keeps its Jacobian: the model evaluated on exactly
+    N samples (counted at run time; the chunks would derive more), the update equal to the one of
+    chunk_size=None. Red with the one-block step off: (32, 2)."""
+    import dataclasses
+
+    from vmcgrad._sr import minsr, ntk_dense
+
+    def apply(v, x):
+        h = jnp.tanh(x[:, :, None, None] * v["params"]["w"][None, :, :, None] + v["params"]["u"])
+        return jnp.mean(h, axis=(1, 2, 3)) + 1e-3 * jnp.sum(v["params"]["c"])
+
+    k = jax.random.split(jax.random.key(4), 2)
+    params = {"w": 0.3 * jax.random.normal(k[0], (L, 16)), "u": 0.1 * jax.random.normal(k[1], (64,))}
+    params["c"] = jnp.ones(4096)  # P grows, the intermediates do not
+    n = 64
+    params, (x, e) = jax.device_put((params, _data(n)), jax.devices()[0])
+    seen, choices = [], []
+
+    def counted(v, x):
+        jax.debug.callback(lambda x: seen.append(x.size // L), x)
+        return apply(v, x)
+
+    def choose(program, prob, op, *args):
+        choices.append(ntk_dense.choose_dense(program, prob, op, *args))
+        return choices[-1]
+
+    def program_bytes(program, prob, op, *args, batch):
+        lowered = program.lower(prob.at_chunk(n), dataclasses.replace(op, jacobian_batch=batch), *args)
+        return vmcgrad.program_bytes(lowered.compile())
+
+    monkeypatch.setattr(minsr, "choose_dense", lambda *a: choices.append(a) or ntk_dense.choose_dense(*a))
+    one = Mesh(np.array(jax.devices()[:1]), ("S",), axis_types=(AxisType.Auto,))
+    with jax.set_mesh(one):
+        kw = dict(diag_shift=DIAG, route="dense", solver=solve)
+        whole, _, _ = vmcgrad.minsr_update(_logpsi(counted), params, x, e.real, chunk_size=None, **kw)
+        vmcgrad.minsr_update(_logpsi(apply), params, x, e.real, chunk_size="auto", memory_budget=2**40, **kw)
+        sizing = choices[-1]  # (program, problem, operator, *arguments)
+        at_1, at_2 = program_bytes(*sizing, batch=1), program_bytes(*sizing, batch=2)
+        assert at_2 > at_1
+        budget = (at_1 + at_2) // 2  # one block fits at batch 1, not at 2 (nor at the powers' 4)
+        monkeypatch.setattr(minsr, "choose_dense", choose)
+        seen.clear()
+        ours, _, _ = vmcgrad.minsr_update(
+            _logpsi(counted), params, x, e.real, chunk_size="auto", memory_budget=budget, **kw
+        )
+    chunk, (op, *_) = choices[-1]
+    assert (chunk, op.jacobian_batch) == (n, 1), (chunk, op.jacobian_batch)
+    assert sum(seen) == n, sum(seen)
+    assert_tree_allclose(ours, whole, rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize(
     "model,mode", [("real", "real"), ("r2c", "complex"), ("nonholo", "complex"), ("holo", "holomorphic")]
 )
@@ -376,6 +432,28 @@ def test_one_chunk_of_every_sample_keeps_its_jacobian(model, mode):
                 _logpsi(apply), params, x, e, old_updates=old_blocked, **blocked, **kw
             )
             assert_tree_allclose(u, ref, rtol=0, atol=1e-10)
+
+
+def test_one_block_holds_one_copy_of_the_jacobian():
+    """The kept Jacobian (one chunk of every sample, one device) is held once: its rows are derived at
+    the flat θ (no concatenation of the leaves' rows), the runner returns a single chunk's rows as
+    they are, and ΔJ is centred in J's own buffer (minsr._centred_in_place).
+    A wide model whose intermediates are small next to J (P = 49 152, N = 64: J = 24 MiB): the
+    compiled update holds J and less than half as much again. Red with any of the three copies back
+    (the leaves' rows concatenated, the rows copied into the runner's buffer, or ``j - mean(j)`` as
+    one expression): 2.03 J each."""
+    n, width = 64, 4096
+    w = 0.01 * jax.random.normal(jax.random.key(3), (L, width))
+    params = {"w": w, "c": jnp.ones((width, 7))}  # "c": P grows, the intermediates do not
+    params, (x, e) = jax.device_put((params, _data(n)), jax.devices()[0])
+    logpsi = lambda p, x: jnp.sum(jnp.tanh(x @ p["w"]), -1) + jnp.sum(p["c"]) * 1e-3
+    one = Mesh(np.array(jax.devices()[:1]), ("S",), axis_types=(AxisType.Auto,))
+    with jax.set_mesh(one):
+        kw = dict(diag_shift=DIAG, chunk_size=None, route="dense")
+        update = jax.jit(lambda p, x, e: vmcgrad.minsr_update(logpsi, p, x, e, **kw)[0])
+        held = vmcgrad.program_bytes(update.lower(params, x, e.real).compile())
+    jac = n * sum(v.size for v in jax.tree.leaves(params)) * 8
+    assert jac <= held < 1.5 * jac, (held / jac, jac)
 
 
 def test_jit_of_update_and_grad_refused():

@@ -42,6 +42,7 @@ FREE_MEMORY_FRACTION = 0.5
 
 #: The chunk chosen per (program, function, inputs' signature, samples per device, budget).
 _cache = Cache(maxsize=256, name="chunk_size='auto': the chosen chunk")
+_RAISE = object()  # choose_chunk's default none_fits: raise MemoryError
 
 
 def default_memory_budget(device: Any = None) -> int:
@@ -82,7 +83,8 @@ def choose_chunk(
     *,
     where: str,
     candidates: Sequence[int] | None = None,
-) -> int:
+    none_fits: Any = _RAISE,
+) -> Any:
     """The largest candidate chunk (by default a power of two at most ``n_local``) whose program fits
     ``budget`` bytes.
 
@@ -96,10 +98,11 @@ def choose_chunk(
         candidates: the chunks to choose from, increasing (default: the powers of two up to
             ``n_local``); the program's bytes must not decrease along them. Part of the cache key
             through ``key`` only: a caller passing its own must key them.
+        none_fits: returned (and cached) where no candidate fits, instead of raising.
 
     Raises:
         MemoryError: when even a chunk of one sample does not fit (attributes ``need``, the bytes of
-            chunk 1, and ``budget``).
+            chunk 1, and ``budget``), unless ``none_fits`` is given.
     """
     key = (key, n_local, budget)
     if key in _cache:
@@ -116,6 +119,9 @@ def choose_chunk(
             lo = i + 1
         else:
             hi = i - 1
+    if hi < 0 and none_fits is not _RAISE:
+        _cache[key] = none_fits
+        return none_fits
     if hi < 0:  # not even the smallest chunk (one sample by default) fits
         need = probed[0][0] if 0 in probed else program_bytes(compile_at(candidates[0]))
         smallest = "one sample" if candidates[0] == 1 else f"{candidates[0]} samples"

@@ -255,6 +255,23 @@ def auto_chunk(program: Any, prob: Problem, *args: Any, candidates: Any = None) 
     )
 
 
+def auto_knob(program: Any, prob: Problem, args: tuple, candidates: Any, at: Callable, *, name: str) -> Any:
+    """The largest of ``candidates``, values of a knob of ``program`` other than the chunk, at which it
+    fits the memory budget, or None where none does: ``at(candidate) -> (chunk, args)``. Compile only,
+    cached (the outcome None too) under the program, the problem, the signature of ``args`` and
+    ``name``, which says what the candidates are (:func:`vmcgrad._sr.ntk_dense.choose_dense`: one
+    chunk's Jacobian batch)."""
+
+    def compile_at(value):
+        chunk, at_args = at(value)
+        return program.lower(prob.at_chunk(chunk), *_abstract(at_args)).compile()
+
+    key = (_key(program, prob, args), name)
+    return choose_chunk(
+        key, prob.n_local, compile_at, _budget(prob), where=prob.name, candidates=candidates, none_fits=None
+    )
+
+
 def _budget(prob: Problem) -> int:
     return prob.memory_budget if prob.memory_budget is not None else default_memory_budget()
 

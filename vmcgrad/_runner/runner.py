@@ -168,7 +168,7 @@ def device_pass(body: Body, pullback: PullbackJaxprs | None, ops: Operands, chun
     accs = [jax.new_ref(jnp.zeros(a.shape, acc_dtype(a.dtype))) for a in avals.sums]
     bufs = [jnp.zeros((chunks.plan.n, *a.shape[1:]), a.dtype) for a in avals.maps]
     slots = [jnp.zeros((chunks.plan.count, *a.shape), a.dtype) for a in avals.slots]
-    size = chunks.plan.size
+    size, one = chunks.plan.size, chunks.plan.count == 1
     assert pullback is None or not ops.chunks, "the pullback form reads no per-chunk operands"
 
     def step(carry):
@@ -182,16 +182,23 @@ def device_pass(body: Body, pullback: PullbackJaxprs | None, ops: Operands, chun
         else:
             out = pull_chunk(accs, pullback, ops.rep, chunk, ops.samples, chunks, k, w)
         start = chunks.start(k)
-        new = []
-        for buf, rows in zip(bufs, out.maps):
-            old = jax.lax.dynamic_slice_in_dim(buf, start, size)
-            keep = w.reshape((size,) + (1,) * (rows.ndim - 1))
-            new.append(jax.lax.dynamic_update_slice_in_dim(buf, jnp.where(keep, rows, old), start, 0))
+        if one:  # its rows are the output: no earlier chunk's to keep, and padded rows are cut
+            new = list(out.maps)
+        else:
+            new = []
+            for buf, rows in zip(bufs, out.maps):
+                old = jax.lax.dynamic_slice_in_dim(buf, start, size)
+                keep = w.reshape((size,) + (1,) * (rows.ndim - 1))
+                new.append(jax.lax.dynamic_update_slice_in_dim(buf, jnp.where(keep, rows, old), start, 0))
         new_slots = [
             jax.lax.dynamic_update_index_in_dim(slot, x.astype(slot.dtype), k, 0)
             for slot, x in zip(slots, out.slots)
         ]
         return k + 1, new, new_slots
 
-    _, bufs, slots = jax.lax.while_loop(lambda c: c[0] < chunks.plan.count, step, (jnp.int32(0), bufs, slots))
+    carry = (jnp.int32(0), bufs, slots)
+    if one:  # no loop, so that the chunk's rows are the output, not copied into a buffer of it
+        _, bufs, slots = step(carry)
+    else:
+        _, bufs, slots = jax.lax.while_loop(lambda c: c[0] < chunks.plan.count, step, carry)
     return Outputs(tuple(jax.ref.freeze(a) for a in accs), tuple(bufs), tuple(slots))

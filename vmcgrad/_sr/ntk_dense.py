@@ -40,7 +40,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from vmcgrad._chunks.plan import plan_chunks
-from vmcgrad._problem.problem import Problem, auto_chunk
+from vmcgrad._problem.problem import Problem, auto_chunk, auto_knob
 from vmcgrad._problem.sharding import explicit_sharding, unsplit_explicit
 from vmcgrad._runner.primitive import map_reduce_problem
 from vmcgrad._runner.runner import REPLICATED, SAMPLES
@@ -70,16 +70,29 @@ def choose_dense(program: Any, prob: Problem, op: Any, *args: Any) -> tuple[int,
     balanced chunks derive :math:`N(m + 1)/2` Jacobians on one device) are searched in the same way,
     and the largest that fits is taken (at worst :math:`c^*` itself). On the race's GCNN at N = 256 and
     64 MiB this is two chunks of 128 at :math:`b` = 4 where the powers of two alone give four of 64:
-    1.5 N Jacobians against 2.5 N (``docs/performance.md``). An operator whose batch is already fixed,
-    or a single chunk, is left as the powers of two chose.
+    1.5 N Jacobians against 2.5 N (``docs/performance.md``). Where that still leaves more than one
+    chunk on one device, one block of every sample is tried at the smaller batches
+    :math:`b^*/2, \dots, 1`, and the largest that fits is taken: N Jacobians, and in
+    :func:`vmcgrad.minsr_update` the kept Jacobian (no mean-Jacobian estimate, no pullback pass). A
+    smaller batch holds fewer samples' intermediates: on the race's GCNN at N = 256 (J = 64.6 MiB) the
+    update compiles to 137 MiB at :math:`b` = 16, 85 at 4 and 72 at 1, in the same time on a CPU. An
+    operator whose batch is already fixed, or a single chunk, is left as the powers of two chose.
     """
     chunk = auto_chunk(program, prob, op, *args)
     plan = plan_chunks(prob.n_local, chunk)
     if plan.count == 1 or op.jacobian_batch is not None:
         return chunk, (op, *args)
-    fixed = dataclasses.replace(op, jacobian_batch=jacobian_batch(plan.size))
+    batch = jacobian_batch(plan.size)
+    fixed = dataclasses.replace(op, jacobian_batch=batch)
     fewer = sorted({-(-prob.n_local // m) for m in range(1, plan.count + 1)})
-    return auto_chunk(program, prob, fixed, *args, candidates=fewer), (fixed, *args)
+    chunk = auto_chunk(program, prob, fixed, *args, candidates=fewer)
+    if chunk < prob.n_local and prob.n_local == prob.n and batch > 1:
+        at = lambda b: (prob.n_local, (dataclasses.replace(op, jacobian_batch=b), *args))
+        smaller = [2**i for i in range(batch.bit_length() - 1)]  # 1, 2, ..., batch / 2
+        one_block = auto_knob(program, prob, (op, *args), smaller, at, name="one block's Jacobian batch")
+        if one_block is not None:
+            return at(one_block)
+    return chunk, (fixed, *args)
 
 
 def row_chunk(prob: Problem) -> int:
