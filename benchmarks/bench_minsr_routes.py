@@ -18,7 +18,8 @@ Parts (``--part``):
   ``--compare-powers`` times, interleaved with it, the chunk the powers of two alone choose (the
   choice before ``ntk_dense.choose_dense`` took fewer, larger chunks at the batch they fix);
   ``--compare-kept`` times one block as before it kept its Jacobian (``passes``: the mean-Jacobian
-  estimate and a pullback pass besides the kernel's Jacobians).
+  estimate and a pullback pass besides the kernel's Jacobians); ``--compare-one-block`` the choice
+  without its last step (one block of every sample at a Jacobian batch below the powers' one).
 - ``cg``: CG iterations and update time at ``--n`` of the matrix-free route, plain and with the
   Nyström preconditioner (``--ranks``; ``auto`` is the budget's), against the dense route (max. abs.
   difference of the update too).
@@ -63,6 +64,11 @@ def parse(argv=None):
         "--compare-kept",
         action="store_true",
         help="blocks: also time one block without keeping its Jacobian (a shift pass, a pullback pass)",
+    )
+    ap.add_argument(
+        "--compare-one-block",
+        action="store_true",
+        help="blocks: also time the choice without its last step (one block at a smaller Jacobian batch)",
     )
     ap.add_argument("--n", type=int, default=512, help="N of the cg and qgt parts")
     ap.add_argument("--ranks", nargs="+", default=["0", "auto"], help="Nyström samples r (0: plain CG)")
@@ -117,13 +123,25 @@ def blocks(args):
 
     import vmcgrad
     from vmcgrad._problem import problem as problem_module
-    from vmcgrad._sr import minsr, ntk_modes
+    from vmcgrad._sr import minsr, ntk_dense, ntk_modes
 
     if args.no_jacobian_batches:
         ntk_modes.JACOBIAN_BATCH_MIN = 1 << 40
     dense_choice, holds_every_row = minsr.choose_dense, minsr.holds_every_row
     powers_only = lambda program, prob, *a: (problem_module.auto_chunk(program, prob, *a), a)
-    choices = {"fewer": dense_choice, **({"powers": powers_only} if args.compare_powers else {})}
+
+    def without_one_block(*a):  # choose_dense before it tried one block at a smaller Jacobian batch
+        knob, ntk_dense.auto_knob = ntk_dense.auto_knob, lambda *a, **k: None
+        try:
+            return dense_choice(*a)
+        finally:
+            ntk_dense.auto_knob = knob
+
+    choices = {"fewer": dense_choice}
+    if args.compare_powers:
+        choices["powers"] = powers_only
+    if args.compare_one_block:
+        choices["no one block"] = without_one_block
     print("| N | budget | choice | chunk (batch) | compiled MiB | time per update (s) | × one block |")
     print("|---|---|---|---|---|---|---|")
     for n in args.sizes:

@@ -43,7 +43,8 @@ def test_the_operators_share_the_base(build):
     assert not any(leaf is A.problem for leaf in leaves)
 
     name = type(A).__name__
-    design = ", design='fused'" if build is vmcgrad.QGT else ""  # the QGT's static product design
+    # the QGT's static product design; the NTK's Jacobian batch (None: a sixteenth of the chunk)
+    design = ", design='fused'" if build is vmcgrad.QGT else ", jacobian_batch=None"
     assert re.fullmatch(
         rf"{name}\(mode='real', dim={A.dim}, n_samples={N}, chunk_size=4{design}, diag_shift=0\.1.*\)",
         repr(A),
@@ -84,5 +85,15 @@ def test_auto_chunk_size_resolves_to_a_chunk(build):
     A = build(wide, w, x, chunk_size="auto", memory_budget=budget)
     assert A.problem.chunk_size == "auto" and A.problem.n_local == 64
     c = A.chunk_size
-    assert isinstance(c, int) and c & (c - 1) == 0 and 8 <= c < 64, (build.__name__, c)
-    assert sized_bytes(A, c) <= budget < sized_bytes(A, 2 * c)
+    if build is vmcgrad.QGT:
+        assert isinstance(c, int) and c & (c - 1) == 0 and 8 <= c < 64, (build.__name__, c)
+        assert sized_bytes(A, c) <= budget < sized_bytes(A, 2 * c)
+        return
+    # the dense kernel's choice (ntk_dense.choose_dense, tests/test_ntk.py): the powers of two fix the
+    # Jacobian batch, then the fewer, larger chunks ceil(64/m) are searched at that batch
+    from vmcgrad._sr.ntk_dense import choose_dense
+
+    chunk, (op,) = choose_dense(*A._sizing_call())
+    fewer = sorted({-(-64 // m) for m in range(1, 65)})
+    assert chunk == c and c in fewer and 8 <= c < 64 and op.jacobian_batch is not None, (c, op)
+    assert sized_bytes(op, c) <= budget < sized_bytes(op, fewer[fewer.index(c) + 1])
