@@ -13,7 +13,7 @@ The routes (:data:`ROUTES`), chosen by :func:`choose_route` unless given:
 * ``"dense"``: the :math:`NK \times NK` kernel :math:`T` in blocks (:mod:`vmcgrad._sr.ntk_dense`) and a
   dense solve: per-sample Jacobians about :math:`N(1 + (N - c)/2c)`, then :math:`(NK)^3/3` for the factor;
   where one chunk holds all N on one device, the Jacobian is kept (:func:`_whole_jacobian`): N, as
-  NetKet's ``srt``;
+  NetKet's ``srt``, held once (centred in place, :func:`_centred_in_place`);
 * ``"parameter"``: the :math:`P \times P` matrix :math:`S` from each row chunk's Jacobian (N per-sample
   Jacobians, once each) and a dense solve, then :math:`P^3/3`: the cheaper one when :math:`P < NK`;
 * ``"cg"``: matrix-free conjugate gradient on :math:`T v` (one vjp and one jvp pass per iteration), with

@@ -16,13 +16,13 @@ Jacobian held at once, is about twice as large at the same budget. With one bloc
 
 Memory: a chunk holds :math:`(c + b) K P` numbers of Jacobians, the model's intermediates for ``b``
 samples (rows and columns are derived ``b`` at a time, the shift :math:`s` taken off per batch), and the
-device's :math:`N_\text{local} K \times NK` rows and the buffer of their transpose (which XLA may
-reuse, see ``benchmarks/bench_minsr.py``). ``chunk_size="auto"`` picks the largest chunk whose compiled
-program fits the budget (:func:`choose_dense`: the powers of two, then fewer larger chunks at the
-Jacobian batch those fixed), the N×N kernel and, in :func:`vmcgrad.minsr_update`, its factor and pullback
-included (the pullback runs at the Jacobian batch, :func:`vmcgrad._sr.minsr.passes`, so that it does
-not bind). No collective runs per block. :math:`s` is NetKet's mean-Jacobian estimate (32 evenly
-strided samples): it does not change the centred kernel in exact arithmetic, and keeps its small
+device's :math:`N_\text{local} K \times NK` rows and the buffer of their transpose (which XLA may reuse,
+see ``benchmarks/bench_minsr.py``). ``chunk_size="auto"`` picks the largest chunk whose compiled program
+fits the budget (:func:`choose_dense`: the powers of two, then fewer larger chunks at the Jacobian batch
+those fixed, or one block at a smaller batch), the N×N kernel and, in :func:`vmcgrad.minsr_update`, its
+factor and pullback included (the pullback runs at the Jacobian batch, :func:`vmcgrad._sr.minsr.passes`,
+so that it does not bind). No collective runs per block. :math:`s` is NetKet's mean-Jacobian estimate (32
+evenly strided samples): it does not change the centred kernel in exact arithmetic, and keeps its small
 eigenvalues in float32 (taken over at most ``c`` samples, so that no model call exceeds the chunk). The
 centring follows, as row and column means of the blocks.
 """

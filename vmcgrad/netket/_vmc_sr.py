@@ -56,8 +56,8 @@ class VMC_SR(nk.driver.VMC_SR):
     Args:
         chunk_size_bwd: rows and columns per block of the kernel on each device: any positive int,
             None, or ``"auto"`` (largest power of two whose program fits ``memory_budget``; on the
-            dense route then fewer, larger chunks at the batch it fixes,
-            :func:`vmcgrad._sr.ntk_dense.choose_dense`).
+            dense route then fewer, larger chunks at the batch it fixes, or one block of every
+            sample at a smaller batch, :func:`vmcgrad._sr.ntk_dense.choose_dense`).
             Default: the state's vmcgrad chunk size (``vmcgrad.netket.MCState``), else its
             ``chunk_size``.
         linear_solver: NetKet's dense solver ``solver(A, b)``, or ``"cg"`` (matrix-free).
