@@ -105,6 +105,30 @@ def test_routed_through_vmcgrad_not_netket(monkeypatch, chunk):
         assert all(isinstance(p.chunk_size, int) for p in passes)
 
 
+def test_auto_chunk_draws_no_samples_until_the_first_step():
+    """``chunk_size="auto"`` is resolved without drawing samples: NetKet's ``VMC_SR`` reads the state's
+    ``chunk_size`` when it is built, and a draw there advanced the chains, so that vmcgrad's first step
+    ran on other samples than NetKet's at the same seed (its first energy differed). The stand-in it
+    is resolved on (each chain's configuration) gives the chunk the drawn samples give, and one step
+    equals NetKet's driver on the same seeds."""
+    from vmcgrad.netket import _nk_private as nkp
+
+    H, ref, _ = _states(np.float64)
+    kw = dict(n_samples=N_SAMPLES, seed=3, sampler_seed=4)
+    ours = vnk.MCState(ref.sampler, ref.model, memory_budget=2**20, **kw)
+    args = dict(diag_shift=1e-3, use_ntk=True, linear_solver=nk.optimizer.solver.solve, on_the_fly=False)
+    a = nk.driver.VMC_SR(H, optax.sgd(0.02), variational_state=ref, **args)
+    b = vnk.VMC_SR(H, optax.sgd(0.02), variational_state=ours, **args)
+    chosen = ours.chunk_size
+    assert nkp.drawn_samples(ours) is None, "building the driver drew samples"
+    b.run(1, out=None, show_progress=False)
+    a.run(1, out=None, show_progress=False)
+    np.testing.assert_array_equal(ours.samples, ref.samples)
+    assert ours.chunk_size == chosen  # on the drawn samples, as on the stand-in
+    np.testing.assert_allclose(b._loss_stats.mean, a._loss_stats.mean, rtol=1e-12)
+    assert_tree_allclose(ours.parameters, ref.parameters, rtol=0, atol=1e-10)
+
+
 @pytest.mark.slow
 def test_matrix_free_cg_equals_dense():
     H, ref_state, ours = _states(np.float64)

@@ -5,6 +5,7 @@ of NetKet's private attributes and functions that NetKet does not re-export:
 
 - ``MCState._apply_fun`` (the model's apply function, as NetKet's kernels take it),
   ``MCState._chunk_size`` (NetKet's own chunk size, under its ``chunk_size`` property),
+  ``MCState._samples`` (the samples if drawn: reading ``samples`` draws them),
   ``MCState._replace_model`` (what NetKet calls to copy a state with another model);
 - ``netket.vqs.mc.mc_state.state.serialize_MCState`` / ``deserialize_MCState`` (flax
   serialization of an ``MCState``) and ``netket.vqs.mc.common.local_estimators``.
@@ -33,6 +34,7 @@ TESTED_NETKET = ">=3.23,<3.24"
 MCSTATE_PRIVATE = {
     "_apply_fun": "the model's apply function NetKet's kernels take",
     "_chunk_size": "NetKet's own chunk size under its chunk_size property",
+    "_samples": "the samples if drawn, without drawing them",
     "_replace_model": "copying a state with another model",
 }
 
@@ -106,6 +108,12 @@ def apply_fun(vstate: Any) -> Any:
 def own_chunk_size(vstate: Any) -> int | None:
     """NetKet's own chunk size of the state (``vstate._chunk_size``), not the one its property reads."""
     return vstate._chunk_size
+
+
+def drawn_samples(vstate: Any) -> Any:
+    """The state's samples if they are drawn, else None (``vstate._samples``; ``vstate.samples`` would
+    draw them)."""
+    return vstate._samples
 
 
 def set_own_chunk_size(vstate: Any, chunk_size: int | None) -> None:

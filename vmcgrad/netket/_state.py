@@ -6,6 +6,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import jax.numpy as jnp
 from flax import serialization
 from netket.operator import AbstractOperator, Squared
 from netket.vqs import expect as nk_expect
@@ -124,12 +125,24 @@ class MCState(nkp.NetKetMCState):
 
     def _chunk(self, sigma: Any = None) -> int | None:
         """The chunk size in force for a NetKet path: NetKet's own if set, else vmcgrad's
-        (``"auto"`` resolved on the samples)."""
+        (``"auto"`` resolved on the samples, or on a stand-in if none are drawn yet)."""
         own = nkp.own_chunk_size(self)
         c = own if own is not None else self.vmcgrad_chunk_size
         if c == "auto":
-            c = auto_chunk_size(self, self.samples if sigma is None else sigma)
+            c = auto_chunk_size(self, self._samples_or_stand_in() if sigma is None else sigma)
         return c
+
+    def _samples_or_stand_in(self) -> Any:
+        """The samples if drawn, else a stand-in of their shape, dtype and placement: each chain's
+        current configuration ``chain_length`` times. Resolving ``"auto"`` compiles, it runs nothing on
+        the samples, so it need not draw them: NetKet's drivers read ``chunk_size`` when they are
+        built, and a draw there would advance the chains, so that the first step saw other samples
+        than NetKet's at the same seed."""
+        drawn = nkp.drawn_samples(self)
+        if drawn is not None:
+            return drawn
+        chains = self.sampler_state.σ
+        return jnp.broadcast_to(chains[:, None], (chains.shape[0], self.chain_length, *chains.shape[1:]))
 
     def _check_mutable(self, mutable: Any, method: str) -> bool:
         """True if NetKet's unchunked path is what the user asked for (no chunk size)."""
