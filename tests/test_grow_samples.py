@@ -143,3 +143,51 @@ def test_vmc_sr_grow_samples_bad_input(netket_mesh):
         _driver(4096)
     with pytest.raises(ValueError, match=r"`grow_samples` needs use_ntk=True"):
         _driver(GrowSamples(max_samples=4096), use_ntk=False)
+
+
+def test_a_raise_below_sqrt_factor_is_not_worth_its_compilations():
+    rule = GrowSamples(max_samples=4096, factor=2)
+    assert rule.worth(256, 368) and rule.worth(256, 512)  # 368 >= 256 * sqrt(2) = 362.0
+    assert not rule.worth(256, 352) and not rule.worth(256, 272)
+    assert GrowSamples(max_samples=4096, factor=4).worth(256, 512)  # sqrt(4) = 2
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_where_the_budget_refuses_a_worthwhile_raise_n_stays_and_is_not_tried_again(netket_mesh, monkeypatch):
+    """Every raise refused (the compiled update never fits): 2 N is tried, then 1.5 N, and the next
+    halving, 1.25 N, is below sqrt(2) N: no raise, and none tried at the later settled steps."""
+    drv = _driver(GrowSamples(max_samples=64 * 1024, window=3, tolerance=1e9), memory_budget=2**30)
+    n0, chains = drv.state.n_samples, drv.state.sampler.n_chains
+    tried = []
+    monkeypatch.setattr(drv, "_update_fits", lambda n: tried.append(n) and False)
+    drv.run(8, out=None, show_progress=False)
+    assert tried == [2 * n0, n0 + n0 // 2] and n0 // 2 % chains == 0, tried
+    assert drv.grown == [] and drv.state.n_samples == n0
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_the_first_step_at_a_raised_n_searches_no_chunk_again(netket_mesh, monkeypatch):
+    """The raise is checked by compiling the update at the new N (its chunk_size="auto" search
+    included); the next step, at that N, runs the same traced program and reads the search's cache:
+    no candidate of the update is compiled again (on placed arrays the key differed, and at N = 256
+    on the chain the search ran twice, 13-45 s each)."""
+    from vmcgrad._problem import problem as problem_module
+
+    drv = _driver(GrowSamples(max_samples=1024, window=3, tolerance=1e9), memory_budget=2**30)
+    n0 = drv.state.n_samples
+    searched = []  # (step, where) of each candidate compiled
+    choose = problem_module.choose_chunk
+
+    def spy(key, n, compile_at, *a, where, **k):
+        def counted(c):
+            searched.append((len(steps), where))
+            return compile_at(c)
+
+        return choose(key, n, counted, *a, where=where, **k)
+
+    monkeypatch.setattr(problem_module, "choose_chunk", spy)
+    steps = []  # completed steps: len(steps) is the index of the step running
+    drv.run(4, out=None, show_progress=False, callback=lambda *_: steps.append(1) or True)
+    assert drv.grown == [(2, n0, 2 * n0)], drv.grown  # checked at step 2; step 3 runs at 2 N
+    update = {s for s, where in searched if where == "vmcgrad.minsr_update"}
+    assert 2 in update and 3 not in update, searched

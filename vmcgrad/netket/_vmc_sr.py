@@ -30,6 +30,7 @@ driver warns once that this step is NetKet's.
 from __future__ import annotations
 
 import warnings
+from functools import partial
 from typing import Any
 
 import jax
@@ -74,8 +75,9 @@ class VMC_SR(nk.driver.VMC_SR):
         grow_samples: a :class:`GrowSamples` rule: N is multiplied by its ``factor`` (a multiple of
             the sampler's chains) whenever the energy has settled to its error bar over its
             ``window`` of steps, up to its ``max_samples`` and to what ``memory_budget`` holds (the
-            raise is halved until the update's compiled program at the new N fits it). Each
-            step logs ``n_samples``; :attr:`grown` lists the raises as ``(step, old N, new N)``.
+            raise is halved until the update's compiled program at the new N fits it, but not below
+            :meth:`GrowSamples.worth`; once no raise is made, N stays). Each step logs
+            ``n_samples``; :attr:`grown` lists the raises as ``(step, old N, new N)``.
 
     Example::
 
@@ -90,6 +92,7 @@ class VMC_SR(nk.driver.VMC_SR):
     _grow: Any = struct.field(pytree_node=False, default=None)
     _grow_history: Any = struct.field(pytree_node=False, default=None)
     grown: Any = struct.field(pytree_node=False, default=None)
+    _grow_stopped: bool = struct.field(pytree_node=False, default=False)
     _n_sampled: Any = struct.field(pytree_node=False, default=None)
     _route: Any = struct.field(pytree_node=False, default=None)
     route: Any = struct.field(pytree_node=False, default=None)
@@ -165,6 +168,7 @@ class VMC_SR(nk.driver.VMC_SR):
             # vmcgrad's SPRING buffer: a pytree like the parameters (None: zeros).
             self._old_updates = None
         self._grow, self._grow_history, self.grown = grow_samples, [], []
+        self._grow_stopped = False
         if use_cg and route not in (None, "cg"):
             raise ValueError(f"{NAME}: linear_solver='cg' is the matrix-free route; got route={route!r}.")
         self._route = route
@@ -195,27 +199,11 @@ class VMC_SR(nk.driver.VMC_SR):
             momentum = momentum(self.step_count)
         samples = self.state.samples
         samples = jax.lax.collapse(samples, 0, samples.ndim - 1)  # (chains, per chain, ...) -> rows
-        logpsi = log_psi(nkp.apply_fun(self.state), self.state.model_state)
-        solver = "cg" if self._cg else self._linear_solver
-        mode = str(self.mode)  # NetKet's JacobianMode
-        self.route = minsr.resolve_route(
-            NAME, self._route, solver, mode, samples.shape[0], self.state.parameters, self._memory_budget
+        args, static = self._update_arguments(
+            samples, local_energies.reshape(-1), diag_shift, proj_reg, momentum
         )
-        self._dp, self._old_updates, info = vmcgrad.minsr_update(
-            logpsi,
-            self.state.parameters,
-            samples,
-            local_energies.reshape(-1),
-            diag_shift=diag_shift,
-            mode=mode,
-            proj_reg=proj_reg,
-            momentum=momentum,
-            old_updates=self._old_updates,
-            solver=solver,
-            route=self.route,
-            chunk_size=self.chunk_size_bwd,
-            memory_budget=self._memory_budget,
-        )
+        self.route = static["route"]
+        self._dp, self._old_updates, info = _update(*args, **static)
         self._cg_iterations = int(info.iterations) if isinstance(info, vmcgrad.CGInfo) else None
         self.info = info if isinstance(info, dict) and info else None
         self._n_sampled = self.state.n_samples
@@ -224,7 +212,7 @@ class VMC_SR(nk.driver.VMC_SR):
 
     def _grow_samples(self) -> None:
         """Applies the ``grow_samples`` rule after this step's update: the next step samples the raised N."""
-        if self._grow is None:
+        if self._grow is None or self._grow_stopped:
             return
         stats = self._loss_stats
         self._grow_history.append((float(jax.numpy.real(stats.mean)), float(stats.error_of_mean)))
@@ -236,9 +224,11 @@ class VMC_SR(nk.driver.VMC_SR):
         cap = self.max_samples_in_budget()
         if new is not None and cap is not None and new > cap:
             new = cap - cap % granule
-        while new is not None and new > n and not self._update_fits(new):
-            new = n + (new - n) // 2 // granule * granule  # halve the raise until the program fits
-        if new is None or new <= n:
+        # halve the raise until the program fits, down to the smallest raise worth its compilations
+        while new is not None and self._grow.worth(n, new) and not self._update_fits(new):
+            new = n + (new - n) // 2 // granule * granule
+        if new is None or not self._grow.worth(n, new):
+            self._grow_stopped = True  # at max_samples, or at what the budget holds: N stays from here on
             return
         self.state.n_samples = new
         self._grow_history = []  # W more steps at the new N before the next decision
@@ -249,31 +239,43 @@ class VMC_SR(nk.driver.VMC_SR):
         on abstract samples sharded like the state's; True without a budget)."""
         if self._memory_budget is None:
             return True
-        import numpy as np
-
         samples = self.state.samples
         rows = jax.ShapeDtypeStruct((n, samples.shape[-1]), samples.dtype, sharding=samples.sharding)
-        e = jax.ShapeDtypeStruct((n,), np.asarray(self._loss_stats.mean).dtype, sharding=samples.sharding)
-        logpsi = log_psi(nkp.apply_fun(self.state), self.state.model_state)
-
-        def update(w, x, e_loc):
-            return vmcgrad.minsr_update(
-                logpsi,
-                w,
-                x,
-                e_loc,
-                diag_shift=0.0,
-                mode=str(self.mode),
-                solver="cg" if self._cg else self._linear_solver,
-                chunk_size=self.chunk_size_bwd,
-                memory_budget=self._memory_budget,
-            )[0]
-
+        e = jax.ShapeDtypeStruct(
+            (n,), jax.numpy.asarray(self._loss_stats.mean).dtype, sharding=samples.sharding
+        )
+        hyper = (self.diag_shift, self.proj_reg, self.momentum)
+        hyper = [h(self.step_count) if callable(h) else h for h in hyper]
+        args, static = self._update_arguments(rows, e, *hyper)
         try:
-            compiled = jax.jit(update).lower(self.state.parameters, rows, e).compile()
+            compiled = _update.lower(*args, **static).compile()
         except MemoryError:  # chunk_size="auto" found no chunk that fits
             return False
         return vmcgrad.program_bytes(compiled) <= self._memory_budget
+
+    def _solver(self) -> Any:
+        return "cg" if self._cg else self._linear_solver
+
+    def _update_arguments(
+        self, samples, local_energies, diag_shift, proj_reg, momentum
+    ) -> tuple[tuple, dict]:
+        """The arguments of :func:`_update` at these samples (arrays, or their shapes at a raised N):
+        the hyperparameters as arrays (checked here: traced, their values cannot be), so that a step
+        and :meth:`_update_fits` trace the same program."""
+        named = {"diag_shift": diag_shift, "proj_reg": proj_reg, "momentum": momentum}
+        hyper = [None if h is None else check.check_nonnegative_scalar(NAME, k, h) for k, h in named.items()]
+        old = self._old_updates if momentum is not None else None
+        args = (self.state.model_state, self.state.parameters, samples, local_energies, *hyper, old)
+        mode, solver, n, budget = str(self.mode), self._solver(), samples.shape[0], self._memory_budget
+        static = dict(
+            apply_fun=nkp.apply_fun(self.state),
+            mode=mode,  # NetKet's JacobianMode
+            solver=solver,
+            route=minsr.resolve_route(NAME, self._route, solver, mode, n, self.state.parameters, budget),
+            chunk_size=self.chunk_size_bwd,
+            memory_budget=self._memory_budget,
+        )
+        return args, static
 
     def max_samples_in_budget(self) -> int | None:
         """An upper bound on the N whose update fits ``memory_budget``: the dense N×N kernel and its
@@ -297,6 +299,37 @@ class VMC_SR(nk.driver.VMC_SR):
                 log_dict["cg_iterations"] = self._cg_iterations
         if self._grow is not None:
             log_dict["n_samples"] = self._n_sampled  # this step's N (the next one may be raised)
+
+
+@partial(jax.jit, static_argnames=("apply_fun", "mode", "solver", "route", "chunk_size", "memory_budget"))
+def _update(
+    model_state,
+    params,
+    samples,
+    local_energies,
+    diag_shift,
+    proj_reg,
+    momentum,
+    old_updates,
+    *,
+    apply_fun,
+    **static,
+):
+    """:func:`vmcgrad.minsr_update` as the driver runs it, traced: each step and the check of a raised
+    N (:meth:`VMC_SR._update_fits`, which lowers this at the new N) reach ``chunk_size="auto"``'s
+    cache with the same key, so the first step at a raised N searches no chunk again (called on
+    placed arrays it would: the key holds their placement)."""
+    return vmcgrad.minsr_update(
+        log_psi(apply_fun, model_state),
+        params,
+        samples,
+        local_energies,
+        diag_shift=diag_shift,
+        proj_reg=proj_reg,
+        momentum=momentum,
+        old_updates=old_updates,
+        **static,
+    )
 
 
 _WARNED: list[bool] = []
