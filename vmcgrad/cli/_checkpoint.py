@@ -106,11 +106,13 @@ def snapshot(
 def driver_state(driver) -> dict:
     """A driver's own state beyond the variational state and the optimiser: for
     :class:`vmcgrad.netket.VMC_SR`, the number of samples (it may have grown), the ``grow_samples``
-    rule's window and raises, and the SPRING momentum's last update; nothing for ``nk.driver.VMC``."""
+    rule's window, raises and whether it stopped, and the SPRING momentum's last update; nothing
+    for ``nk.driver.VMC``."""
     state = {}
     if hasattr(driver, "grown"):  # vmcgrad.netket.VMC_SR
         state["n_samples"] = int(driver.state.n_samples)
-        state["grow"] = json.dumps({"history": driver._grow_history, "grown": driver.grown})
+        grow = {"history": driver._grow_history, "grown": driver.grown, "stopped": driver._grow_stopped}
+        state["grow"] = json.dumps(grow)
     old = getattr(driver, "_old_updates", None)
     if old is not None:
         state["old_updates"] = old
@@ -233,6 +235,7 @@ def restore(driver, snap: dict, path: Path) -> None:
         grow = json.loads(extra["grow"])
         driver._grow_history = [tuple(x) for x in grow["history"]]
         driver.grown = [tuple(x) for x in grow["grown"]]
+        driver._grow_stopped = bool(grow.get("stopped", False))  # (checkpoints before it was kept)
     if "old_updates" in extra:
         driver._old_updates = _fitted(state.parameters, extra["old_updates"], "momentum", path)
     jax.block_until_ready((state.variables, state.sampler_state))
