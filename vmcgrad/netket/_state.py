@@ -134,10 +134,10 @@ class MCState(nkp.NetKetMCState):
 
     def _samples_or_stand_in(self) -> Any:
         """The samples if drawn, else a stand-in of their shape, dtype and placement: each chain's
-        current configuration ``chain_length`` times. Resolving ``"auto"`` compiles, it runs nothing on
-        the samples, so it need not draw them: NetKet's drivers read ``chunk_size`` when they are
-        built, and a draw there would advance the chains, so that the first step saw other samples
-        than NetKet's at the same seed."""
+        current configuration ``chain_length`` times. Resolving ``"auto"`` compiles candidate programs
+        for the samples' shape, so it need not draw them: NetKet's drivers read ``chunk_size`` when
+        they are built, and a draw there would advance the chains, so that the first step saw other
+        samples than NetKet's at the same seed."""
         drawn = nkp.drawn_samples(self)
         if drawn is not None:
             return drawn
