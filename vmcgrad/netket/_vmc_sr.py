@@ -190,18 +190,9 @@ class VMC_SR(nk.driver.VMC_SR):
             self._loss_stats_online = nk.stats.online_statistics(
                 local_energies, old_estimator=old, decay=decay, max_lag=32
             )
-        diag_shift, proj_reg, momentum = self.diag_shift, self.proj_reg, self.momentum
-        if callable(diag_shift):
-            diag_shift = diag_shift(self.step_count)
-        if callable(proj_reg):
-            proj_reg = proj_reg(self.step_count)
-        if callable(momentum):
-            momentum = momentum(self.step_count)
         samples = self.state.samples
         samples = jax.lax.collapse(samples, 0, samples.ndim - 1)  # (chains, per chain, ...) -> rows
-        args, static = self._update_arguments(
-            samples, local_energies.reshape(-1), diag_shift, proj_reg, momentum
-        )
+        args, static = self._update_arguments(samples, local_energies.reshape(-1))
         self.route = static["route"]
         self._dp, self._old_updates, info = _update(*args, **static)
         self._cg_iterations = int(info.iterations) if isinstance(info, vmcgrad.CGInfo) else None
@@ -244,9 +235,7 @@ class VMC_SR(nk.driver.VMC_SR):
         e = jax.ShapeDtypeStruct(
             (n,), jax.numpy.asarray(self._loss_stats.mean).dtype, sharding=samples.sharding
         )
-        hyper = (self.diag_shift, self.proj_reg, self.momentum)
-        hyper = [h(self.step_count) if callable(h) else h for h in hyper]
-        args, static = self._update_arguments(rows, e, *hyper)
+        args, static = self._update_arguments(rows, e)
         try:
             compiled = _update.lower(*args, **static).compile()
         except MemoryError:  # chunk_size="auto" found no chunk that fits
@@ -256,14 +245,14 @@ class VMC_SR(nk.driver.VMC_SR):
     def _solver(self) -> Any:
         return "cg" if self._cg else self._linear_solver
 
-    def _update_arguments(
-        self, samples, local_energies, diag_shift, proj_reg, momentum
-    ) -> tuple[tuple, dict]:
+    def _update_arguments(self, samples: Any, local_energies: Any) -> tuple[tuple, dict]:
         """The arguments of :func:`_update` at these samples (arrays, or their shapes at a raised N):
-        the hyperparameters as arrays (checked here: traced, their values cannot be), so that a step
-        and :meth:`_update_fits` trace the same program."""
-        named = {"diag_shift": diag_shift, "proj_reg": proj_reg, "momentum": momentum}
+        the hyperparameters at this step (schedules evaluated) as arrays, checked here (traced, their
+        values cannot be), so that a step and :meth:`_update_fits` trace the same program."""
+        named = {"diag_shift": self.diag_shift, "proj_reg": self.proj_reg, "momentum": self.momentum}
+        named = {k: h(self.step_count) if callable(h) else h for k, h in named.items()}
         hyper = [None if h is None else check.check_nonnegative_scalar(NAME, k, h) for k, h in named.items()]
+        momentum = named["momentum"]
         old = self._old_updates if momentum is not None else None
         args = (self.state.model_state, self.state.parameters, samples, local_energies, *hyper, old)
         mode, solver, n, budget = str(self.mode), self._solver(), samples.shape[0], self._memory_budget
