@@ -266,13 +266,20 @@ def log_psi(vs):
 
 
 def kernel_bytes(args, name, driver, vs, H):
-    """Per-device compiled bytes of the sample-space kernel and its solve at the contender's N, for
-    the Hamiltonian ``H`` the driver optimises."""
+    """Per-device compiled bytes of the SR phase at the contender's N, for the Hamiltonian ``H`` the
+    driver optimises: the sample-space kernel and its solve (``VMC_SR``), or the QGT's CG solve of the
+    gradient, as the driver's preconditioner builds the QGT (``VMC`` + ``SR``)."""
     import jax
     import netket as nk
 
     import vmcgrad
 
+    if name in ("netket-sr-cg", "vmcgrad-sr"):
+        sr = getattr(driver.preconditioner, "timed", driver.preconditioner)
+        qgt = sr.lhs_constructor(vs, 0)  # NetKet's QGTOnTheFly, or vmcgrad's at the state's budget
+        _, grad = vs.expect_and_grad(H)
+        lowered = jax.jit(lambda q, g: q.solve(sr.solver, g)[0]).lower(qgt, grad)
+        return vmcgrad.program_bytes(lowered.compile())
     samples = jax.lax.collapse(vs.samples, 0, vs.samples.ndim - 1)
     e = vs.local_estimators(H).reshape(-1)
     mode = str(driver.mode)
@@ -368,6 +375,7 @@ def worker(args, name, seed, trace_path):
             phases[phase] += time.perf_counter() - t
             return out
 
+        wrapper.timed = fun  # kernel_bytes lowers the driver's own preconditioner
         return wrapper
 
     vs.sample = timed("sample", vs.sample)
