@@ -428,6 +428,39 @@ def test_vmcgrad_sr_default_qgt_is_vmcgrads(solver):
 
 
 @one_device
+@pytest.mark.parametrize("solver", [CG_TIGHT, nk.optimizer.solver.cholesky], ids=["cg", "cholesky"])
+def test_vmcgrad_sr_at_auto_keeps_the_linearisation_through_a_solve(solver):
+    """With ``chunk_size="auto"`` and a budget that holds them, the solve linearises every chunk once
+    and the iterative solver's products run no forward pass, as NetKet's unchunked ``QGTOnTheFly``:
+    the model runs once per chunk for the whole CG solve. The companion: at an integer chunk (no
+    budget decides, ``kept_solve`` None) it runs once per chunk per product. A dense solver builds
+    the matrix and nothing else: the linearisation it does not use is not run. The update equals
+    NetKet's SR on the unchunked state."""
+    ref, _ = states("rbm_modphase")
+    model = Spy(MODELS["rbm_modphase"]())
+    sampler = nk.sampler.MetropolisExchange(HILBERT, graph=GRAPH, n_chains=N_CHAINS)
+    kw = dict(n_samples=N_SAMPLES, seed=0, sampler_seed=1)
+    auto = vnk.MCState(sampler, model, chunk_size="auto", memory_budget=2**30, **kw)
+    _, grad = ref.expect_and_grad(H)
+    sr = vnk.SR(solver=solver, diag_shift=0.01, solver_restart=True)
+    expected, _ = run_and_record(nk.optimizer.SR(solver=solver, diag_shift=0.01), ref, grad)
+    chunk = sr.lhs_constructor(auto, sr.diag_shift).qgt.kept_solve  # the kept solve's (a power of two)
+    chunks = -(-N_SAMPLES // chunk)
+    fixed = vnk.MCState(sampler, model, chunk_size=chunk, **kw)
+    lhs = {name: sr.lhs_constructor(vs, sr.diag_shift) for name, vs in [("auto", auto), ("fixed", fixed)]}
+    assert lhs["auto"].qgt.kept_solve == chunk and lhs["fixed"].qgt.kept_solve is None
+    got, seen = run_and_record(lambda: lhs["auto"].solve(solver, grad)[0])
+    recomputed, seen_fixed = run_and_record(lambda: lhs["fixed"].solve(solver, grad)[0])
+    assert chunks > 1 and len(seen) == chunks and max(seen) <= chunk, seen  # once per chunk in all
+    if solver is CG_TIGHT:
+        assert len(seen_fixed) > 10 * chunks and max(seen_fixed) <= chunk, seen_fixed  # per product
+    else:
+        assert len(seen_fixed) == chunks
+    assert_tree_allclose(got, expected, rtol=1e-9, atol=1e-11)
+    assert_tree_allclose(recomputed, expected, rtol=1e-9, atol=1e-11)
+
+
+@one_device
 @pytest.mark.filterwarnings("ignore:.*largest divisor:UserWarning")
 def test_netkets_default_sr_on_the_switch_stays_netkets():
     """vmcgrad does not patch NetKet: ``nk.optimizer.SR()`` on the switch runs NetKet's own QGT

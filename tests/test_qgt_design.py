@@ -109,3 +109,65 @@ def test_explicit_design_and_bad_design():
     assert vmcgrad.QGT(fun, params, x, chunk_size=8).design == "fused"
     with pytest.raises(ValueError, match=r"`design` must be one of \('fused', 'jvp_vjp'\)"):
         vmcgrad.QGT(fun, params, x, design="jvp")
+
+
+# --- solves with every chunk's linearisation kept ------------------------------------------------
+
+
+def _solve_bytes(S, chunk, kept=True):
+    """Compiled bytes of ``S.solve``, with the linearisations kept (what decides) or not, at ``chunk``."""
+    import dataclasses
+
+    from vmcgrad._sr.qgt_apply import solve_program
+
+    op = dataclasses.replace(S, kept_solve=chunk if kept else None)
+    lowered = solve_program.lower(S.problem.at_chunk(chunk), op, S.params, None, 1e-5, 0.0, 1, "tree")
+    return program_bytes(lowered.compile())
+
+
+def test_auto_keeps_the_linearisations_through_a_solve_where_the_budget_holds_them():
+    """``chunk_size="auto"``: a solve linearises every chunk once and iterates on the kept residuals,
+    at the largest power-of-two chunk whose solve (residuals of all chunks included) fits the budget:
+    forward passes counted at run time, one per chunk for the whole solve. Where the residuals of all
+    samples do not fit, every product recomputes each chunk's forward pass (one per chunk per
+    product: the detector fires on the recomputing route). The same solution every way."""
+    fun, params, x = _rbm(per_device=256)
+    x = x[:256]  # one device, no mesh: the host callback below needs no collective
+    calls = []
+
+    def counted(p, s):
+        jax.debug.callback(lambda: calls.append(1))
+        return fun(p, s)
+
+    def largest(budget, kept):  # a plain scan over the powers of two, independent of the search
+        fits = [c for c in (1, 2, 4, 8, 16, 32, 64, 128, 256) if _solve_bytes(probe, c, kept) <= budget]
+        return max(fits, default=None)
+
+    b = jax.tree.map(lambda a: jnp.cos(jnp.arange(a.size, dtype=a.dtype)).reshape(a.shape), params)
+    probe = vmcgrad.QGT(fun, params, x, chunk_size=32)
+    solutions = []
+    with setup("none"):
+        loose = vmcgrad.QGT(counted, params, x, chunk_size="auto", memory_budget=2**34, diag_shift=1e-3)
+        assert loose.kept_solve == 256 and "kept_solve=256" in repr(loose)
+        middle = _solve_bytes(probe, 64)  # holds the kept solve at chunk 64, not at 128
+        assert _solve_bytes(probe, 128) > middle
+        medium = vmcgrad.QGT(counted, params, x, chunk_size="auto", memory_budget=middle, diag_shift=1e-3)
+        assert medium.kept_solve == 64 == largest(middle, True)
+        for S, chunks in ((loose, 1), (medium, 4)):
+            calls.clear()
+            solution, info = S.solve(b, tol=0.0, maxiter=6)
+            assert int(info.iterations) == 6 and len(calls) == chunks, (len(calls), chunks)
+            solutions.append(solution)
+
+        tight_budget = _solve_bytes(probe, 1) - 1  # below the residuals of all samples
+        tight = vmcgrad.QGT(
+            counted, params, x, chunk_size="auto", memory_budget=tight_budget, diag_shift=1e-3
+        )
+        chunk = largest(tight_budget, False)  # the recomputing solve's chunk
+        assert tight.kept_solve is None and chunk is not None
+        calls.clear()
+        solution, info = tight.solve(b, tol=0.0, maxiter=6)
+        assert int(info.iterations) == 6 and len(calls) == 6 * -(-256 // chunk), (len(calls), chunk)
+        solutions.append(solution)
+    for solution in solutions[1:]:
+        close(solution, solutions[0], jnp.float64)

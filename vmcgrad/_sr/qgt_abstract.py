@@ -149,6 +149,11 @@ class AbstractQGT(AbstractOperator):
         """:math:`S_\\text{eff} \\tilde v` for a representation pytree: one pass, one reduction (the
         interface of :mod:`vmcgrad._sr.qgt_apply`)."""
 
+    def _for_solve(self) -> AbstractQGT:
+        """The operator a solve iterates with (traced, inside the solve's program): itself, or one that
+        keeps every chunk's linearisation (:attr:`vmcgrad.QGTOperator.kept_solve`)."""
+        return self
+
     @property
     def _real_dtype(self) -> Any:
         return self.views.real_dtype

@@ -48,12 +48,12 @@ def solve(A: Any, b: Any, *, x0: Any, tol: Any, atol: Any, maxiter: Any) -> tupl
             )
     tol, atol = check.check_tolerances(where, tol, atol)
     maxiter = check.check_maxiter(where, maxiter, default=10 * A.dim)
-    return call(_solve_program, A.problem, A, b, x0, tol, atol, maxiter, kind)
+    return call(solve_program, A.problem, A, b, x0, tol, atol, maxiter, kind)
 
 
 @partial(jax.jit, static_argnums=(0, 7))
-def _solve_program(prob: Problem, A: Any, b: Any, x0: Any, tol: Any, atol: Any, maxiter: Any, kind: str):
-    A = A._at(prob)
+def solve_program(prob: Problem, A: Any, b: Any, x0: Any, tol: Any, atol: Any, maxiter: Any, kind: str):
+    A = A._at(prob)._for_solve()  # linearised once here where the budget holds it (kept_solve)
     views = A.views
     b = views.to_rep(b, kind)
     x0 = None if x0 is None else views.to_rep(x0, kind)

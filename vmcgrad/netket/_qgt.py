@@ -371,9 +371,15 @@ def _diagonal(self: QGTOnTheFlyT) -> jax.Array:
 def _solve(self: QGTOnTheFlyT, solve_fun: Any, y: Any, *, x0: Any) -> tuple[Any, Any]:
     """Solves in the flat representation of the mode (as QGTJacobianDense does): iterative solvers
     see ``self @ flat`` and dense ones ``to_dense()``, in the same basis. ``info`` is the solver's
-    own (None for ``jax.scipy``'s ``cg``/``gmres``, which report no convergence)."""
+    own (None for ``jax.scipy``'s ``cg``/``gmres``, which report no convergence). Where the wrapped
+    operator's ``kept_solve`` is set (``chunk_size="auto"`` and the budget holds every chunk's
+    linearisation at some chunk), the solver is handed the operator with its linearisations kept
+    (:class:`vmcgrad.LinearizedQGT`), taken once here."""
     params, mode = self.qgt.params, self.mode
     y_rep, back = _as_rep_flat(params, mode, y)
     x0_rep = jnp.zeros_like(y_rep) if x0 is None else _as_rep_flat(params, mode, x0)[0]
-    x_rep, info = solve_fun(self, y_rep, x0=x0_rep)
+    # with every chunk's linearisation kept where the budget holds it (the operator's kept_solve, as
+    # NetKet's unchunked QGTOnTheFly keeps its jax.linearize): then an iteration runs no forward pass
+    kept = self.replace(qgt=self.qgt._for_solve())
+    x_rep, info = solve_fun(kept, y_rep, x0=x0_rep)
     return back(x_rep), info
