@@ -43,9 +43,8 @@ def test_the_operators_share_the_base(build):
     assert not any(leaf is A.problem for leaf in leaves)
 
     name = type(A).__name__
-    # the QGT's static product design and kept-solve chunk (None at a given chunk); the NTK's Jacobian
-    # batch (None: a sixteenth of the chunk)
-    design = ", design='fused', kept_solve=None" if build is vmcgrad.QGT else ", jacobian_batch=None"
+    # the QGT's static product design; the NTK's Jacobian batch (None: a sixteenth of the chunk)
+    design = ", design='fused'" if build is vmcgrad.QGT else ", jacobian_batch=None"
     assert re.fullmatch(
         rf"{name}\(mode='real', dim={A.dim}, n_samples={N}, chunk_size=4{design}, diag_shift=0\.1.*\)",
         repr(A),

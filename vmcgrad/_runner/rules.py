@@ -46,7 +46,9 @@ KEPT_NOT_DIFFERENTIABLE = (
     "without jax.jit): the kept linear maps are constants of one parameter point. Products and solves "
     "of a LinearizedQGT are differentiable in their vector, and jax.vmap works. Fix: differentiate the "
     "operator that recomputes the forward pass, vmcgrad.QGT(...) @ v or vmcgrad.QGT(...).solve(b) "
-    "(every transformation works there), or wrap the parameters in jax.lax.stop_gradient."
+    "(every transformation works there), or wrap the parameters in jax.lax.stop_gradient. "
+    "vmcgrad.netket.QGTOnTheFly's solves at chunk_size='auto' keep them too where the budget holds them "
+    "(its qgt.kept_solve): give the state an integer chunk_size to differentiate through NetKet's solver."
 )
 
 

@@ -81,15 +81,9 @@ class QGTOperator(AbstractQGT):
     """
 
     _builder = _NAME
-    _described = ("design", "kept_solve")
+    _described = ("design",)
 
     design: str = dataclasses.field(default="fused", metadata={"static": True})  # see DESIGNS
-    #: The chunk at which :meth:`solve` (and a NetKet solver through
-    #: :func:`vmcgrad.netket.QGTOnTheFly`) first keeps every chunk's linearisation (:meth:`linearize`),
-    #: so that its iterations run no forward pass; None: every product recomputes them. Set by
-    #: :func:`vmcgrad.QGT` with ``chunk_size="auto"`` to the largest power of two at which such a
-    #: solve fits the memory budget (:func:`kept_solve_chunk`).
-    kept_solve: int | None = dataclasses.field(default=None, metadata={"static": True})
 
     def linearize(self) -> LinearizedQGT:
         """This operator with every chunk's linearisation kept (:class:`vmcgrad.LinearizedQGT`).
@@ -100,14 +94,23 @@ class QGTOperator(AbstractQGT):
         """
         return linearize(self)
 
+    @property
+    def kept_solve(self) -> int | None:
+        """The chunk at which :meth:`solve` (and a NetKet solver through
+        :func:`vmcgrad.netket.QGTOnTheFly`) first keeps every chunk's linearisation
+        (:meth:`linearize`), so that its iterations run no forward pass; None: every product
+        recomputes them. With ``chunk_size="auto"``, the largest power of two at which such a solve
+        fits the memory budget (:func:`kept_solve_chunk`: compile only, cached, chosen at the first
+        use); None at a given chunk size."""
+        if self.problem.chunk_size != "auto":
+            return None
+        return kept_solve_chunk(self)
+
     def _for_solve(self) -> AbstractQGT:
-        """The operator a solve iterates with: :meth:`linearize`'s (at the chunk :attr:`kept_solve`
-        where the chunk is still ``"auto"``) where :attr:`kept_solve` is set, else itself."""
-        if self.kept_solve is None:
+        chunk = self.kept_solve
+        if chunk is None:
             return self
-        if self.problem.chunk_size == "auto":
-            return linearize(self._at(self.problem.at_chunk(self.kept_solve)))
-        return linearize(self)
+        return linearize(self._at(self.problem.at_chunk(chunk)))
 
     def _apply_rep(self, rep: Any) -> Any:
         """:math:`S_\\text{eff} \\tilde v` for a representation pytree: one pass, one reduction."""
@@ -184,11 +187,9 @@ def kept_solve_chunk(op: QGTOperator) -> int | None:
     (:func:`vmcgrad._problem.problem.auto_knob`).
     """
 
-    def at(chunk: int) -> tuple[int, tuple]:  # the solve's program with the linearisations kept at chunk
-        return chunk, (dataclasses.replace(op, kept_solve=chunk), op.params, None, 1e-5, 0.0, 1, "tree")
-
+    args = (op, op.params, None, 1e-5, 0.0, 1, "tree", True)  # the solve, linearisations kept
     candidates = [2**k for k in range(op.problem.n_local.bit_length())]
-    return auto_knob(solve_program, op.problem, at(1)[1], candidates, at, name="kept solve")
+    return auto_knob(solve_program, op.problem, args, candidates, lambda c: (c, args), name="kept solve")
 
 
 def QGT(
@@ -311,10 +312,8 @@ def QGT(
     op = dataclasses.replace(op, obar=call(_mean_program, prob, op))
     if diag_scale is not None:
         op = dataclasses.replace(op, diag_s=call(diag_s_program, prob, op))
-    if prob.chunk_size == "auto":  # on the complete operator (what products get)
-        if design is None:
-            op = dataclasses.replace(op, design=choose_design(op)[0])
-        op = dataclasses.replace(op, kept_solve=kept_solve_chunk(op))
+    if design is None and prob.chunk_size == "auto":  # on the complete operator (what products get)
+        op = dataclasses.replace(op, design=choose_design(op)[0])
     return op
 
 

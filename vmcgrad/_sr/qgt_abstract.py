@@ -114,7 +114,10 @@ class AbstractQGT(AbstractOperator):
         iterations.
 
         To keep every chunk's linearisation for the whole solve (no forward pass per iteration),
-        solve with ``S.linearize().solve(b)`` (:class:`vmcgrad.LinearizedQGT`).
+        solve with ``S.linearize().solve(b)`` (:class:`vmcgrad.LinearizedQGT`); an operator built
+        with ``chunk_size="auto"`` does so itself where the budget holds them
+        (:attr:`vmcgrad.QGTOperator.kept_solve`); its derivatives still go through the recomputing
+        product (only the solution is differentiated, not the iterations).
 
         Args:
             b: right-hand side, a vector of any kind :meth:`__matmul__` takes.
@@ -149,9 +152,16 @@ class AbstractQGT(AbstractOperator):
         """:math:`S_\\text{eff} \\tilde v` for a representation pytree: one pass, one reduction (the
         interface of :mod:`vmcgrad._sr.qgt_apply`)."""
 
+    @property
+    def kept_solve(self) -> int | None:
+        """The chunk at which :meth:`solve` first keeps every chunk's linearisation, or None (see
+        :attr:`vmcgrad.QGTOperator.kept_solve`; None here: this operator's solves iterate with its
+        own products)."""
+        return None
+
     def _for_solve(self) -> AbstractQGT:
-        """The operator a solve iterates with (traced, inside the solve's program): itself, or one that
-        keeps every chunk's linearisation (:attr:`vmcgrad.QGTOperator.kept_solve`)."""
+        """The operator a NetKet solver iterates with (traced): itself, or, where :attr:`kept_solve`
+        is set, one that keeps every chunk's linearisation (:class:`vmcgrad.LinearizedQGT`)."""
         return self
 
     @property

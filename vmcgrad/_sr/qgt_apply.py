@@ -48,19 +48,32 @@ def solve(A: Any, b: Any, *, x0: Any, tol: Any, atol: Any, maxiter: Any) -> tupl
             )
     tol, atol = check.check_tolerances(where, tol, atol)
     maxiter = check.check_maxiter(where, maxiter, default=10 * A.dim)
-    return call(solve_program, A.problem, A, b, x0, tol, atol, maxiter, kind)
+    kept = A.kept_solve  # the chunk of a solve on kept linearisations, where the budget holds them
+    prob = A.problem if kept is None else A.problem.at_chunk(kept)
+    return call(solve_program, prob, A, b, x0, tol, atol, maxiter, kind, kept is not None)
 
 
-@partial(jax.jit, static_argnums=(0, 7))
-def solve_program(prob: Problem, A: Any, b: Any, x0: Any, tol: Any, atol: Any, maxiter: Any, kind: str):
-    A = A._at(prob)._for_solve()  # linearised once here where the budget holds it (kept_solve)
+@partial(jax.jit, static_argnums=(0, 7, 8))
+def solve_program(
+    prob: Problem, A: Any, b: Any, x0: Any, tol: Any, atol: Any, maxiter: Any, kind: str, keep: bool = False
+):
+    """The solve of ``A x = b``; with ``keep``, its iterations run on every chunk's linearisation,
+    kept once (``A`` a :class:`vmcgrad.QGTOperator`)."""
+    A = A._at(prob)
     views = A.views
     b = views.to_rep(b, kind)
     x0 = None if x0 is None else views.to_rep(x0, kind)
     # Differentiable implicitly, both operators (a LinearizedQGT's product is the chunked primitive
     # too; its rules refuse a tangent in the kept linearisations).
     matvec = partial(_apply_rep, A)  # one trace, however many times CG and its transpose call it
-    x, info = differentiable_cg(matvec, b, x0, tol=tol, atol=atol, maxiter=maxiter, M=_jacobi(A))
+    # With `keep`, the iterations run on every chunk's linearisation, kept once here (where the
+    # budget holds them: QGTOperator.kept_solve). Only the solution is differentiated
+    # (custom_linear_solve: x' = A^{-1}(b' - A' x), A' by `matvec`), never the iterations, so the
+    # kept maps are taken of stopped inputs: a derivative in the parameters goes through the
+    # recomputing product.
+    iterate = partial(_apply_rep, jax.lax.stop_gradient(A).linearize()) if keep else matvec
+    options = dict(tol=tol, atol=atol, maxiter=maxiter, M=_jacobi(A))
+    x, info = differentiable_cg(matvec, b, x0, iterate=iterate, **options)
     return views.from_rep(x, kind), info
 
 
@@ -73,9 +86,14 @@ def _apply_rep(A: Any, rep: Any) -> Any:
     return A._apply_rep(rep)
 
 
-def differentiable_cg(matvec: Any, b: Any, x0: Any, **options: Any) -> tuple[Any, CGInfo]:
+def differentiable_cg(
+    matvec: Any, b: Any, x0: Any, *, iterate: Any = None, **options: Any
+) -> tuple[Any, CGInfo]:
     r""":func:`vmcgrad._sr.solve.cg` as ``jax.lax.custom_linear_solve``: :math:`x = A^{-1} b` is
     differentiated implicitly, not through the iterations.
+
+    ``iterate`` (default ``matvec``) is the product the iterations run: the same matrix, computed
+    another way (from kept linearisations); derivatives take ``matvec`` only.
 
     The tangent of :math:`x` is :math:`A^{-1}(\dot b - \dot A x)` (one more solve), its transpose a
     solve with :math:`A^T`; for the Hermitian :math:`A` of a QGT, :math:`A^T y = \overline{A \bar y}`,
@@ -84,12 +102,15 @@ def differentiable_cg(matvec: Any, b: Any, x0: Any, **options: Any) -> tuple[Any
     changing when its own residual does).
     """
 
+    iterate = matvec if iterate is None else iterate
+
     def solve(mv, rhs):
-        return cg(mv, rhs, x0, **options)
+        del mv  # matvec; the iterations run `iterate`, the same matrix
+        return cg(iterate, rhs, x0, **options)
 
     def transpose_solve(vecmat, rhs):
         del vecmat
-        x, info = cg(matvec, _conj(rhs), None if x0 is None else _conj(x0), **options)
+        x, info = cg(iterate, _conj(rhs), None if x0 is None else _conj(x0), **options)
         return _conj(x), info
 
     return jax.lax.custom_linear_solve(matvec, b, solve, transpose_solve, has_aux=True)
