@@ -42,6 +42,8 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--cg-iters", type=int, default=50)
     ap.add_argument("--diag-shift", type=float, default=1e-3)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=3, help="GCNN layers (the race's: 3)")
+    ap.add_argument("--features", type=int, default=8, help="GCNN features per layer (the race's: 8)")
     ap.add_argument("--json", metavar="PATH")
     return ap.parse_args(argv)
 
@@ -59,13 +61,15 @@ def run(n: int, args: argparse.Namespace) -> list[dict]:
     H = nk.operator.Heisenberg(
         hi, nk.graph.Square(4, max_neighbor_order=2), J=[1.0, 0.5], sign_rule=[True, False]
     )
-    model = nk.models.GCNN(symmetries=g, layers=3, features=(8, 8, 8), param_dtype=jnp.float64)
+    features = (args.features,) * args.layers
+    model = nk.models.GCNN(symmetries=g, layers=args.layers, features=features, param_dtype=jnp.float64)
     sampler = nk.sampler.MetropolisExchange(hi, graph=g, n_chains=16, d_max=2)
     kw = dict(n_samples=n, n_discard_per_chain=4, seed=0, sampler_seed=1000)
     budget = int(args.budget_mib * MiB)
     netket_state = nk.vqs.MCState(sampler, model, **kw)
     auto_state = vnk.MCState(sampler, model, chunk_size="auto", memory_budget=budget, **kw)
     _, grad = netket_state.expect_and_grad(H)
+    n_params = netket_state.n_parameters
     np.testing.assert_array_equal(np.asarray(auto_state.samples), np.asarray(netket_state.samples))
     solver = functools.partial(jax.scipy.sparse.linalg.cg, tol=0.0, maxiter=args.cg_iters)
     options = dict(solver=solver, diag_shift=args.diag_shift, solver_restart=True)
@@ -104,6 +108,7 @@ def run(n: int, args: argparse.Namespace) -> list[dict]:
         rows.append(
             {
                 "n": n,
+                "n_params": n_params,
                 "contender": k,
                 "route": route.get(k, f"chunk {chunk}, recomputed per product"),
                 "median_s": statistics.median(t),
@@ -128,8 +133,8 @@ def main(argv=None) -> None:
 
     rows = [row for n in args.n for row in run(n, args)]
     print(
-        f"4x4 J1-J2 GCNN (P = 16 536), {args.budget_mib:g} MiB, cg {args.cg_iters} iterations, "
-        f"device: {jax.devices()[0]}"
+        f"4x4 J1-J2 GCNN (P = {rows[0]['n_params']}), {args.budget_mib:g} MiB, "
+        f"cg {args.cg_iters} iterations, device: {jax.devices()[0]}"
     )
     print(
         f"{'N':>5}  {'contender':18}  {'route':36}  {'SR phase (s)':>12}  {'vs NetKet':>9}  "

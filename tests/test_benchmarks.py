@@ -303,3 +303,25 @@ def test_max_rel_err_is_relative_to_the_results_scale_not_each_leafs():
     got["b"] = np.array([0.0, 0.5, 0.0])
     assert max_rel_err(got, ref) == pytest.approx(0.25, rel=1e-12)
     assert max_rel_err(ref, ref) == 0.0
+
+
+def test_sr_phase_benchmark_times_every_route_on_one_gradient(tmp_path, capsys):
+    """benchmarks/bench_sr_phase.py on a small GCNN: every contender timed on the same samples and
+    gradient, vmcgrad's auto route keeping its linearisations at a budget that holds them, and the
+    updates agreeing (two CG iterations on a well-conditioned S: rounding only)."""
+    import bench_sr_phase
+
+    out = tmp_path / "sr.json"
+    argv = ["--n", "32", "--cg-iters", "2", "--repeats", "1", "--layers", "1", "--features", "2"]
+    argv += ["--budget-mib", "256", "--diag-shift", "0.1", "--json", str(out)]
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("S",), axis_types=(jax.sharding.AxisType.Auto,))
+    with jax.set_mesh(mesh):
+        bench_sr_phase.main(argv)
+    rows = _strict(out.read_text())["rows"]
+    assert [r["contender"] for r in rows] == ["netket", "netket-chunked", "vmcgrad-auto", "vmcgrad-recompute"]
+    assert all(r["n"] == 32 and len(r["times_s"]) == 1 and r["median_s"] > 0 for r in rows)
+    auto = rows[2]
+    assert "kept_solve=" in auto["route"] and "kept_solve=None" not in auto["route"], auto["route"]
+    assert auto["kept_mib"] > 0
+    assert max(r["max_rel_diff"] for r in rows) < 1e-8, rows
+    assert "vmcgrad-auto" in capsys.readouterr().out

@@ -131,27 +131,9 @@ def test_tdvp_matches_jacobian_dense(propagation_type, model_name, solver_name, 
     pinv_smooth the runs agree to ~2e-8 relative).
     """
     if N_DEV > 1 and not os.environ.get(_ISOLATED):
-        # On 4 fake CPU devices under load, a TDVP run has aborted the whole process (SIGABRT inside
-        # XLA's CPU runtime, in NetKet's reference run and in ours, in different cases; never alone
-        # or on one device). Each case runs in its own process, so that an abort is not the end of the
-        # suite; the child's native log reaches its stderr (--capture=sys), and an abort (a signal,
-        # not a failed assertion) is retried once, with the first attempt's log printed here.
-        test_id = f"{__file__}::test_tdvp_matches_jacobian_dense"
-        case = f"{propagation_type}-{model_name}-{solver_name}-{holomorphic}"
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--capture=sys"]
-        for attempt in range(2):
-            out = subprocess.run(
-                [*command, "--tier=all", f"{test_id}[{case}]"],
-                env={**os.environ, _ISOLATED: "1"},
-                cwd=os.path.dirname(__file__),
-                capture_output=True,
-                text=True,
-                timeout=600,
-            )
-            if out.returncode >= 0 or attempt == 1:
-                break
-            print(f"attempt {attempt + 1} ended by signal {-out.returncode}:\n{out.stderr[-4000:]}")
-        assert out.returncode == 0 and " passed" in out.stdout, out.stdout[-4000:] + out.stderr[-4000:]
+        in_own_process(
+            f"test_tdvp_matches_jacobian_dense[{propagation_type}-{model_name}-{solver_name}-{holomorphic}]"
+        )
         return
     kw = {"diag_shift": 1e-3} if holomorphic is None else {"diag_shift": 1e-3, "holomorphic": holomorphic}
     args = (model_name, propagation_type, SOLVERS[solver_name], nkx.dynamics.RK4(dt=DT))
@@ -163,8 +145,43 @@ def test_tdvp_matches_jacobian_dense(propagation_type, model_name, solver_name, 
         assert ours[-1][2].real < ours[0][2].real - 1e-3
 
 
+def in_own_process(test_id):
+    """Runs ``test_id`` (this module's) in a process of its own on the same devices, retried once
+    when a signal ends it.
+
+    On 4 fake CPU devices under load, a TDVP run has aborted the whole process (SIGABRT inside XLA's
+    CPU runtime, in NetKet's reference run and in ours, in different cases; never alone or on one
+    device), and one hung, idle, in an eager op of NetKet's integrator (2026-12-06). Each 4-device TDVP
+    run is a process of its own, so that an abort is not the end of the suite; the child's native log
+    reaches its stderr (--capture=sys), and an abort (a signal, not a failed assertion) or a hang
+    (killed after 450 s) is retried once, with the first attempt's log printed here."""
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--capture=sys"]
+    for attempt in range(2):
+        try:
+            out = subprocess.run(
+                [*command, "--tier=all", f"{__file__}::{test_id}"],
+                env={**os.environ, _ISOLATED: "1"},
+                cwd=os.path.dirname(__file__),
+                capture_output=True,
+                text=True,
+                timeout=450,  # a run takes under a minute; XLA's rendezvous timeout is 300 s
+            )
+        except subprocess.TimeoutExpired as err:  # killed by subprocess.run: a hang, retried as an abort
+            if attempt == 1:
+                raise
+            print(f"attempt 1 killed after {err.timeout} s:\n{(err.stderr or b'')[-4000:]!r}")
+            continue
+        if out.returncode >= 0 or attempt == 1:
+            break
+        print(f"attempt {attempt + 1} ended by signal {-out.returncode}:\n{out.stderr[-4000:]}")
+    assert out.returncode == 0 and " passed" in out.stdout, out.stdout[-4000:] + out.stderr[-4000:]
+
+
 def test_tdvp_adaptive_rk23_with_the_qgt_norm():
     """RK23 with error control in the QGT norm (which calls qgt @ x): same accepted steps."""
+    if N_DEV > 1 and not os.environ.get(_ISOLATED):
+        in_own_process("test_tdvp_adaptive_rk23_with_the_qgt_norm")
+        return
     integrator = nkx.dynamics.RK23(dt=DT, adaptive=True, rtol=1e-4, atol=1e-6)
     args = ("RBMModPhase[float64]", "real", SOLVERS["cholesky"], integrator, "qgt")
     ref = run_tdvp(nk.optimizer.qgt.QGTJacobianDense(diag_shift=1e-3), *args, n_steps=6)

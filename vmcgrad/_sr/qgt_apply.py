@@ -48,9 +48,10 @@ def solve(A: Any, b: Any, *, x0: Any, tol: Any, atol: Any, maxiter: Any) -> tupl
             )
     tol, atol = check.check_tolerances(where, tol, atol)
     maxiter = check.check_maxiter(where, maxiter, default=10 * A.dim)
-    kept = A.kept_solve  # the chunk of a solve on kept linearisations, where the budget holds them
-    prob = A.problem if kept is None else A.problem.at_chunk(kept)
-    return call(solve_program, prob, A, b, x0, tol, atol, maxiter, kind, kept is not None)
+    # on kept linearisations where the budget holds them (QGTOperator.kept_solve); the chunk is then
+    # the solve's own automatic one, as for the recomputing solve (its out-of-memory retry included)
+    keep = A.kept_solve is not None
+    return call(solve_program, A.problem, A, b, x0, tol, atol, maxiter, kind, keep)
 
 
 @partial(jax.jit, static_argnums=(0, 7, 8))
