@@ -23,6 +23,12 @@ zero), on the same samples and gradient for every contender. Contenders:
 
 Times are medians of interleaved repeats (the contenders take turns), with the ratio to NetKet's;
 the updates are checked to agree (the same iterations on the same matrix: rounding only).
+
+``--chunk-scan C ...`` instead times ``vmcgrad.QGT(..., chunk_size=c).solve`` at the first ``--n``,
+recomputing each chunk's forward pass per product and on kept linearisations (``S.linearize()``),
+at each chunk ``c``, with the compiled bytes of each solve (``vmcgrad.program_bytes``)::
+
+    python benchmarks/bench_sr_phase.py --n 1024 --chunk-scan 128 256 512 1024 --cg-iters 30 --repeats 3
 """
 
 from __future__ import annotations
@@ -44,8 +50,61 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--layers", type=int, default=3, help="GCNN layers (the race's: 3)")
     ap.add_argument("--features", type=int, default=8, help="GCNN features per layer (the race's: 8)")
+    ap.add_argument("--chunk-scan", type=int, nargs="+", metavar="C", help="time the core solve per chunk")
     ap.add_argument("--json", metavar="PATH")
     return ap.parse_args(argv)
+
+
+def problem(n: int, args: argparse.Namespace):
+    """``(H, model, sampler, state kwargs)`` of the race's 4x4 J1-J2 model at ``n`` samples."""
+    import jax.numpy as jnp
+    import netket as nk
+
+    g = nk.graph.Square(4)
+    hi = nk.hilbert.Spin(0.5, g.n_nodes, total_sz=0)
+    H = nk.operator.Heisenberg(
+        hi, nk.graph.Square(4, max_neighbor_order=2), J=[1.0, 0.5], sign_rule=[True, False]
+    )
+    features = (args.features,) * args.layers
+    model = nk.models.GCNN(symmetries=g, layers=args.layers, features=features, param_dtype=jnp.float64)
+    sampler = nk.sampler.MetropolisExchange(hi, graph=g, n_chains=16, d_max=2)
+    return H, model, sampler, dict(n_samples=n, n_discard_per_chain=4, seed=0, sampler_seed=1000)
+
+
+def chunk_scan(n: int, args: argparse.Namespace) -> list[dict]:
+    """The core solve per chunk, recomputing and on kept linearisations: time and compiled bytes."""
+    import jax
+    import jax.numpy as jnp
+    import netket as nk
+
+    import vmcgrad
+
+    _, model, sampler, kw = problem(n, args)
+    vs = nk.vqs.MCState(sampler, model, **kw)
+    x, params = vs.samples.reshape(-1, vs.samples.shape[-1]), vs.parameters
+    logpsi = jax.tree_util.Partial(lambda ms, w, s: model.apply({"params": w, **ms}, s), vs.model_state)
+    b = jax.tree.map(lambda a: jnp.cos(jnp.arange(a.size, dtype=a.dtype)).reshape(a.shape), params)
+    options = dict(tol=0.0, maxiter=args.cg_iters)
+    solves = {
+        "recomputed": jax.jit(lambda S, b: S.solve(b, **options)[0]),
+        "kept": jax.jit(lambda S, b: S.linearize().solve(b, **options)[0]),
+    }
+    cases = {}
+    for c in args.chunk_scan:
+        S = vmcgrad.QGT(logpsi, params, x, chunk_size=c, diag_shift=args.diag_shift)
+        for route, solve in solves.items():
+            mib = vmcgrad.program_bytes(solve.lower(S, b).compile()) / MiB
+            jax.block_until_ready(solve(S, b))  # compiles
+            cases[(c, route)] = (S, solve, mib, [])
+    for _ in range(args.repeats):
+        for S, solve, _, times in cases.values():
+            t0 = time.perf_counter()
+            jax.block_until_ready(solve(S, b))
+            times.append(time.perf_counter() - t0)
+    return [
+        {"n": n, "chunk": c, "route": route, "mib": mib, "median_s": statistics.median(t), "times_s": t}
+        for (c, route), (_, _, mib, t) in cases.items()
+    ]
 
 
 def run(n: int, args: argparse.Namespace) -> list[dict]:
@@ -56,15 +115,7 @@ def run(n: int, args: argparse.Namespace) -> list[dict]:
 
     import vmcgrad.netket as vnk
 
-    g = nk.graph.Square(4)
-    hi = nk.hilbert.Spin(0.5, g.n_nodes, total_sz=0)
-    H = nk.operator.Heisenberg(
-        hi, nk.graph.Square(4, max_neighbor_order=2), J=[1.0, 0.5], sign_rule=[True, False]
-    )
-    features = (args.features,) * args.layers
-    model = nk.models.GCNN(symmetries=g, layers=args.layers, features=features, param_dtype=jnp.float64)
-    sampler = nk.sampler.MetropolisExchange(hi, graph=g, n_chains=16, d_max=2)
-    kw = dict(n_samples=n, n_discard_per_chain=4, seed=0, sampler_seed=1000)
+    H, model, sampler, kw = problem(n, args)
     budget = int(args.budget_mib * MiB)
     netket_state = nk.vqs.MCState(sampler, model, **kw)
     auto_state = vnk.MCState(sampler, model, chunk_size="auto", memory_budget=budget, **kw)
@@ -131,6 +182,14 @@ def main(argv=None) -> None:
     warnings.filterwarnings("ignore", category=UserWarning)
     from benchlib import write_json
 
+    if args.chunk_scan:
+        rows = chunk_scan(args.n[0], args)
+        print(f"vmcgrad.QGT(...).solve, N = {args.n[0]}, cg {args.cg_iters} iterations, {jax.devices()[0]}")
+        print(f"{'chunk':>6}  {'route':10}  {'compiled MiB':>12}  {'solve (s)':>9}")
+        for r in rows:
+            print(f"{r['chunk']:>6}  {r['route']:10}  {r['mib']:>12.1f}  {r['median_s']:>9.3f}")
+        write_json({"args": vars(args), "rows": rows}, args.json)
+        return
     rows = [row for n in args.n for row in run(n, args)]
     print(
         f"4x4 J1-J2 GCNN (P = {rows[0]['n_params']}), {args.budget_mib:g} MiB, "

@@ -325,3 +325,12 @@ def test_sr_phase_benchmark_times_every_route_on_one_gradient(tmp_path, capsys):
     assert auto["kept_mib"] > 0
     assert max(r["max_rel_diff"] for r in rows) < 1e-8, rows
     assert "vmcgrad-auto" in capsys.readouterr().out
+
+    scan = tmp_path / "scan.json"  # --chunk-scan: the core solve per chunk, both routes
+    argv = ["--n", "32", "--chunk-scan", "8", "32", "--cg-iters", "2", "--repeats", "1", "--layers", "1"]
+    with jax.set_mesh(mesh):
+        bench_sr_phase.main([*argv, "--features", "2", "--json", str(scan)])
+    rows = {(r["chunk"], r["route"]): r for r in _strict(scan.read_text())["rows"]}
+    assert sorted(rows) == [(8, "kept"), (8, "recomputed"), (32, "kept"), (32, "recomputed")]
+    assert all(r["median_s"] > 0 and r["mib"] > 0 for r in rows.values())
+    assert rows[(8, "kept")]["mib"] > rows[(8, "recomputed")]["mib"]  # every chunk's residuals at once
