@@ -6,18 +6,31 @@
 #   OUT=dir bash benchmarks/device.sh
 #   SMOKE=1 bash benchmarks/device.sh          # tiny sizes on CPU: a check of this script (minutes;
 #                                              # not part of the test suite)
-#   STEPS=race bash benchmarks/device.sh       # only the short race (issue 33): about 6 minutes
+#   STEPS=regime bash benchmarks/device.sh     # a step's time against N, compilation apart: 6-9 minutes
+#   STEPS=race bash benchmarks/device.sh       # the short race (issue 33); see below
 #
-# STEPS (default "core grad qgt qgt_eqmem large") names the steps to run, in that order; `race` is not
-# among the defaults (with them the call would pass 10 minutes). The race is benchmarks/time_to_energy.py
-# on the 4x4 J1-J2 model, NetKet's GCNN over the space group (3 layers of 8 features, P = 16 536),
-# float64, 64 MiB per device, one seed, 1.25 minutes per contender, compilation included, 256 sampler
-# chains: NetKet's VMC_SR at the 256 samples it holds in 64 MiB (chunk 64), NetKet's on-the-fly VMC_SR
-# and vmcgrad's VMC_SR (chunk by the budget) at 1024 samples. Its table.md, results.json, energy.png
-# and traces go to OUT/race/. RACE_ARGS replaces its arguments (all but --out).
+# STEPS (default "core grad qgt qgt_eqmem large") names the steps to run, in that order; `regime` and
+# `race` are not among the defaults (with them the call would pass 10 minutes).
+#
+# `regime` is benchmarks/step_regime.py on the race's problem and model (below), float32 with x64 off,
+# 64 MiB: NetKet's and vmcgrad's VMC_SR at N = 256, chunk 64 (vmcgrad's with its chunk's Jacobians
+# derived in 16 parts, the default, and in one), then both at N = 1024 unchunked; per run the first
+# step (compilation) and the median of 3, split into sampling, local energies and the SR phase.
+# REGIME_ARGS replaces its arguments (all but --json). Its rows go to OUT/regime.json (JSON lines).
+#
+# The race is benchmarks/time_to_energy.py on the 4x4 J1-J2 model, NetKet's GCNN over the space group
+# (3 layers of 8 features, P = 16 536), float32 with x64 off (a TPU emulates float64 and its float64
+# solves raise), 64 MiB per device, one seed, 1.25 minutes per contender, compilation included, 256
+# sampler chains: NetKet's VMC_SR at 256 samples (chunk 64), NetKet's on-the-fly VMC_SR and vmcgrad's
+# VMC_SR (chunk by the budget) at 1024 samples. Its table.md, results.json, energy.png and traces go
+# to OUT/race/. RACE_ARGS replaces its arguments (all but --out). On the TPU v5e lent on 2026-12-06 it
+# gives no race in one call: its host compiles about 10x slower than this project's 2-core CPU
+# machine (NetKet's first step 55 s there, 7 s here), so the first contender made one step in its
+# 1.25 minutes and vmcgrad's compiled past the call's end (benchmarks/results/step-regime-tpu-v5e).
 #
 # PYTHON defaults to `python`. Every step has its own timeout (seconds: core, grad, qgt and qgt_eqmem
-# 90 each, large 200, so at most 560 s in all; race 450; SMOKE: 300, large 600, race 400, on a CPU) so
+# 90 each, large 200, so at most 560 s in all; regime 540; race 450; SMOKE: 300, large 600, regime and
+# race 400, on a CPU) so
 # one slow step cannot eat the whole budget; a failed step is recorded and the others still run (the
 # exit status is then 1).
 set -u
@@ -30,28 +43,35 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 if [ "$SMOKE" = 1 ]; then
-  T_SMALL=300 T_LARGE=600 T_RACE=400
+  T_SMALL=300 T_LARGE=600 T_RACE=400 T_REGIME=400
   export JAX_PLATFORMS=cpu
   CORE=(--L 8 --n-samples 256 --chunk-size 64 --repeats 1 --dtypes float64)
   GRAD=(--L 8 --n-samples 256 --chunk-size 64 --repeats 1)
   QGT=(--L 8 --n-samples 256 --chunk-size 64 --repeats 1 --memory-n 256 512)
   LARGE=(--size small --models gcnn --dtypes float64 --sizes 256 512 --budgets-mib 8 --n-max 8192
          --chunk 32 --time-n 64 --repeats 1 --impls vmcgrad "netket chunked" "VMC_SR dense")
-  RACE=(--smoke --contenders netket-vmcsr netket-vmcsr-otf vmcgrad-vmcsr
+  RACE=(--smoke --dtype float32 --contenders netket-vmcsr netket-vmcsr-otf vmcgrad-vmcsr
         --n netket-vmcsr=64:32 netket-vmcsr-otf=128:32 vmcgrad-vmcsr=128:auto)
+  REGIME=(--problem chain --layers 1 --features 8 --dtype float32 --budget-mib 16 --chains 16 --steps 1
+          --runs netket-vmcsr=32:16 vmcgrad-vmcsr=32:16@2 vmcgrad-vmcsr=32:16)
 else
-  T_SMALL=90 T_LARGE=200 T_RACE=450
+  T_SMALL=90 T_LARGE=200 T_RACE=450 T_REGIME=540
   CORE=(--L 64 --n-samples 65536 --chunk-size 4096 --repeats 5)
   GRAD=(--L 48 --n-samples 65536 --chunk-size 4096 --repeats 5)
   QGT=(--L 48 --n-samples 65536 --chunk-size 4096 --repeats 5 --memory-n 65536 262144)
   LARGE=(--models gcnn vit --dtypes float32 --sizes 4096 65536 --budgets-mib 256 1024
          --chunk 256 --time-n 4096 --repeats 3)
-  RACE=(--problem j1j2 --model gcnn --layers 3 --features 8 --dtype float64 --budget-mib 64
+  REGIME=(--dtype float32 --budget-mib 64 --steps 3 --runs netket-vmcsr=256:64 vmcgrad-vmcsr=256:64
+          vmcgrad-vmcsr=256:64@1 netket-vmcsr=1024:none vmcgrad-vmcsr=1024:none)
+  RACE=(--problem j1j2 --model gcnn --layers 3 --features 8 --dtype float32 --budget-mib 64
         --minutes 1.25 --seeds 0 --chains 256 --contenders netket-vmcsr netket-vmcsr-otf vmcgrad-vmcsr
         --n netket-vmcsr=256:64 netket-vmcsr-otf=1024:64 vmcgrad-vmcsr=1024:auto)
 fi
 if [ -n "${RACE_ARGS:-}" ]; then
   read -r -a RACE <<<"$RACE_ARGS"
+fi
+if [ -n "${REGIME_ARGS:-}" ]; then
+  read -r -a REGIME <<<"$REGIME_ARGS"
 fi
 
 status=0
@@ -89,8 +109,9 @@ for name in $STEPS; do
     # issue 18: at equal compiled memory, QGT(chunk_size="auto") picks its design and chunk
     qgt_eqmem) step qgt_eqmem "$T_SMALL" benchmarks/bench_qgt.py "${QGT[@]}" --only equal-memory ;;
     large) step large "$T_LARGE" benchmarks/bench_large.py "${LARGE[@]}" ;;
+    regime) step regime "$T_REGIME" benchmarks/step_regime.py "${REGIME[@]}" ;;
     race) race ;;
-    *) echo "STEPS: unknown step '$name' (expected core grad qgt qgt_eqmem large race)" | tee -a "$OUT/log.txt"
+    *) echo "STEPS: unknown step '$name' (expected core grad qgt qgt_eqmem large regime race)" | tee -a "$OUT/log.txt"
        status=1 ;;
   esac
 done

@@ -32,9 +32,10 @@ Each (contender, seed) runs in a process of its own (so its peak RSS is its own)
 with ``--parallel K``, K of them at once, each pinned to a CPU core of its own: K consecutive runs of
 the serial order (a seed's contenders, then the next seed's in reverse) start together, so contenders
 side by side share the machine's background load.
-Every step records the wall time since the process began building the driver, the energy and its
-error, and three phases: sampling, ``expect_and_grad`` / local energies (the gradient included for
-VMC), and the preconditioner (SR: QGT and solve; ``VMC_SR``: the sample-space kernel and its solve).
+Every step records the wall time since the process began building the model and driver (the exact
+energy, a reference, is computed before: once per race), the energy and its error, and three
+phases: sampling, ``expect_and_grad`` / local energies (the gradient included for VMC), and the
+preconditioner (SR: QGT and solve; ``VMC_SR``: the sample-space kernel and its solve).
 The SR kernel's compiled bytes are measured on the contender's own (N, chunk) for the ``VMC_SR``
 contenders (compile only). The report gives, per contender and seed: N, chunk, steps, the time to reach
 each relative-error target (the running mean of ``--window`` steps below the target), the best running
@@ -51,7 +52,8 @@ Usage (PYTHONPATH=. in a checkout)::
 
 **On an accelerator** (``benchmarks/device.sh``'s ``race`` step runs a short form): ``--platform cuda``
 makes a worker fail rather than fall back to the CPU, ``--chains`` gives the sampler more chains than
-the CPU's 16, and each row also records the device and its allocator's peak bytes
+the CPU's 16, ``--dtype float32`` runs with x64 off (a TPU emulates float64, and its float64 solves
+raise), and each row also records the device and its allocator's peak bytes
 (``jax.devices()[0].memory_stats()["peak_bytes_in_use"]``; none on the CPU, where the peak RSS is the
 figure). A contender that fails is reported and the others still run; the table, the results and the
 plot are rewritten after each run, so a race stopped by a time limit keeps what it finished.
@@ -130,6 +132,7 @@ def parse(argv=None):
     )
     ap.add_argument("--smoke", action="store_true", help="chain, tiny GCNN, 2 contenders, 24 s each")
     ap.add_argument("--worker", help=argparse.SUPPRESS)  # one run, in a process of its own
+    ap.add_argument("--e0", type=float, help=argparse.SUPPRESS)  # the exact energy, once known
     ap.add_argument("--pin-core", type=int, help=argparse.SUPPRESS)  # the worker's CPU core
     args = ap.parse_args(argv)
     if args.chains <= 0:
@@ -174,8 +177,9 @@ def parse(argv=None):
 # --- the problem -------------------------------------------------------------------------------
 
 
-def build_problem(args):
-    """``(hilbert, graph, hamiltonian, exact_energy, sampler_kwargs)`` of ``args.problem``."""
+def build_problem(args, exact=True):
+    """``(hilbert, graph, hamiltonian, exact_energy)`` of ``args.problem`` (the energy None when not
+    ``exact``: Lanczos is skipped)."""
     import netket as nk
 
     if args.problem == "chain":
@@ -195,7 +199,9 @@ def build_problem(args):
     # Without it every contender settled at a relative error of 0.65 on j1j2 (E ~ -11.9, its variance
     # ~0.5), and at 0.67 on the chain.
     H = nk.operator.Heisenberg(hi, graph, J=J, sign_rule=[True] + [False] * (len(J) - 1))
-    if args.problem == "heisenberg6":
+    if not exact:
+        e0 = None
+    elif args.problem == "heisenberg6":
         e0 = E0_6x6
     else:
         e0 = float(nk.exact.lanczos_ed(H, k=1)[0])
@@ -319,22 +325,26 @@ def kernel_bytes(args, name, driver, vs, H):
     return vmcgrad.program_bytes(lowered.compile())
 
 
-def setup_jax(platform):
-    """JAX for one worker: ``platform`` (None: JAX's choice), one CPU device, float64 on, NetKet imported.
+def setup_jax(platform, x64):
+    """JAX for one worker: ``platform`` (None: JAX's choice), one CPU device, NetKet imported, and
+    ``jax_enable_x64`` set to ``x64``.
 
-    The CPU device count only shapes the CPU backend: on an accelerator NetKet's mesh is
-    ``jax.devices()``, the accelerator's devices.
+    ``--dtype float32`` runs with x64 off, so that local energies and the solve are single precision
+    too: on a TPU float64 is emulated, slowly, and float64 solves raise. The CPU device count only
+    shapes the CPU backend: on an accelerator NetKet's mesh is ``jax.devices()``, the accelerator's
+    devices.
     """
     import jax
     from benchlib import use_cpu_devices
 
     if platform:
         jax.config.update("jax_platforms", platform)
+    os.environ["NETKET_ENABLE_X64"] = "1" if x64 else "0"
     try:
-        use_cpu_devices(1)
+        use_cpu_devices(1)  # float64 on, NetKet imported
     except AttributeError:  # a JAX without the jax_num_cpu_devices option: its default is one device
-        jax.config.update("jax_enable_x64", True)
         import netket  # noqa: F401
+    jax.config.update("jax_enable_x64", x64)
 
 
 def device_peak_bytes():
@@ -357,13 +367,15 @@ def worker(args, name, seed, trace_path):
 
     import jax
 
-    setup_jax(args.platform)
+    setup_jax(args.platform, x64=args.dtype == "float64")
     import netket as nk
 
-    if args.dtype == "float64":
-        jax.config.update("jax_enable_x64", True)
+    # The exact energy is the race's reference, not part of a user's run: the clock starts after it
+    # (Lanczos took 3.5 s on the 4x4 J1-J2 model here, 148 s on a TPU machine's host), and the race
+    # computes it once (the first run's trace gives it to the others, ``--e0``).
+    hi, g, H, e0 = build_problem(args, exact=args.e0 is None)
+    e0 = args.e0 if args.e0 is not None else e0
     start = time.perf_counter()
-    hi, g, H, e0 = build_problem(args)
     model = build_model(args, g)
     driver, vs = build_driver(args, name, seed, hi, g, H, model)
     phases = {"sample": 0.0, "local": 0.0, "sr": 0.0}
@@ -389,7 +401,13 @@ def worker(args, name, seed, trace_path):
     with open(trace_path, "w") as f:
         d = jax.devices()[0]
         device = f"{jax.device_count()} x {d.platform} {d.device_kind}"
-        head = {"e0": e0, "n_params": vs.n_parameters, "n": vs.n_samples, "device": device}
+        head = {
+            "e0": e0,
+            "n_params": vs.n_parameters,
+            "n": vs.n_samples,
+            "device": device,
+            "x64": bool(jax.config.jax_enable_x64),
+        }
         f.write(json.dumps(head) + "\n")
         n_steps = 0
         while n_steps < 1 or time.perf_counter() - start < limit:  # at least one step, then the limit
@@ -450,6 +468,8 @@ def run_one(args, name, seed, out: Path, core: int | None = None) -> Path:
     argv = [sys.argv[0], *[a for a in sys.argv[1:] if a != "--smoke"], "--worker", f"{name},{seed},{trace}"]
     if args.smoke:
         argv.append("--smoke")
+    if args.e0 is not None:
+        argv += ["--e0", repr(args.e0)]
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
@@ -463,6 +483,8 @@ def run_one(args, name, seed, out: Path, core: int | None = None) -> Path:
             f"time_to_energy: {name} seed {seed} failed (exit status {proc.returncode}):\n"
             + proc.stderr[-3000:]
         )
+    if args.e0 is None:  # the next runs take the exact energy from this one
+        args.e0 = json.loads(trace.read_text().splitlines()[0])["e0"]
     return trace
 
 

@@ -34,6 +34,9 @@ ALLOWED["bench_minsr_routes.py"] = {
     "vmcgrad._chunks.budget",
     "vmcgrad._sr.solve",
 }
+#: The step-regime probe sets how many parts a chunk's Jacobians are derived in (``_sr.ntk_modes``, as
+#: the routes benchmark toggles them) and so empties vmcgrad's chunk memos (``_cache.registry``).
+ALLOWED["step_regime.py"] = {"vmcgrad._sr", "vmcgrad._cache"}
 #: Private names a script may use: ``bench_switch.py --before`` turns vmcgrad's per-signature
 #: validation cache off (``vmcgrad._problem.problem``, the module allowed above) to time the per-step
 #: work that cache removed.

@@ -148,3 +148,30 @@ def test_chains_must_be_positive(chains, capsys):
     with pytest.raises(SystemExit):
         tte.parse(["--chains", chains])
     assert f"--chains {chains}" in capsys.readouterr().err
+
+
+def test_the_exact_energy_is_computed_by_the_first_run_only(tmp_path, monkeypatch):
+    """The first worker computes the exact energy (Lanczos: 148 s on a TPU machine's host); the race
+    hands it to the later workers (``--e0``), which skip Lanczos. A fake ``subprocess.run`` sees the
+    argv of each worker and writes its trace."""
+    import time_to_energy as tte
+
+    argvs = []
+
+    def fake_run(cmd, **kw):
+        argvs.append(cmd)
+        trace = Path(cmd[cmd.index("--worker") + 1].split(",", 2)[2])
+        name = cmd[cmd.index("--worker") + 1].split(",")[0]
+        _fake_trace(trace, 64 if name == "netket-vmcsr" else 128, None)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(tte.subprocess, "run", fake_run)
+    assert tte.main(["--smoke", "--out", str(tmp_path / "race")]) == 0  # two runs
+    assert len(argvs) == 2
+    assert "--e0" not in argvs[0]
+    for cmd in argvs[1:]:  # the fake trace's exact energy, -18.0
+        assert float(cmd[cmd.index("--e0") + 1]) == -18.0, cmd
+    # a worker given --e0 builds the problem without Lanczos and keeps the given energy
+    args = tte.parse(["--smoke", "--e0", "-18.0"])
+    *_, e0 = tte.build_problem(args, exact=args.e0 is None)
+    assert e0 is None and args.e0 == -18.0

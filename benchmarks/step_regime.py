@@ -1,0 +1,177 @@
+r"""Which regime a device is in: a driver step's time against N, compilation apart.
+
+On a CPU a VMC step costs about N (sampling and local energies scale with it); on an accelerator
+a step should stay nearly flat in N until the device fills, so that extra samples come almost
+free and a memory budget that holds more samples turns into accuracy. This script measures that
+on the race's problem (``time_to_energy.py``'s model, sampler and drivers): for each
+``NAME=N[:CHUNK]`` in ``--runs`` (the race's contender names), in one process, in the order given,
+it builds the driver, times the first step (compilation included) and ``--steps`` more (medians,
+split into sampling, local energies and the SR phase like the race), and writes one JSON row per
+run as soon as it is done, so a run stopped by a time limit keeps what it finished.
+
+Usage (PYTHONPATH=. in a checkout)::
+
+    python benchmarks/step_regime.py --dtype float32 --budget-mib 32 \
+        --runs netket-vmcsr=256:64 vmcgrad-vmcsr=256:auto vmcgrad-vmcsr=1024:auto --json rows.jsonl
+
+Each row: the run, the device, the seconds to build the driver and state, the first step, the
+median step and phases, the step per sample, the chunk vmcgrad chose and the device's allocator
+peak (``memory_stats``; none on a CPU) and the process's peak RSS so far.
+
+``@SPLIT`` after a vmcgrad run sets how many parts a chunk's per-sample Jacobians are derived in
+(``vmcgrad._sr.ntk_modes.JACOBIAN_SPLIT``, 16 by default: a chunk of 64 derives them 4 samples at a
+time, and the dense kernel's column blocks are 4 samples wide). On a CPU the parts cost the same
+time as one; on an accelerator each is a small sequential step, which this measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import time
+
+import time_to_energy as tte  # the race's problem, model and drivers (this script's folder)
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", nargs="+", required=True, metavar="NAME=N[:CHUNK][@SPLIT]")
+    ap.add_argument("--problem", choices=tte.PROBLEMS, default="j1j2")
+    ap.add_argument("--model", choices=("gcnn", "vit"), default="gcnn")
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--features", type=int, default=8)
+    ap.add_argument("--dtype", choices=("float64", "float32"), default="float64")
+    ap.add_argument("--budget-mib", type=float, default=64.0)
+    ap.add_argument("--chains", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=3, help="steps after the first, timed for the medians")
+    ap.add_argument("--platform", default=None)
+    ap.add_argument("--json", help="JSON lines, one per run, appended as each ends")
+    args = ap.parse_args(argv)
+    if args.steps < 1:
+        ap.error(f"--steps {args.steps}: expected at least 1 step after the first (the medians)")
+    runs = []
+    for item in args.runs:  # parsed as the race parses --n, less an "@SPLIT"
+        item, _, split = item.partition("@")
+        name = item.partition("=")[0]
+        if split and (not name.startswith("vmcgrad") or not split.isdigit() or int(split) < 1):
+            ap.error(f"--runs {item}@{split}: '@SPLIT' is a positive int, for vmcgrad's runs only")
+        race = tte.parse(["--n", item, "--contenders", name])
+        runs.append((name, race.sizes[name], int(split) if split else None))
+    args.runs = runs
+    return args
+
+
+def main(argv=None):
+    args = parse(argv)
+    tte.setup_jax(args.platform, x64=args.dtype == "float64")
+    import jax
+
+    race = argparse.Namespace(
+        problem=args.problem,
+        model=args.model,
+        layers=args.layers,
+        features=args.features,
+        dtype=args.dtype,
+        budget_mib=args.budget_mib,
+        chains=args.chains,
+        lr=0.005,
+        diag_shift=1e-3,
+        grow_max=8192,
+        grow_window=20,
+    )
+    t = time.perf_counter()
+    hi, g, H, _ = tte.build_problem(race, exact=False)
+    model = tte.build_model(race, g)
+    d = jax.devices()[0]
+    device = f"{jax.device_count()} x {d.platform} {d.device_kind}"
+    print(f"{device}; problem and model in {time.perf_counter() - t:.1f} s", flush=True)
+    from vmcgrad._cache import registry
+    from vmcgrad._sr import ntk_modes
+
+    default_split = ntk_modes.JACOBIAN_SPLIT
+    for name, (n, chunk), split in args.runs:
+        race.sizes = {name: (n, chunk)}
+        # the dense kernel derives a chunk's Jacobians chunk/SPLIT samples at a time (and its column
+        # blocks are that wide): a module constant, read when the program is traced, so the compiled
+        # programs and vmcgrad's chunk memos are dropped where it changes
+        if (split or default_split) != ntk_modes.JACOBIAN_SPLIT:
+            ntk_modes.JACOBIAN_SPLIT = split or default_split
+            jax.clear_caches()
+            for cache in registry():
+                cache.clear()
+        t = time.perf_counter()
+        driver, vs = tte.build_driver(race, name, 0, hi, g, H, model)
+        jax.block_until_ready(vs.parameters)
+        build = time.perf_counter() - t
+        steps = [step(driver, vs) for _ in range(1 + args.steps)]
+        med = {k: statistics.median(s[k] for s in steps[1:]) for k in steps[0]}
+        chunk_used = getattr(driver, "chunk_size_bwd", None)
+        row = {
+            "run": f"{name}={n}:{chunk}" + (f"@{split}" if split else ""),
+            "jacobian_split": ntk_modes.JACOBIAN_SPLIT if name.startswith("vmcgrad") else None,
+            "device": device,
+            "dtype": args.dtype,
+            "budget_mib": args.budget_mib,
+            "build_s": build,
+            "first_step_s": steps[0]["step_s"],
+            **{f"median_{k}": v for k, v in med.items()},
+            "step_per_sample_ms": 1e3 * med["step_s"] / n,
+            "chunk_size_bwd": chunk_used if not hasattr(chunk_used, "item") else int(chunk_used),
+            "device_peak": tte.device_peak_bytes(),
+            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        }
+        print(json.dumps(row), flush=True)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+def step(driver, vs):
+    """One step of NetKet's ``driver.run`` loop, timed by phase as the race times it: sampling,
+    local energies (``VMC_SR``) or ``expect_and_grad`` less sampling (``VMC``), and the rest (the
+    SR phase)."""
+    import jax
+    import netket as nk
+
+    phases = {"sample_s": 0.0, "local_s": 0.0}
+    saved = {k: vs.__dict__.get(k) for k in ("sample", "local_estimators", "expect_and_grad")}
+
+    def timed(phase, fun):
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            out = jax.block_until_ready(fun(*a, **kw))
+            phases[phase] += time.perf_counter() - t
+            return out
+
+        return wrapper
+
+    is_vmc = isinstance(driver, nk.driver.VMC)
+    vs.sample = timed("sample_s", vs.sample)
+    if is_vmc:
+        vs.expect_and_grad = timed("local_s", vs.expect_and_grad)
+    else:
+        vs.local_estimators = timed("local_s", vs.local_estimators)
+    try:
+        t = time.perf_counter()
+        driver.reset_step()
+        if not is_vmc:
+            vs.samples  # noqa: B018
+        _, dp = driver.compute_loss_and_update()
+        jax.block_until_ready(dp)
+        total = time.perf_counter() - t
+        driver.update_parameters(dp)
+    finally:  # the state's own methods back (an instance attribute only shadows them)
+        for k, v in saved.items():
+            if v is None:
+                vs.__dict__.pop(k, None)
+            else:
+                setattr(vs, k, v)
+    if is_vmc:
+        phases["local_s"] -= phases["sample_s"]
+    return {"step_s": total, **phases, "sr_s": total - phases["sample_s"] - phases["local_s"]}
+
+
+if __name__ == "__main__":
+    main()
