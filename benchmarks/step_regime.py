@@ -16,7 +16,9 @@ Usage (PYTHONPATH=. in a checkout)::
 
 Each row: the run, the device, the seconds to build the driver and state, the first step, the
 median step and phases, the step per sample, the chunk vmcgrad chose and the device's allocator
-peak (``memory_stats``; none on a CPU) and the process's peak RSS so far.
+peak (``memory_stats``; none on a CPU) and the process's peak RSS so far; with ``--kernel``, the
+SR kernel of the run lowered and compiled apart (the seconds of each, its StableHLO lines and
+compiled bytes: how much program the first step compiles for the SR phase).
 
 ``@SPLIT`` after a vmcgrad run sets how many parts a chunk's per-sample Jacobians are derived in
 (``vmcgrad._sr.ntk_modes.JACOBIAN_SPLIT``, 16 by default: a chunk of 64 derives them 4 samples at a
@@ -47,6 +49,12 @@ def parse(argv=None):
     ap.add_argument("--chains", type=int, default=256)
     ap.add_argument("--steps", type=int, default=3, help="steps after the first, timed for the medians")
     ap.add_argument("--platform", default=None)
+    ap.add_argument(
+        "--kernel",
+        action="store_true",
+        help="also lower and compile each run's SR kernel apart (time_to_energy.kernel_lowered): its "
+        "seconds to lower and to compile, its StableHLO lines and compiled bytes",
+    )
     ap.add_argument("--json", help="JSON lines, one per run, appended as each ends")
     args = ap.parse_args(argv)
     if args.steps < 1:
@@ -122,10 +130,29 @@ def main(argv=None):
             "device_peak": tte.device_peak_bytes(),
             "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         }
+        if args.kernel:
+            row |= kernel_cost(race, name, driver, vs, H)
         print(json.dumps(row), flush=True)
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps(row) + "\n")
+
+
+def kernel_cost(race, name, driver, vs, H):
+    """The run's SR kernel lowered and compiled apart: seconds for each, StableHLO lines, bytes."""
+    import vmcgrad
+
+    t = time.perf_counter()
+    lowered = tte.kernel_lowered(race, name, driver, vs, H)
+    lower = time.perf_counter() - t
+    t = time.perf_counter()
+    compiled = lowered.compile()
+    return {
+        "kernel_lower_s": lower,
+        "kernel_compile_s": time.perf_counter() - t,
+        "kernel_stablehlo_lines": lowered.as_text().count("\n"),
+        "kernel_bytes": vmcgrad.program_bytes(compiled),
+    }
 
 
 def step(driver, vs):

@@ -274,7 +274,16 @@ def log_psi(vs):
 def kernel_bytes(args, name, driver, vs, H):
     """Per-device compiled bytes of the SR phase at the contender's N, for the Hamiltonian ``H`` the
     driver optimises: the sample-space kernel and its solve (``VMC_SR``), or the QGT's CG solve of the
-    gradient, as the driver's preconditioner builds the QGT (``VMC`` + ``SR``)."""
+    gradient, as the driver's preconditioner builds the QGT (``VMC`` + ``SR``); None for a contender
+    without one. Compile only."""
+    import vmcgrad
+
+    lowered = kernel_lowered(args, name, driver, vs, H)
+    return None if lowered is None else vmcgrad.program_bytes(lowered.compile())
+
+
+def kernel_lowered(args, name, driver, vs, H):
+    """The lowered (not compiled) program of :func:`kernel_bytes`, or None."""
     import jax
     import netket as nk
 
@@ -284,8 +293,7 @@ def kernel_bytes(args, name, driver, vs, H):
         sr = getattr(driver.preconditioner, "timed", driver.preconditioner)
         qgt = sr.lhs_constructor(vs, 0)  # NetKet's QGTOnTheFly, or vmcgrad's at the state's budget
         _, grad = vs.expect_and_grad(H)
-        lowered = jax.jit(lambda q, g: q.solve(sr.solver, g)[0]).lower(qgt, grad)
-        return vmcgrad.program_bytes(lowered.compile())
+        return jax.jit(lambda q, g: q.solve(sr.solver, g)[0]).lower(qgt, grad)
     samples = jax.lax.collapse(vs.samples, 0, vs.samples.ndim - 1)
     e = vs.local_estimators(H).reshape(-1)
     mode = str(driver.mode)
@@ -322,7 +330,7 @@ def kernel_bytes(args, name, driver, vs, H):
         lowered = kernel.lower(vs.model.apply, e, vs.parameters, vs.model_state, samples, **kw)
     else:
         return None
-    return vmcgrad.program_bytes(lowered.compile())
+    return lowered
 
 
 def setup_jax(platform, x64):

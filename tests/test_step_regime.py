@@ -41,7 +41,7 @@ def test_the_probe_times_each_run_by_phase_and_the_split_sets_the_jacobian_batch
     rows_path = tmp_path / "rows.jsonl"
     argv = [
         "--problem", "chain", "--layers", "1", "--features", "8", "--dtype", "float32",
-        "--budget-mib", "16", "--chains", "16", "--steps", "1", "--json", str(rows_path),
+        "--budget-mib", "16", "--chains", "16", "--steps", "1", "--kernel", "--json", str(rows_path),
         "--runs", "netket-vmcsr=32:16", "vmcgrad-vmcsr=32:16@2", "vmcgrad-vmcsr=32:16",
     ]  # fmt: skip
     env = {**child_env(), "PYTHONPATH": str(ROOT / "benchmarks") + ":" + str(ROOT)}
@@ -59,10 +59,14 @@ def test_the_probe_times_each_run_by_phase_and_the_split_sets_the_jacobian_batch
         assert r["median_step_s"] > 0 and abs(phases - r["median_step_s"]) <= 1e-9 * r["median_step_s"]
         assert min(r["median_sample_s"], r["median_local_s"], r["median_sr_s"]) > 0, r
         assert r["first_step_s"] > 0 and r["chunk_size_bwd"] == 16, r
+        # --kernel: the SR kernel lowered and compiled apart (a few MiB for this tiny model: compiled
+        # bytes are deterministic; the bound only catches a unit slip)
+        assert r["kernel_lower_s"] > 0 and r["kernel_compile_s"] > 0 and r["kernel_stablehlo_lines"] > 100, r
+        assert 0 < r["kernel_bytes"] <= 16 * 2**20, r
     spied = json.loads(proc.stdout.split("SEEN ", 1)[1])
     seen, marks = spied["seen"], spied["marks"]
     # marks: the spy's count before each of the 2 steps of each run; the kernel is traced at a run's
-    # first step (NetKet's run never calls vmcgrad's kernel)
+    # first step (NetKet's run never calls vmcgrad's kernel) and again by --kernel after the steps
     assert len(marks) == 6
     assert seen[: marks[2]] == [], seen
     split2, split16 = seen[marks[2] : marks[4]], seen[marks[4] :]
