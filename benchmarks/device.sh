@@ -27,6 +27,9 @@
 # gives no race in one call: its host compiles about 10x slower than this project's 2-core CPU
 # machine (NetKet's first step 55 s there, 7 s here), so the first contender made one step in its
 # 1.25 minutes and vmcgrad's compiled past the call's end (benchmarks/results/step-regime-tpu-v5e).
+# The compilation cache below (JAX_COMPILATION_CACHE_DIR, default /tmp/vmcgrad-jax-cache) is
+# meant for that: a first call with short minutes compiles every contender's programs, and a second
+# call while the machine is warm races on them (not yet tried on an accelerator).
 #
 # PYTHON defaults to `python`. Every step has its own timeout (seconds: core, grad, qgt and qgt_eqmem
 # 90 each, large 200, so at most 560 s in all; regime 540; race 450; SMOKE: 300, large 600, regime and
@@ -41,6 +44,9 @@ SMOKE=${SMOKE:-0}
 STEPS=${STEPS:-core grad qgt qgt_eqmem large}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# JAX's persistent compilation cache, kept outside OUT: a second call on a machine still warm (its
+# /tmp kept) takes the programs the first compiled, so a short race measures steps, not compiling
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/vmcgrad-jax-cache}
 
 if [ "$SMOKE" = 1 ]; then
   T_SMALL=300 T_LARGE=600 T_RACE=400 T_REGIME=400
