@@ -145,18 +145,37 @@ def test_tdvp_matches_jacobian_dense(propagation_type, model_name, solver_name, 
         assert ours[-1][2].real < ours[0][2].real - 1e-3
 
 
-def in_own_process(test_id):
-    """Runs ``test_id`` (this module's) in a process of its own on the same devices, retried once
-    when a signal ends it.
+#: Seconds before a child TDVP run is taken for hung and killed. A whole child (start-up, NetKet's
+#: import, compiling, both runs) takes about 10 s in CI (the parent test's duration: 10.5 s for the
+#: slowest, .ci/run's --durations), so 180 s leaves it 18x for a slow or loaded host, and a hang costs
+#: 180 s, before XLA would abort a stalled collective (300 s, tests/conftest.py); a hang outside a
+#: collective was only ended by this timeout (450 s before).
+CHILD_TIMEOUT = 180
+#: Runs of a child before its test fails: in a CI run of 2026-12-06 one child
+#: (test_tdvp_matches_jacobian_dense[real-RBMModPhase[float64]-pinv_smooth-None]) and its retry both
+#: stalled in XLA's all-reduce until XLA aborted them, on an otherwise idle machine: one retry was not
+#: enough.
+ATTEMPTS = 3
 
-    On 4 fake CPU devices under load, a TDVP run has aborted the whole process (SIGABRT inside XLA's
-    CPU runtime, in NetKet's reference run and in ours, in different cases; never alone or on one
-    device), and one hung, idle, in an eager op of NetKet's integrator (2026-12-06). Each 4-device TDVP
-    run is a process of its own, so that an abort is not the end of the suite; the child's native log
-    reaches its stderr (--capture=sys), and an abort (a signal, not a failed assertion) or a hang
-    (killed after 450 s) is retried once, with the first attempt's log printed here."""
+
+def in_own_process(test_id):
+    """Runs ``test_id`` (this module's) in a process of its own on the same devices, run again
+    (``ATTEMPTS`` in all) when a signal ends it or it hangs.
+
+    On 4 fake CPU devices a TDVP run has aborted the whole process (SIGABRT inside XLA's CPU runtime,
+    ``xla::cpu::InProcessCommunicator::AllReduce`` waiting for a device that never joined, in NetKet's
+    reference run and in ours, in different cases; never alone or on one device), and hung, idle: in an
+    eager op of NetKet's integrator (2026-12-06), and on an unloaded machine (load average 0.03) with
+    its main thread in ``PjRtCpuLoadedExecutable::Execute`` waiting for the execution and XLA's pool
+    threads idle or in the all-reduce (gdb, 2026-12-06; XLA aborted it at 300 s): one device's part
+    of the program never ran, a fault of XLA's CPU runtime, not a slow run. Each 4-device TDVP run
+    is a process of its own, so that an abort is not the end of the suite;
+    the child's native log reaches its stderr (--capture=sys), and an abort (a signal, not a failed
+    assertion) or a hang (killed after ``CHILD_TIMEOUT`` s) is run again, with the failed attempt's
+    log printed here. A failed assertion fails at once."""
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--capture=sys"]
-    for attempt in range(2):
+    for attempt in range(1, ATTEMPTS + 1):
+        last = attempt == ATTEMPTS
         try:
             out = subprocess.run(
                 [*command, "--tier=all", f"{__file__}::{test_id}"],
@@ -164,16 +183,16 @@ def in_own_process(test_id):
                 cwd=os.path.dirname(__file__),
                 capture_output=True,
                 text=True,
-                timeout=450,  # a run takes under a minute; XLA's rendezvous timeout is 300 s
+                timeout=CHILD_TIMEOUT,
             )
-        except subprocess.TimeoutExpired as err:  # killed by subprocess.run: a hang, retried as an abort
-            if attempt == 1:
+        except subprocess.TimeoutExpired as err:  # killed by subprocess.run: a hang, run again
+            if last:
                 raise
-            print(f"attempt 1 killed after {err.timeout} s:\n{(err.stderr or b'')[-4000:]!r}")
+            print(f"attempt {attempt} killed after {err.timeout} s:\n{(err.stderr or b'')[-4000:]!r}")
             continue
-        if out.returncode >= 0 or attempt == 1:
+        if out.returncode >= 0 or last:
             break
-        print(f"attempt {attempt + 1} ended by signal {-out.returncode}:\n{out.stderr[-4000:]}")
+        print(f"attempt {attempt} ended by signal {-out.returncode}:\n{out.stderr[-4000:]}")
     assert out.returncode == 0 and " passed" in out.stdout, out.stdout[-4000:] + out.stderr[-4000:]
 
 
