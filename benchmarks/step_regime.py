@@ -113,7 +113,8 @@ def main(argv=None):
         driver, vs = tte.build_driver(race, name, 0, hi, g, H, model)
         jax.block_until_ready(vs.parameters)
         build = time.perf_counter() - t
-        steps = [step(driver, vs) for _ in range(1 + args.steps)]
+        phases, is_vmc = tte.instrument(driver, vs)
+        steps = [step(driver, vs, phases, is_vmc) for _ in range(1 + args.steps)]
         med = {k: statistics.median(s[k] for s in steps[1:]) for k in steps[0]}
         chunk_used = getattr(driver, "chunk_size_bwd", None)
         row = {
@@ -155,49 +156,11 @@ def kernel_cost(race, name, driver, vs, H):
     }
 
 
-def step(driver, vs):
-    """One step of NetKet's ``driver.run`` loop, timed by phase as the race times it: sampling,
-    local energies (``VMC_SR``) or ``expect_and_grad`` less sampling (``VMC``), and the rest (the
-    SR phase)."""
-    import jax
-    import netket as nk
-
-    phases = {"sample_s": 0.0, "local_s": 0.0}
-    saved = {k: vs.__dict__.get(k) for k in ("sample", "local_estimators", "expect_and_grad")}
-
-    def timed(phase, fun):
-        def wrapper(*a, **kw):
-            t = time.perf_counter()
-            out = jax.block_until_ready(fun(*a, **kw))
-            phases[phase] += time.perf_counter() - t
-            return out
-
-        return wrapper
-
-    is_vmc = isinstance(driver, nk.driver.VMC)
-    vs.sample = timed("sample_s", vs.sample)
-    if is_vmc:
-        vs.expect_and_grad = timed("local_s", vs.expect_and_grad)
-    else:
-        vs.local_estimators = timed("local_s", vs.local_estimators)
-    try:
-        t = time.perf_counter()
-        driver.reset_step()
-        if not is_vmc:
-            vs.samples  # noqa: B018
-        _, dp = driver.compute_loss_and_update()
-        jax.block_until_ready(dp)
-        total = time.perf_counter() - t
-        driver.update_parameters(dp)
-    finally:  # the state's own methods back (an instance attribute only shadows them)
-        for k, v in saved.items():
-            if v is None:
-                vs.__dict__.pop(k, None)
-            else:
-                setattr(vs, k, v)
-    if is_vmc:
-        phases["local_s"] -= phases["sample_s"]
-    return {"step_s": total, **phases, "sr_s": total - phases["sample_s"] - phases["local_s"]}
+def step(driver, vs, phases, is_vmc):
+    """One step as the race times it (:func:`time_to_energy.timed_step`): the step and its phases,
+    in seconds."""
+    _, total = tte.timed_step(driver, vs, phases, is_vmc)
+    return {"step_s": total, **{f"{k}_s": v for k, v in phases.items()}}
 
 
 if __name__ == "__main__":

@@ -376,7 +376,6 @@ def worker(args, name, seed, trace_path):
     import jax
 
     setup_jax(args.platform, x64=args.dtype == "float64")
-    import netket as nk
 
     # The exact energy is the race's reference, not part of a user's run: the clock starts after it
     # (Lanczos took 3.5 s on the 4x4 J1-J2 model here, 148 s on a TPU machine's host), and the race
@@ -386,25 +385,7 @@ def worker(args, name, seed, trace_path):
     start = time.perf_counter()
     model = build_model(args, g)
     driver, vs = build_driver(args, name, seed, hi, g, H, model)
-    phases = {"sample": 0.0, "local": 0.0, "sr": 0.0}
-
-    def timed(phase, fun):
-        def wrapper(*a, **kw):
-            t = time.perf_counter()
-            out = jax.block_until_ready(fun(*a, **kw))
-            phases[phase] += time.perf_counter() - t
-            return out
-
-        wrapper.timed = fun  # kernel_bytes lowers the driver's own preconditioner
-        return wrapper
-
-    vs.sample = timed("sample", vs.sample)
-    is_vmc = isinstance(driver, nk.driver.VMC)
-    if is_vmc:  # VMC: expect_and_grad, then the preconditioner
-        vs.expect_and_grad = timed("local", vs.expect_and_grad)
-        driver.preconditioner = timed("sr", driver.preconditioner)
-    else:  # VMC_SR: local energies, then the kernel and solve (the rest of the update)
-        vs.local_estimators = timed("local", vs.local_estimators)
+    phases, is_vmc = instrument(driver, vs)
     limit = args.minutes * 60
     with open(trace_path, "w") as f:
         d = jax.devices()[0]
@@ -419,25 +400,8 @@ def worker(args, name, seed, trace_path):
         f.write(json.dumps(head) + "\n")
         n_steps = 0
         while n_steps < 1 or time.perf_counter() - start < limit:  # at least one step, then the limit
-            for k in phases:
-                phases[k] = 0.0
             n = vs.n_samples  # this step's N (VMC_SR's grow_samples may raise it for the next step)
-            t = time.perf_counter()
-            driver.reset_step()
-            if not is_vmc:  # VMC_SR reads the samples inside local_estimators: sample them first
-                vs.samples  # noqa: B018
-            loss, dp = driver.compute_loss_and_update()
-            jax.block_until_ready(dp)
-            total = time.perf_counter() - t
-            if is_vmc:  # VMC resets and samples inside expect_and_grad
-                phases["local"] -= phases["sample"]
-            else:
-                phases["sr"] = total - phases["sample"] - phases["local"]
-            # The loop is NetKet's ``driver.run`` step, timed by phase. The step count it would also
-            # advance (no public setter) is left at 0: it feeds only schedules of diag_shift,
-            # proj_reg and momentum (constants here; the optimiser counts its own steps) and the
-            # step label of vmcgrad's ``VMC_SR.grown``, which this race does not read.
-            driver.update_parameters(dp)
+            loss, total = timed_step(driver, vs, phases, is_vmc)
             row = {
                 "t": time.perf_counter() - start,
                 "step_s": total,
@@ -466,6 +430,62 @@ def worker(args, name, seed, trace_path):
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         tail = {"kernel_bytes": kb, "peak_rss": peak, "device_peak": device_peak_bytes(), "chunk": str(chunk)}
         f.write(json.dumps(tail) + "\n")
+
+
+def instrument(driver, vs):
+    """``(phases, is_vmc)``: the state's sampling and local energies (``VMC_SR``) or
+    ``expect_and_grad`` and the preconditioner (``VMC`` + SR) wrapped so that each call adds its
+    seconds to ``phases`` (``"sample"``, ``"local"``, ``"sr"``), for :func:`timed_step`."""
+    import jax
+    import netket as nk
+
+    phases = {"sample": 0.0, "local": 0.0, "sr": 0.0}
+
+    def timed(phase, fun):
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            out = jax.block_until_ready(fun(*a, **kw))
+            phases[phase] += time.perf_counter() - t
+            return out
+
+        wrapper.timed = fun  # kernel_bytes lowers the driver's own preconditioner
+        return wrapper
+
+    vs.sample = timed("sample", vs.sample)
+    is_vmc = isinstance(driver, nk.driver.VMC)
+    if is_vmc:  # VMC: expect_and_grad, then the preconditioner
+        vs.expect_and_grad = timed("local", vs.expect_and_grad)
+        driver.preconditioner = timed("sr", driver.preconditioner)
+    else:  # VMC_SR: local energies, then the kernel and solve (the rest of the update)
+        vs.local_estimators = timed("local", vs.local_estimators)
+    return phases, is_vmc
+
+
+def timed_step(driver, vs, phases, is_vmc):
+    """One step of NetKet's ``driver.run`` loop on a driver :func:`instrument` wrapped: ``(loss,
+    seconds)``, and ``phases`` set to this step's (the SR phase of ``VMC_SR`` is the step less the
+    other two).
+
+    The step count ``driver.run`` would also advance (no public setter) is left at 0: it feeds only
+    schedules of diag_shift, proj_reg and momentum (constants here; the optimiser counts its own
+    steps) and the step label of vmcgrad's ``VMC_SR.grown``, which the race does not read."""
+    import jax
+
+    for k in phases:
+        phases[k] = 0.0
+    t = time.perf_counter()
+    driver.reset_step()
+    if not is_vmc:  # VMC_SR reads the samples inside local_estimators: sample them first
+        vs.samples  # noqa: B018
+    loss, dp = driver.compute_loss_and_update()
+    jax.block_until_ready(dp)
+    total = time.perf_counter() - t
+    if is_vmc:  # VMC resets and samples inside expect_and_grad
+        phases["local"] -= phases["sample"]
+    else:
+        phases["sr"] = total - phases["sample"] - phases["local"]
+    driver.update_parameters(dp)
+    return loss, total
 
 
 # --- the race ----------------------------------------------------------------------------------
