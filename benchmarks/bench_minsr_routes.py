@@ -123,7 +123,9 @@ def blocks(args):
 
     import vmcgrad
     from vmcgrad._problem import problem as problem_module
-    from vmcgrad._sr import minsr, ntk_dense, ntk_modes
+    from vmcgrad._sr.ntk import dense as ntk_dense
+    from vmcgrad._sr.ntk import minsr
+    from vmcgrad._sr.ntk import modes as ntk_modes
 
     if args.no_jacobian_batches:
         ntk_modes.JACOBIAN_BATCH_MIN = 1 << 40
@@ -204,7 +206,7 @@ def cg_part(args):
 
     import vmcgrad
     from vmcgrad._chunks.budget import default_memory_budget
-    from vmcgrad._sr import minsr, nystrom
+    from vmcgrad._sr.ntk import minsr, nystrom
 
     lp, params, x, e = setup(args.n, args.param_dtype, args.model)
     n = args.n
@@ -242,7 +244,7 @@ def qgt_part(args):
     from jax.flatten_util import ravel_pytree
 
     import vmcgrad
-    from vmcgrad._sr import ntk_modes
+    from vmcgrad._sr.ntk import modes as ntk_modes
     from vmcgrad._sr.solve import cg
 
     lp, params, x, _ = setup(args.n, args.param_dtype, args.model)

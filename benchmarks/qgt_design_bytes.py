@@ -12,7 +12,7 @@ design=d)`` for each design at ``--chunk``, in units of one ``chunk × L`` float
 figures of ``docs/performance.md``, "The design, chosen from the budget". With ``--time-chunks``,
 also the median process CPU time of the fused product at each of those chunk sizes over
 interleaved calls, and its ratio to the time at the largest: the per-chunk cost that
-``CHUNK_ROWS`` in ``vmcgrad/_sr/qgt.py`` holds for CPU.
+``CHUNK_ROWS`` in ``vmcgrad/_sr/qgt/qgt.py`` holds for CPU.
 """
 
 from __future__ import annotations

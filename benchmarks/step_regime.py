@@ -21,7 +21,7 @@ SR kernel of the run lowered and compiled apart (the seconds of each, its Stable
 compiled bytes: how much program the first step compiles for the SR phase).
 
 ``@SPLIT`` after a vmcgrad run sets how many parts a chunk's per-sample Jacobians are derived in
-(``vmcgrad._sr.ntk_modes.JACOBIAN_SPLIT``, 16 by default: a chunk of 64 derives them 4 samples at a
+(``vmcgrad._sr.ntk.modes.JACOBIAN_SPLIT``, 16 by default: a chunk of 64 derives them 4 samples at a
 time, and the dense kernel's column blocks are 4 samples wide). On a CPU the parts cost the same
 time as one; on an accelerator each is a small sequential step, which this measures.
 """
@@ -96,7 +96,7 @@ def main(argv=None):
     device = f"{jax.device_count()} x {d.platform} {d.device_kind}"
     print(f"{device}; problem and model in {time.perf_counter() - t:.1f} s", flush=True)
     from vmcgrad._cache import registry
-    from vmcgrad._sr import ntk_modes
+    from vmcgrad._sr.ntk import modes as ntk_modes
 
     default_split = ntk_modes.JACOBIAN_SPLIT
     for name, (n, chunk), split in args.runs:

@@ -57,7 +57,7 @@ nb_output_stderr = "remove"  # import-time warnings (tqdm, NetKet tips) are nois
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
 # Members inherited from vmcgrad's private bases are documented on the public class (QGTOperator's
-# and LinearizedQGT's solve, to_dense and replace live in _qgt_abstract.AbstractQGT); those of
+# and LinearizedQGT's solve, to_dense and replace live in vmcgrad._sr.qgt.abstract.AbstractQGT); those of
 # Python's own bases (tuple for NamedTuples, exceptions, object) are not, nor NetKet's (the
 # vmcgrad.netket page, below, documents what the adapter itself defines).
 autodoc_default_options = {

@@ -171,3 +171,10 @@ def traced_without_mesh():
     if jax.device_count() == 1:
         return contextlib.nullcontext()
     return pytest.warns(vmcgrad.VmcgradWarning, match="no sharding visible in their type")
+
+
+def module_name(path, root) -> str:
+    """The dotted name of the module at ``path`` in the package folder ``root`` (``a/b/__init__.py``
+    is ``a.b``)."""
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)

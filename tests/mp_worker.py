@@ -11,7 +11,7 @@ import sys
 import jax
 
 pid, nproc, port, out_file = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-from vmcgrad._problem.distributed import initialize_distributed
+from vmcgrad._distributed import initialize_distributed
 
 jax.config.update("jax_num_cpu_devices", 2)
 jax.config.update("jax_enable_x64", True)

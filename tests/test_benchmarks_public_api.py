@@ -26,7 +26,7 @@ ALLOWED = {
     for name in ("large.py", "bench_minsr.py", "time_to_energy.py")
 } | {"bench_switch.py": {"vmcgrad._problem"}}
 #: MinSR's routes benchmark reads vmcgrad's rule and sizes (``_sr.minsr``, ``_sr.nystrom``), the chunk the
-#: budget picks (``_problem.problem``), toggles the Jacobian batches (``_sr.ntk_modes``) and runs the CG
+#: budget picks (``_problem.problem``), toggles the Jacobian batches (``_sr.ntk.modes``) and runs the CG
 #: with a preconditioner (``_sr.solve``): the internals it measures, not public API.
 ALLOWED["bench_minsr_routes.py"] = {
     "vmcgrad._sr",
@@ -34,7 +34,7 @@ ALLOWED["bench_minsr_routes.py"] = {
     "vmcgrad._chunks.budget",
     "vmcgrad._sr.solve",
 }
-#: The step-regime probe sets how many parts a chunk's Jacobians are derived in (``_sr.ntk_modes``, as
+#: The step-regime probe sets how many parts a chunk's Jacobians are derived in (``_sr.ntk.modes``, as
 #: the routes benchmark toggles them) and so empties vmcgrad's chunk memos (``_cache.registry``).
 ALLOWED["step_regime.py"] = {"vmcgrad._sr", "vmcgrad._cache"}
 #: Private names a script may use: ``bench_switch.py --before`` turns vmcgrad's per-signature

@@ -309,7 +309,7 @@ def test_cache_key_keys_as_the_compiled_programs_do_without_holding():
     same instance, a new ``Partial`` of the same function with other array values), differs for
     another function, accepts what is not a callable (validation reports it later), and is the
     same for a function and for its static part; a key whose function died equals only itself."""
-    from vmcgrad._problem.function import cache_key, is_dead, split_fun
+    from vmcgrad._function import cache_key, is_dead, split_fun
 
     class Model:
         def apply(self, p, x):

@@ -103,7 +103,7 @@ def test_auto_chunk_reports_the_qgt_design_the_run_uses(tmp_path, monkeypatch, c
     and every QGT operator of the run (the SR's, one per step) has that design and chunk. The time
     model is patched so that the jvp-then-vjp design wins (the fused one by default)."""
     import vmcgrad
-    from vmcgrad._sr import qgt as _qgt
+    from vmcgrad._sr.qgt import qgt as _qgt
 
     monkeypatch.setitem(_qgt.PASSES, "fused", 2 * _qgt.PASSES["jvp_vjp"])
     built, qgt = [], vmcgrad.QGT

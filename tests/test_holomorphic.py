@@ -17,7 +17,7 @@ from jax.flatten_util import ravel_pytree
 from jax.sharding import AxisType, Mesh
 
 import vmcgrad
-from vmcgrad._sr import qgt_modes as _qgt_modes
+from vmcgrad._checks import holomorphy as _qgt_modes
 
 with jax.set_mesh(None):
     import flax.linen as nn

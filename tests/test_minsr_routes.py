@@ -16,7 +16,7 @@ from helpers import assert_tree_allclose
 from test_ntk import MODELS, _data, _logpsi, _params, netket_mesh  # noqa: F401  (the autouse mesh)
 
 import vmcgrad
-from vmcgrad._sr import minsr, nystrom
+from vmcgrad._sr.ntk import minsr, nystrom
 
 DIAG = 1e-3
 N = 18
@@ -225,7 +225,7 @@ def test_dense_blocks_sized_by_the_budget():
     (P = 1 541), so that a chunk's Jacobians, not the 64×64 kernel, set the memory."""
     from netket_spy import vmcgrad_passes
 
-    from vmcgrad._sr.ntk_modes import jacobian_batch
+    from vmcgrad._sr.ntk.modes import jacobian_batch
 
     apply, _ = MODELS["r2c"]
     k = jax.random.split(jax.random.key(8), 3)

@@ -71,7 +71,7 @@ def test_two_processes_match_one(tmp_path):
 
 
 def test_loopback_detection_pins_gloo_only_for_loopback_coordinators():
-    from vmcgrad._problem.distributed import is_loopback
+    from vmcgrad._distributed import is_loopback
 
     assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("[::1]")
     assert not is_loopback("node001") and not is_loopback("compute-0.cluster")

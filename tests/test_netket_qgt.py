@@ -477,7 +477,7 @@ class _EmptyComplexLeaf(nn.Module):
 
 
 def test_a_real_vector_of_both_lengths_is_the_representation():
-    """The one vector that two kinds fit with different answers (vmcgrad._sr.views.Views.guess): a
+    """The one vector that two kinds fit with different answers (vmcgrad._sr.qgt.views.Views.guess): a
     real vector of length D = P in 'complex' mode, whose flat reading is complex. It is the
     representation, as in QGTJacobianDense: a real product, and a solve that jax.scipy's cg runs
     (a complex product of its real vectors ends it). vmcgrad.QGT: test_qgt.py, the same name."""
@@ -664,7 +664,7 @@ def test_memory_budget_changes_the_pick(monkeypatch):
     the argument the state's ``memory_budget`` is used; an explicit one overrides it."""
     from test_qgt_design import _bytes
 
-    from vmcgrad._sr import qgt as _qgt
+    from vmcgrad._sr.qgt import qgt as _qgt
     from vmcgrad.netket import _nk_private as nkp
     from vmcgrad.netket._expect_grad import log_psi
 

@@ -305,7 +305,7 @@ def test_auto_chunk_takes_fewer_larger_chunks_at_the_batch_the_budget_bought():
     hidden units (P = 1 541), so that the rows' Jacobians, not the kernel, grow with the chunk."""
     import dataclasses
 
-    from vmcgrad._sr import ntk_dense
+    from vmcgrad._sr.ntk import dense as ntk_dense
 
     apply, _ = MODELS["r2c"]
     k = jax.random.split(jax.random.key(8), 3)
@@ -349,7 +349,8 @@ def test_auto_chunk_takes_one_block_at_a_smaller_jacobian_batch(monkeypatch):
     chunk_size=None. Red with the one-block step off: (32, 2)."""
     import dataclasses
 
-    from vmcgrad._sr import minsr, ntk_dense
+    from vmcgrad._sr.ntk import dense as ntk_dense
+    from vmcgrad._sr.ntk import minsr
 
     def apply(v, x):
         h = jnp.tanh(x[:, :, None, None] * v["params"]["w"][None, :, :, None] + v["params"]["u"])

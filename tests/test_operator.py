@@ -1,4 +1,4 @@
-"""The operators' shared base, :class:`vmcgrad._sr.operator.AbstractOperator`: both
+"""The operators' shared base, :class:`vmcgrad._sr.base.AbstractOperator`: both
 :class:`vmcgrad.QGTOperator` and :class:`vmcgrad.NTKOperator` are immutable pytrees with the same
 accessors, the same ``replace`` of their shifts (checked, refused for anything else) and the same
 ``chunk_size="auto"`` resolution.
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import vmcgrad
-from vmcgrad._sr.operator import AbstractOperator
+from vmcgrad._sr.base import AbstractOperator
 
 N = 10
 
@@ -91,7 +91,7 @@ def test_auto_chunk_size_resolves_to_a_chunk(build):
         return
     # the dense kernel's choice (ntk_dense.choose_dense, tests/test_ntk.py): the powers of two fix the
     # Jacobian batch, then the fewer, larger chunks ceil(64/m) are searched at that batch
-    from vmcgrad._sr.ntk_dense import choose_dense
+    from vmcgrad._sr.ntk.dense import choose_dense
 
     chunk, (op,) = choose_dense(*A._sizing_call())
     fewer = sorted({-(-64 // m) for m in range(1, 65)})

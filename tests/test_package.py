@@ -1,6 +1,6 @@
-"""The package as a maintainer inherits it: an import graph with no cycle, ``import vmcgrad`` loading only
-the library, NetKet's private names behind one module with a tested version bound, and every file or
-test a document or comment cites present in the repository.
+"""The package as a maintainer inherits it (its import layers: tests/test_layers.py): ``import vmcgrad``
+loading only the library, NetKet's private names behind one module with a tested version bound, and
+every file or test a document or comment cites present in the repository.
 
 Static checks on the source (``ast``, regular expressions), plus two fresh interpreters.
 """
@@ -17,6 +17,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from helpers import module_name
 
 with jax.set_mesh(None):  # NetKet's import sets a global mesh that must not leak into other test files
     import netket as nk
@@ -26,87 +27,6 @@ with jax.set_mesh(None):  # NetKet's import sets a global mesh that must not lea
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "vmcgrad"
-
-
-# --- the import graph ---------------------------------------------------------------------------
-
-
-def _module_name(path: Path, root: Path) -> str:
-    parts = list(path.relative_to(root.parent).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def _type_checking_nodes(tree: ast.AST) -> set[int]:
-    """The nodes under ``if TYPE_CHECKING:`` (annotations only: never imported at run time)."""
-    return {
-        id(n)
-        for t in ast.walk(tree)
-        if isinstance(t, ast.If) and ast.unparse(t.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
-        for b in t.body
-        for n in ast.walk(b)
-    }
-
-
-def import_graph(root: Path) -> dict[str, set[str]]:
-    """Module -> the package's modules it imports, at module level or inside functions.
-
-    ``from . import x`` counts as an import of module ``x`` when ``x`` is a module, else of the package.
-    """
-    files = {_module_name(p, root): p for p in root.rglob("*.py")}
-    graph = {}
-    for name, path in files.items():
-        tree = ast.parse(path.read_text())
-        skip = _type_checking_nodes(tree)
-        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
-        edges = set()
-        for node in ast.walk(tree):
-            if id(node) in skip:
-                continue
-            if isinstance(node, ast.ImportFrom):
-                base = package[: len(package) - node.level + 1] if node.level else []
-                target = ".".join(base + ([node.module] if node.module else []))
-                for alias in node.names:
-                    full = f"{target}.{alias.name}"
-                    edges.add(full if full in files else target)
-            elif isinstance(node, ast.Import):
-                edges |= {a.name for a in node.names}
-        graph[name] = {e for e in edges if e in files and e != name}
-    return graph
-
-
-def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    """One cycle of ``graph`` as a path ``[a, b, ..., a]``, or None (depth-first search)."""
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
-    path: list[str] = []
-
-    def visit(v):
-        state[v] = 1
-        path.append(v)
-        for w in sorted(graph[v]):
-            if state.get(w) == 1:
-                return [*path[path.index(w) :], w]
-            if w not in state:
-                found = visit(w)
-                if found:
-                    return found
-        path.pop()
-        state[v] = 2
-        return None
-
-    for v in sorted(graph):
-        if v not in state:
-            found = visit(v)
-            if found:
-                return found
-    return None
-
-
-def test_the_package_import_graph_has_no_cycle():
-    graph = import_graph(PACKAGE)
-    # function-level imports are seen
-    assert "vmcgrad._checks.row_coupling" in graph["vmcgrad._problem.validation"]
-    assert "vmcgrad._sr.qgt" not in graph["vmcgrad._sr.qgt_linearized"]  # TYPE_CHECKING imports are not
-    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
 #: No module of the package is longer than this (issue 35: one concept per file).
@@ -127,51 +47,6 @@ def test_the_length_check_sees_a_long_module(tmp_path):
     (tmp_path / "short.py").write_text("x = 1\n")
     (tmp_path / "long.py").write_text("x = 1\n" * 501)
     assert long_modules(tmp_path) == [("long.py", 501)]
-
-
-def layout(root: Path = PACKAGE) -> str:
-    """The package's layout figures: modules per folder, the longest chain of imports inside the
-    package (function-level imports included) and the largest files. ``python tests/test_package.py``
-    prints them."""
-    import collections
-    import functools
-
-    graph = import_graph(root)
-    graph = {k: {v for v in vs if v in graph} for k, vs in graph.items()}
-
-    @functools.cache
-    def depth(m):
-        return 1 + max((depth(v) for v in graph[m]), default=0)
-
-    chain = [max(graph, key=depth)]
-    while graph[chain[-1]]:
-        chain.append(max(graph[chain[-1]], key=depth))
-    modules = (p for p in root.rglob("*.py") if p.name != "__init__.py")
-    folders = collections.Counter(str(p.parent.relative_to(root.parent)) for p in modules)
-    sizes = sorted(
-        (len(p.read_text().splitlines()), str(p.relative_to(root.parent))) for p in root.rglob("*.py")
-    )
-    return "\n".join(
-        [
-            f"modules per folder: {dict(sorted(folders.items()))}",
-            f"longest import chain: {len(chain)} modules: {' -> '.join(chain)}",
-            f"largest files: {sizes[::-1][:5]}",
-        ]
-    )
-
-
-def test_the_cycle_finder_sees_a_function_level_cycle(tmp_path):
-    pkg = tmp_path / "pkg"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("from ._a import f\n")
-    (pkg / "_a.py").write_text("def f():\n    from ._b import g\n    return g\n")
-    (pkg / "_b.py").write_text(
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import _c\nfrom . import _a\n"
-    )
-    (pkg / "_c.py").write_text("from ._b import x\n")
-    graph = import_graph(pkg)
-    assert graph["pkg._b"] == {"pkg._a"}  # the TYPE_CHECKING import is not an edge
-    assert find_cycle(graph) == ["pkg._a", "pkg._b", "pkg._a"]
 
 
 # --- what `import vmcgrad` loads ------------------------------------------------------------------
@@ -499,21 +374,21 @@ def test_the_two_export_lists_agree():
 
 def test_the_export_list_check_fires_on_a_missing_or_moved_name():
     source = (PACKAGE / "__init__.py").read_text()
-    line = "    from vmcgrad._sr.qgt import QGT as QGT\n"
+    line = "    from vmcgrad._sr.qgt.qgt import QGT as QGT\n"
     assert line in source
     assert export_list_disagreements(source.replace(line, "")) == [
-        "QGT: _EXPORTS vmcgrad._sr.qgt, TYPE_CHECKING None"
+        "QGT: _EXPORTS vmcgrad._sr.qgt.qgt, TYPE_CHECKING None"
     ]
-    moved = source.replace(line, line.replace("_sr.qgt ", "_sr.qgt_abstract "))
+    moved = source.replace(line, line.replace("_sr.qgt.qgt ", "_sr.qgt.abstract "))
     assert export_list_disagreements(moved) == [
-        "QGT: _EXPORTS vmcgrad._sr.qgt, TYPE_CHECKING vmcgrad._sr.qgt_abstract"
+        "QGT: _EXPORTS vmcgrad._sr.qgt.qgt, TYPE_CHECKING vmcgrad._sr.qgt.abstract"
     ]
 
 
 #: Concepts written once: the name and the one module that defines it (None: no module any more).
 ONE_DEFINITION = {
-    "MODES": "vmcgrad._sr.qgt_modes",
-    "is_complex": "vmcgrad._sr.qgt_modes",
+    "MODES": "vmcgrad._sr.modes",
+    "is_complex": "vmcgrad._sr.modes",
     "_is_complex": None,
     "check_diag_shift": "vmcgrad._problem.validation",
     "check_nonnegative_scalar": "vmcgrad._problem.validation",
@@ -533,7 +408,7 @@ def module_level_definitions(root: Path, names) -> dict[str, list[str]]:
             else:
                 continue
             for name in set(defined) & found.keys():
-                found[name].append(_module_name(path, root))
+                found[name].append(module_name(path, root))
     return found
 
 
@@ -551,7 +426,3 @@ def test_the_one_definition_check_sees_a_second_definition(tmp_path):
     (package / "b.py").write_text("from .a import MODES\n\ndef _is_complex(x):\n    return True\n")
     found = module_level_definitions(package, ["MODES", "is_complex", "_is_complex"])
     assert found == {"MODES": ["pkg.a"], "is_complex": ["pkg.a"], "_is_complex": ["pkg.b"]}
-
-
-if __name__ == "__main__":
-    print(layout())

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 import vmcgrad
 from vmcgrad._chunks import budget as _auto_chunk
 from vmcgrad._chunks.budget import run_with_oom_retry
-from vmcgrad._sr import qgt as _qgt
+from vmcgrad._sr.qgt import qgt as _qgt
 
 N_DEV = jax.device_count()
 N = 37 * N_DEV
@@ -177,7 +177,7 @@ def test_auto_chunk_search_finds_what_a_bisection_finds_in_fewer_compilations():
 
 def test_the_search_over_given_candidates_finds_the_largest_that_fits():
     """choose_chunk over candidates of its caller's (the dense kernel's chunks of ``ceil(n / m)``
-    samples, m = 1 .. 7: vmcgrad._sr.ntk_dense.choose_dense): on every curve, sample count and
+    samples, m = 1 .. 7: vmcgrad._sr.ntk.dense.choose_dense): on every curve, sample count and
     budget, the largest candidate that fits (what a scan finds), none compiled twice, and where none
     fits a MemoryError that names the smallest candidate's bytes."""
     fixed = 1_000_000

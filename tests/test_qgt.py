@@ -371,7 +371,7 @@ def test_kept_linearisations_share_the_operators_methods():
     with pytest.raises(TypeError, match=rf"{named} \(v\): `v` must be a pytree like `params`"):
         lin @ [1.0]
 
-    from vmcgrad._sr.operator import AbstractOperator
+    from vmcgrad._sr.base import AbstractOperator
 
     def subclasses(cls):
         return [c for s in cls.__subclasses__() for c in (s, *subclasses(s))]
@@ -412,7 +412,7 @@ def test_one_reduction_per_product(kind, case):
         solve = collective_report(jax.jit(lambda S, v: S.solve(v, maxiter=5)).lower(S, v).compile())
         assert set(solve.in_loops) == {"all-reduce"} and solve.in_loops["all-reduce"] <= n_dtypes, solve
         # kept linearisations: the same, and the linearising pass reduces nothing (per-chunk slots)
-        from vmcgrad._sr.qgt_linearized import _linearize_program
+        from vmcgrad._sr.qgt.linearized import _linearize_program
 
         lin = S.linearize()
         kept = collective_report(_linearize_program.lower(S.problem, S).compile())
@@ -495,7 +495,7 @@ def test_replace_is_immutable_and_updates_shifts():
 
 
 def test_a_real_vector_of_both_lengths_is_the_representation():
-    """The one vector that two kinds fit with different answers (vmcgrad._sr.views.Views.guess): in
+    """The one vector that two kinds fit with different answers (vmcgrad._sr.qgt.views.Views.guess): in
     'complex' mode with every complex leaf of size zero, D = P and the flat dtype is complex. A real
     vector is the representation (a real product); a complex one is flat. Through vmcgrad.netket,
     with a solve: test_netket_qgt.py, the same name."""

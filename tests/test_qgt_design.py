@@ -11,9 +11,9 @@ from test_qgt import close
 
 import vmcgrad
 from vmcgrad._chunks.budget import program_bytes
-from vmcgrad._sr import qgt as _qgt
-from vmcgrad._sr.qgt import PASSES, choose_design
-from vmcgrad._sr.qgt_apply import matmul_program
+from vmcgrad._sr.qgt import qgt as _qgt
+from vmcgrad._sr.qgt.apply import matmul_program
+from vmcgrad._sr.qgt.qgt import PASSES, choose_design
 
 N_DEV = jax.device_count()
 
@@ -117,7 +117,7 @@ def test_explicit_design_and_bad_design():
 def _solve_bytes(S, chunk, kept=True):
     """Compiled bytes of ``S.solve``, with the linearisations kept (what decides) or not, at ``chunk``."""
 
-    from vmcgrad._sr.qgt_apply import solve_program
+    from vmcgrad._sr.qgt.apply import solve_program
 
     lowered = solve_program.lower(S.problem.at_chunk(chunk), S, S.params, None, 1e-5, 0.0, 1, "tree", kept)
     return program_bytes(lowered.compile())

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SPY = """
 import json, sys
 import step_regime
-from vmcgrad._sr import ntk_dense
+from vmcgrad._sr.ntk import dense as ntk_dense
 seen = []
 real = ntk_dense.jacobian
 def spy(f, theta, x, mode, batch=None, shift=None):

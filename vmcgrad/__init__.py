@@ -14,22 +14,22 @@ __version__ = "0.1.0"
 
 #: Public name -> the private module that defines it.
 _EXPORTS = {
-    "QGT": "vmcgrad._sr.qgt",
+    "QGT": "vmcgrad._sr.qgt.qgt",
     "CGInfo": "vmcgrad._sr.solve",
     "CollectiveReport": "vmcgrad._checks.hlo",
-    "LinearizedQGT": "vmcgrad._sr.qgt_linearized",
-    "NTK": "vmcgrad._sr.ntk",
-    "NTKOperator": "vmcgrad._sr.ntk",
-    "QGTOperator": "vmcgrad._sr.qgt",
+    "LinearizedQGT": "vmcgrad._sr.qgt.linearized",
+    "NTK": "vmcgrad._sr.ntk.ntk",
+    "NTKOperator": "vmcgrad._sr.ntk.ntk",
+    "QGTOperator": "vmcgrad._sr.qgt.qgt",
     "VmcgradWarning": "vmcgrad._warnings",
-    "auto_chunk_size": "vmcgrad._estimators.chunk_size",
+    "auto_chunk_size": "vmcgrad._auto_chunk_size",
     "batched_jvp": "vmcgrad._estimators.jvp",
     "batched_vjp": "vmcgrad._estimators.vjp",
     "collective_report": "vmcgrad._checks.hlo",
     "expect_grad": "vmcgrad._estimators.grad",
-    "initialize_distributed": "vmcgrad._problem.distributed",
+    "initialize_distributed": "vmcgrad._distributed",
     "lower": "vmcgrad._estimators.lower",
-    "minsr_update": "vmcgrad._sr.minsr",
+    "minsr_update": "vmcgrad._sr.ntk.minsr",
     "program_bytes": "vmcgrad._chunks.budget",
 }
 
@@ -50,20 +50,20 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
+    from vmcgrad._auto_chunk_size import auto_chunk_size as auto_chunk_size
     from vmcgrad._checks.hlo import CollectiveReport as CollectiveReport
     from vmcgrad._checks.hlo import collective_report as collective_report
     from vmcgrad._chunks.budget import program_bytes as program_bytes
-    from vmcgrad._estimators.chunk_size import auto_chunk_size as auto_chunk_size
+    from vmcgrad._distributed import initialize_distributed as initialize_distributed
     from vmcgrad._estimators.grad import expect_grad as expect_grad
     from vmcgrad._estimators.jvp import batched_jvp as batched_jvp
     from vmcgrad._estimators.lower import lower as lower
     from vmcgrad._estimators.vjp import batched_vjp as batched_vjp
-    from vmcgrad._problem.distributed import initialize_distributed as initialize_distributed
-    from vmcgrad._sr.minsr import minsr_update as minsr_update
-    from vmcgrad._sr.ntk import NTK as NTK
-    from vmcgrad._sr.ntk import NTKOperator as NTKOperator
-    from vmcgrad._sr.qgt import QGT as QGT
-    from vmcgrad._sr.qgt import QGTOperator as QGTOperator
-    from vmcgrad._sr.qgt_linearized import LinearizedQGT as LinearizedQGT
+    from vmcgrad._sr.ntk.minsr import minsr_update as minsr_update
+    from vmcgrad._sr.ntk.ntk import NTK as NTK
+    from vmcgrad._sr.ntk.ntk import NTKOperator as NTKOperator
+    from vmcgrad._sr.qgt.linearized import LinearizedQGT as LinearizedQGT
+    from vmcgrad._sr.qgt.qgt import QGT as QGT
+    from vmcgrad._sr.qgt.qgt import QGTOperator as QGTOperator
     from vmcgrad._sr.solve import CGInfo as CGInfo
     from vmcgrad._warnings import VmcgradWarning as VmcgradWarning

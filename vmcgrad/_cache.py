@@ -1,7 +1,7 @@
 """vmcgrad's one cache policy: bounded memos that keep no user function alive.
 
 Every module-level memo of the package is a :class:`Cache`: a least-recently-used map with a fixed
-bound, whose keys name the user's function through :func:`vmcgrad._problem.function.cache_key` (a weak
+bound, whose keys name the user's function through :func:`vmcgrad._function.cache_key` (a weak
 reference for every callable in it). An entry whose function was collected can no longer be found
 (its key equals only itself), holds nothing of it, and is the first dropped when the cache is full.
 The values must not hold the function either: they are chunk sizes, shapes and verdicts.
@@ -17,13 +17,13 @@ import collections
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from vmcgrad._problem.function import cache_key, is_dead
+from vmcgrad._function import cache_key, is_dead
 
 _REGISTRY: list[Cache] = []
 
 
 class Cache:
-    """A bounded least-recently-used map keyed through :func:`vmcgrad._problem.function.cache_key`.
+    """A bounded least-recently-used map keyed through :func:`vmcgrad._function.cache_key`.
 
     A key of ``None`` stands for "do not cache" (an unhashable function or input): it is never
     found and never stored.

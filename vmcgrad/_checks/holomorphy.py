@@ -10,10 +10,20 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from vmcgrad import _jax_private as jcore  # the JAX internals, checked at import
-from vmcgrad._checks.tangent import CALL_PARAMS, body_of
+from vmcgrad._checks import row_rules as rules
+from vmcgrad._checks.tangent import (
+    CALL_PARAMS,
+    analyse,
+    body_of,
+    once_per_signature,
+    recall,
+    remember,
+    signature_key,
+)
 
 NOT_C_LINEAR = frozenset("conj real imag abs complex sign".split())
 
@@ -125,11 +135,72 @@ def primitive_names() -> frozenset[str]:
     """Every primitive name the two analyses (row coupling's rule tables and this module's) match by
     string, as the tables are now; the tests check each against the installed JAX
     (:func:`vmcgrad._jax_private.missing_primitives`)."""
-    from vmcgrad._checks import row_rules as rules
-
     return frozenset(
         rules.ELEMENTWISE
         | rules.RULES.keys()
         | NOT_C_LINEAR
         | {"scan", "while", "cond", "convert_element_type"}
     )
+
+
+def holomorphic_violation(fun: Any, params: Any, samples: Any) -> str | None:
+    r"""Why ``fun`` is not holomorphic in ``params``, or None if it is (proved, or checked numerically).
+
+    1. Proof, from the jaxpr of the tangent map (no FLOPs; once per function and input shapes):
+       no tangent value on its way to the output passes through ``conj``, ``real``, ``imag``,
+       ``abs`` or ``complex`` (:func:`non_holomorphic_op`). This covers the
+       holomorphic NetKet models (complex RBM with ``log_cosh``, ``LogStateVector``, ...).
+    2. Otherwise, on concrete inputs, the Cauchy–Riemann test on the first rows (NetKet's
+       ``is_probably_holomorphic``, with one tangent instead of the Jacobian): with a random
+       complex direction :math:`t`, a holomorphic :math:`f` has :math:`\dot f[i t] = i \dot f[t]`;
+       a non-holomorphic one differs by :math:`-2i\,\partial_{\bar\theta} f\;\bar t`. It fails
+       when :math:`\lVert \dot f[it] - i \dot f[t]\rVert > \sqrt{\epsilon}\,\lVert \dot f[t]\rVert`.
+       A pass is remembered for the function and input shapes.
+    3. On traced inputs (inside ``jax.jit``) that step cannot run: the operation found in 1. is
+       returned, with a note.
+    """
+    n_params = len(jax.tree.leaves(params))
+
+    def proof():
+        return analyse(fun, params, samples, lambda jaxpr: non_holomorphic_op(jaxpr, n_params) or "")
+
+    op = once_per_signature("holomorphic", fun, params, samples, proof)
+    if not op:  # "" proved complex-linear; None: the analysis could not run (fun fails abstractly)
+        return None
+    passed = signature_key("holomorphic-numeric", fun, params, samples)
+    if recall(passed) is True:
+        return None
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((params, samples))):
+        return (
+            f"its derivative passes through {op}, and the numerical check cannot run on traced "
+            "inputs (inside jax.jit); build the QGT once outside jax.jit with these shapes (a "
+            "numerical pass is remembered)"
+        )
+    err = _cauchy_riemann_error(fun, params, samples)
+    tol = float(jnp.finfo(jnp.result_type(*jax.tree.leaves(params))).eps) ** 0.5
+    if not err > tol:  # NaN (non-finite rows): undecided, not refused
+        remember(passed, True)
+        return None
+    return (
+        f"its derivative passes through {op}, and on the first samples it violates the "
+        f"Cauchy-Riemann equations (relative error {err:.2g})"
+    )
+
+
+_CR_ROWS = 8
+
+
+def _cauchy_riemann_error(fun: Any, params: Any, samples: Any) -> float:
+    r""":math:`\lVert \dot f[it] - i\dot f[t]\rVert / \lVert \dot f[t]\rVert` on the first rows."""
+    rows = jax.tree.map(lambda x: x[:_CR_ROWS], samples)
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(0), len(leaves))
+    t = treedef.unflatten([jax.random.normal(k, p.shape, p.dtype) for k, p in zip(keys, leaves)])
+
+    def jvp(direction):
+        return jax.jvp(lambda p: fun(p, rows), (params,), (direction,))[1]
+
+    d1 = jvp(t)
+    d2 = jvp(jax.tree.map(lambda x: 1j * x, t))
+    num, den = jnp.linalg.norm(d2 - 1j * d1), jnp.linalg.norm(d1)
+    return float(num / den) if float(den) > 0 else float(num)

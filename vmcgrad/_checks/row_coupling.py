@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,6 +22,8 @@ from vmcgrad import _jax_private as jcore  # the JAX internals, checked at impor
 from vmcgrad._checks import row_rules as rules
 from vmcgrad._checks.row_rules import ROW, UNKNOWN, Mixed, Rows, Unknown, join, unknown_of
 from vmcgrad._checks.tangent import CALL_PARAMS, MISSING, analyse, body_of, recall, remember, signature_key
+from vmcgrad._function import split_fun
+from vmcgrad._warnings import UnknownPrimitiveWarning, stacklevel_outside_package
 
 
 def row_coupling(jaxpr: jcore.ClosedJaxpr, n_unbatched: int) -> str | None:
@@ -248,10 +251,6 @@ def settle_rows(
     if not isinstance(result, Unsettled):
         remember(key, result)
         return result
-    import warnings
-
-    from vmcgrad._warnings import UnknownPrimitiveWarning, stacklevel_outside_package
-
     head = f"vmcgrad: no row-coupling rule for {unjudged.what()}"
     warnings.warn(
         f"{head}, which the derivative of `{arg}(params, samples)` passes through ({where}), and "
@@ -279,8 +278,6 @@ _TRACED = "its inputs are traced (the call is inside jax.jit, jax.vmap or a deri
 
 def _not_concrete(fun: Callable, params: Any, samples: Any) -> str:
     """Why ``fun`` cannot be evaluated on these inputs now ("" if it can)."""
-    from vmcgrad._problem.function import split_fun
-
     leaves = jax.tree.leaves((params, samples, split_fun(fun)[1]))
     if any(isinstance(x, jax.core.Tracer) for x in leaves):
         return _TRACED

@@ -43,6 +43,7 @@ import numpy as np
 
 from vmcgrad import _jax_private as jcore  # the JAX internals, checked at import
 from vmcgrad._cache import Cache
+from vmcgrad._function import split_fun
 
 # --- the abstract batch -------------------------------------------------------------------------
 
@@ -109,11 +110,9 @@ def _avals(tree: Any) -> tuple:
 
 
 def signature_key(kind: str, fun: Callable, params: Any, samples: Any) -> Any:
-    """The cache key of ``kind`` for ``fun`` (:func:`vmcgrad._problem.function.cache_key`: held weakly
+    """The cache key of ``kind`` for ``fun`` (:func:`vmcgrad._function.cache_key`: held weakly
     where it can be) and the shapes and dtypes of ``fun``'s arrays, ``params`` and ``samples``;
     None if unhashable."""
-    from vmcgrad._problem.function import split_fun
-
     _, data = split_fun(fun)
     return Cache.key(fun, kind, _avals(data), _avals(params), _avals(samples))
 

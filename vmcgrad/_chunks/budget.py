@@ -90,7 +90,7 @@ def choose_chunk(
 
     Args:
         key: cache key identifying the program, the function and its inputs (see :func:`signature`),
-            holding no user function (:func:`vmcgrad._problem.function.cache_key`).
+            holding no user function (:func:`vmcgrad._function.cache_key`).
         n_local: samples per device.
         compile_at: ``chunk -> jax.stages.Compiled`` (lowered and compiled, not run).
         budget: bytes per device.

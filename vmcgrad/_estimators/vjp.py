@@ -54,7 +54,7 @@ def batched_vjp(
         fun: ``fun(params, batch) -> (batch_size,)`` array, real or complex. A plain callable is
             compiled in (keyed by identity, as ``jax.jit`` keys a function); a pytree callable
             (``jax.tree_util.Partial(f, *arrays)``, an equinox ``Module``) has its array-like leaves,
-            Python floats included, traced instead (model state; :mod:`vmcgrad._problem.function`).
+            Python floats included, traced instead (model state; :mod:`vmcgrad._function`).
             **Row by row:** row i of the output may depend on sample i only; ``fun`` is called on chunks of
             at most ``chunk_size`` rows (per device), so a batch statistic inside it (a mean, max or
             logsumexp of the batch subtracted without ``jax.lax.stop_gradient``) would become a per-chunk

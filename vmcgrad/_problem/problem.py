@@ -37,8 +37,8 @@ from vmcgrad._chunks.budget import (
     signature,
 )
 from vmcgrad._chunks.plan import Space
+from vmcgrad._function import cache_key, join_fun, on_chunks, split_fun, weak_structure
 from vmcgrad._problem import validation as check
-from vmcgrad._problem.function import cache_key, join_fun, on_chunks, split_fun, weak_structure
 from vmcgrad._problem.sharding import (
     SampleAxis,
     check_not_in_shard_map,
@@ -64,7 +64,7 @@ class Problem:
 
     Attributes:
         name: the public function's name, for messages.
-        fun: the static part of the user's function, keyed by identity (:mod:`vmcgrad._problem.function`).
+        fun: the static part of the user's function, keyed by identity (:mod:`vmcgrad._function`).
         where: the sample mesh axis, or None on one device.
         layout: per parameter leaf, the dimension split over the sample axis, or None.
         n: N, the global number of samples.
@@ -92,7 +92,7 @@ class Problem:
     def user_fun(self, fun_data: tuple) -> Callable:
         """The user's function inside the program, from its static part and traced data; an
         exception it raises on a chunk carries this problem's context
-        (:func:`vmcgrad._problem.function.on_chunks`)."""
+        (:func:`vmcgrad._function.on_chunks`)."""
         return on_chunks(join_fun(self.fun, tuple(fun_data)), self.name, self.n, self.chunk_size)
 
     def at_chunk(self, chunk_size: int | None) -> Problem:
@@ -149,7 +149,7 @@ def _signature(name: str, fun: Callable, params: Any, samples: Any, arg: str) ->
     """The key of ``check_problem``'s result, or None when it must not be cached.
 
     Everything the checks read: the entry point and argument names, the function
-    (:func:`vmcgrad._problem.function.cache_key`: by weak references, so that the cache keeps no closure
+    (:func:`vmcgrad._function.cache_key`: by weak references, so that the cache keeps no closure
     alive), the tree structures, and every array's shape, dtype, weak type and sharding (the
     function's own arrays included), the x64 flag and the mesh in context. Only concrete JAX arrays
     are cached (not tracers, not NumPy or Python values).
@@ -200,7 +200,7 @@ def call(program: Any, prob: Problem, *args: Any, choose: Chooser | None = None)
 
     The chunk is the largest power of two whose compiled program fits the memory budget (cached per
     program, problem and argument signature; nothing runs to choose it), or what ``choose`` returns
-    for programs with a knob besides the chunk (:func:`vmcgrad._sr.ntk_dense.choose_dense`). An
+    for programs with a knob besides the chunk (:func:`vmcgrad._sr.ntk.dense.choose_dense`). An
     eager call that still runs out of memory is retried once at half the chunk, with a warning, and
     the smaller chunk is remembered.
 
@@ -259,7 +259,7 @@ def auto_knob(program: Any, prob: Problem, args: tuple, candidates: Any, at: Cal
     """The largest of ``candidates``, values of a knob of ``program`` other than the chunk, at which it
     fits the memory budget, or None where none does: ``at(candidate) -> (chunk, args)``. Compile only,
     cached (the outcome None too) under the program, the problem, the signature of ``args`` and
-    ``name``, which says what the candidates are (:func:`vmcgrad._sr.ntk_dense.choose_dense`: one
+    ``name``, which says what the candidates are (:func:`vmcgrad._sr.ntk.dense.choose_dense`: one
     chunk's Jacobian batch)."""
 
     def compile_at(value):
@@ -278,9 +278,9 @@ def _budget(prob: Problem) -> int:
 
 def _key(program: Any, prob: Problem, args: tuple) -> Any:
     """The automatic chunk's cache key: the program, the problem and the arguments' signature, the
-    user's function in it through :func:`vmcgrad._problem.function.cache_key` only (held weakly where it can
+    user's function in it through :func:`vmcgrad._function.cache_key` only (held weakly where it can
     be), also where a problem is static data of an argument (an operator's: the arguments' tree
-    structure by :func:`vmcgrad._problem.function.weak_structure`)."""
+    structure by :func:`vmcgrad._function.weak_structure`)."""
     structure, leaves = signature(args)
     unkeyed = dataclasses.replace(prob, fun=None, chunk_size="auto")
     return Cache.key(prob.fun, program, unkeyed, weak_structure(structure), leaves)

@@ -16,6 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vmcgrad._checks.row_coupling import Unjudged, rows_verdict, settle_rows
+from vmcgrad._checks.tangent import once_per_signature
+
 #: How many elements, items or characters :func:`describe` shows of a long input.
 _MAX_ITEMS = 3
 _MAX_CHARS = 80
@@ -285,8 +288,6 @@ def check_rows_independent(where: str, fun: Callable, params: Any, samples: Any,
     the analysis has no rule for is checked numerically on concrete rows, else warned about
     (:func:`vmcgrad._checks.row_coupling.settle_rows`).
     """
-    from vmcgrad._checks.row_coupling import Unjudged, rows_verdict, settle_rows
-    from vmcgrad._checks.tangent import once_per_signature
 
     def compute():
         return rows_verdict(fun, params, samples)

@@ -143,3 +143,41 @@ def cg(
     return x, CGInfo(
         iterations=k, residual_norm=jnp.sqrt(rnorm2), converged=converged, true_residual_norm=jnp.sqrt(true2)
     )
+
+
+def differentiable_cg(
+    matvec: Any, b: Any, x0: Any, *, iterate: Any = None, **options: Any
+) -> tuple[Any, CGInfo]:
+    r""":func:`vmcgrad._sr.solve.cg` as ``jax.lax.custom_linear_solve``: :math:`x = A^{-1} b` is
+    differentiated implicitly, not through the iterations.
+
+    ``iterate`` (default ``matvec``) is the product the iterations run: the same matrix, computed
+    another way (from kept linearisations); derivatives take ``matvec`` only.
+
+    The tangent of :math:`x` is :math:`A^{-1}(\dot b - \dot A x)` (one more solve), its transpose a
+    solve with :math:`A^T`; for the Hermitian :math:`A` of a QGT, :math:`A^T y = \overline{A \bar y}`,
+    so the transposed solve is the same CG on conjugated vectors. ``jax.vmap`` batches the CG loop
+    (a batched stopping rule runs every lane until the last one stops; each lane's ``x`` stops
+    changing when its own residual does).
+    """
+
+    iterate = matvec if iterate is None else iterate
+
+    def solve(mv, rhs):
+        del mv  # matvec; the iterations run `iterate`, the same matrix
+        return cg(iterate, rhs, x0, **options)
+
+    def transpose_solve(vecmat, rhs):
+        del vecmat
+        x, info = cg(iterate, _conj(rhs), None if x0 is None else _conj(x0), **options)
+        return _conj(x), info
+
+    return jax.lax.custom_linear_solve(matvec, b, solve, transpose_solve, has_aux=True)
+
+
+def _conj(tree: Any) -> Any:
+    return jax.tree.map(jnp.conj, tree)
+
+
+def _conj(tree: Any) -> Any:
+    return jax.tree.map(jnp.conj, tree)

@@ -25,14 +25,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from .. import __version__
 from . import _checkpoint, _distributed, _lock, _output, _supervise, vmc
 from ._args import Parser
 
 
 def build_parser() -> Parser:
     """The ``vmcgrad`` parser with one sub-parser per command."""
-    from .. import __version__
-
     parser = Parser(
         prog="vmcgrad",
         description="Chunked, sharded, once-reduced gradients for variational Monte Carlo.",

@@ -30,6 +30,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from . import _output
+
 #: The first bytes of every checkpoint file.
 MAGIC = b"vmcgrad checkpoint\n"
 #: The layout of the payload; a file of another format is refused.
@@ -140,8 +142,6 @@ def write(out: Path, snap: dict) -> None:
     Raises:
         _output.OutputError: when a file cannot be written; the previous one is then unchanged.
     """
-    from . import _output
-
     _output.write_bytes_atomic(out / CHECKPOINT, encode(snap))
     _output.write_bytes_atomic(out / PARAMS, params_bytes(snap))
 

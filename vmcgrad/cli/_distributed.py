@@ -21,7 +21,10 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from vmcgrad._problem.distributed import DEFAULT_TIMEOUT
+from vmcgrad._distributed import DEFAULT_TIMEOUT
+
+from . import _supervise
+from ._args import positive_int
 
 
 def coordinator_address(text: str) -> str:
@@ -67,8 +70,6 @@ def non_negative_int(text: str) -> int:
 def add_arguments(p) -> None:
     """Adds ``--distributed``, ``--coordinator``, ``--num-processes``, ``--process-id`` and
     ``--distributed-timeout`` to the parser ``p``."""
-    from ._args import positive_int
-
     g = p.add_argument_group(
         "multiple processes (JAX distributed runtime: --distributed auto under a launcher, or all three "
         "of --coordinator, --num-processes and --process-id)",
@@ -163,6 +164,7 @@ def detect_launcher(timeout: int) -> Launch | None:
     Raises:
         RuntimeError, ValueError, KeyError: the environment is present but JAX cannot read it.
     """
+    # deferred: `vmcgrad vmc --help` imports no JAX or NetKet (tests/test_package.py)
     from vmcgrad._jax_private import cluster_env
 
     cluster = cluster_env()
@@ -238,6 +240,7 @@ def initialize(args, parser) -> None:
     launch = getattr(args, "_launch", None)
     try:
         if launch is None:
+            # deferred: `vmcgrad vmc --help` imports no JAX or NetKet (tests/test_package.py)
             from .. import initialize_distributed
 
             initialize_distributed(
@@ -258,7 +261,8 @@ def _initialize_launched(coordinator: str, launch: Launch, timeout: int) -> None
     address the node's hostname resolves to."""
     import jax
 
-    from vmcgrad._problem.distributed import _pin_gloo_to_loopback, is_loopback
+    # deferred: `vmcgrad vmc --help` imports no JAX or NetKet (tests/test_package.py)
+    from vmcgrad._distributed import _pin_gloo_to_loopback, is_loopback
 
     loopback = is_loopback(coordinator.rsplit(":", 1)[0])
     if loopback:
@@ -288,7 +292,6 @@ def shutdown(args) -> None:
 def supervise(args, argv, prog: str, on_failure, on_interrupt) -> int:
     """Runs this command as the supervised child that joins the runtime (:mod:`._supervise`); returns
     the exit status. ``on_failure(reason)`` marks the log failed (process 0) and returns a note."""
-    from . import _supervise
 
     def diagnose(stderr: str) -> str | None:
         return _supervise.diagnose(

@@ -20,6 +20,8 @@ import sys
 import threading
 from collections.abc import Callable
 
+from . import _lock, _output
+
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 EXIT_STATUS = 130
 
@@ -96,8 +98,6 @@ class Interrupts:
         except BaseException as error:  # whatever happens, the process ends now
             note = f"could not keep the output: {type(error).__name__}: {error}"
         finally:
-            from . import _lock, _output
-
             _output.remove_temporaries()
             _lock.release_all()
             sys.stderr.write(

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import vmcgrad
+
 #: The route of ``--driver sr``: parameter-space SR, the QGT applied matrix-free inside CG.
 SR_ROUTE = "qgt-cg"
 
@@ -57,8 +59,6 @@ def bytes_of_phases(
     at ``n`` samples laid out as the sampler's, at the run's chunks (``"auto"`` chunks chosen within
     ``memory_budget``). Compiled, not run: abstract samples, nothing sampled."""
     import jax
-
-    import vmcgrad
 
     logpsi, w, x = log_psi(vstate), vstate.parameters, abstract_samples(vstate, n)
     out = jax.eval_shape(logpsi, w, x)

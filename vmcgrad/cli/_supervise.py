@@ -30,6 +30,8 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import vmcgrad
+
 #: Set in the child's environment: the child runs the command itself (no supervisor, no lock).
 ENV = "VMCGRAD_SUPERVISED"
 
@@ -123,7 +125,6 @@ def run_child(
         on_failure: called with that line when the child was lost; returns a note on the log kept.
         on_interrupt: called when a forwarded SIGINT/SIGTERM ended the child before it could keep its log.
     """
-    import vmcgrad
 
     env = dict(os.environ)
     env[ENV] = "1"

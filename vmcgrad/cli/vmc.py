@@ -28,6 +28,9 @@ import sys
 import time
 from pathlib import Path
 
+import vmcgrad
+
+from .. import __version__
 from . import (
     _checkpoint,
     _distributed,
@@ -259,6 +262,7 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
     import jax
     import netket as nk
 
+    # deferred: `vmcgrad vmc --help` imports no JAX or NetKet (tests/test_package.py)
     import vmcgrad.netket as vnk
 
     # Under the distributed runtime every process runs the same steps on global arrays; process 0 alone
@@ -404,6 +408,7 @@ def _driver(args, system, vstate, chunks: dict, qgt_design: str):
 
     import netket as nk
 
+    # deferred: `vmcgrad vmc --help` imports no JAX or NetKet (tests/test_package.py)
     import vmcgrad.netket as vnk
 
     optimizer = nk.optimizer.Sgd(learning_rate=args.lr)
@@ -447,8 +452,6 @@ def _chunk_sizes(
         return {"gradient": chunk_size, "qgt": chunk_size}, "fused"
     import jax
 
-    import vmcgrad
-
     logpsi = _phases.log_psi(vstate)
     samples = jax.jit(lambda s: s.reshape(-1, s.shape[-1]))(vstate.samples)
     budget = {"memory_budget": memory_budget}
@@ -460,6 +463,5 @@ def _chunk_sizes(
 
 
 def _version() -> str:
-    from .. import __version__
 
     return __version__

@@ -153,7 +153,7 @@ def log_psi(apply_fun: Any, model_state: Any) -> Any:
     once per model.
 
     A ``jax.tree_util.Partial`` of ``apply_fun`` and the model state: vmcgrad traces its arrays (new
-    model-state values do not recompile) and keys the rest by identity (:mod:`vmcgrad._problem.function`).
+    model-state values do not recompile) and keys the rest by identity (:mod:`vmcgrad._function`).
     NetKet's apply functions are equal by value instead (``HashablePartial``: the same code and
     equal arguments; its callers make them anew, a new state of the same model has its own), so
     ``apply_fun`` is first replaced by the live one equal to it that was seen first

@@ -44,11 +44,12 @@ from netket.utils import HashablePartial
 from netket.utils.api_utils import partial_from_kwargs
 
 import vmcgrad
+from vmcgrad._checks.holomorphy import holomorphic_violation
 from vmcgrad._jax_private import linear_call
 from vmcgrad._problem import validation as check
-from vmcgrad._sr.qgt import DESIGNS
-from vmcgrad._sr.qgt_modes import holomorphic_violation, to_rep
-from vmcgrad._sr.views import Views
+from vmcgrad._sr.modes import to_rep
+from vmcgrad._sr.qgt.qgt import DESIGNS
+from vmcgrad._sr.qgt.views import Views
 from vmcgrad._warnings import VmcgradWarning
 
 from . import _nk_private as nkp
@@ -114,7 +115,7 @@ def QGTOnTheFly(
             (one linearisation per chunk), ``"jvp_vjp"`` (a jvp, then the pullback of a second
             forward pass: fewer bytes per row, one more pass), or None: at ``chunk_size="auto"``
             the (design, chunk) pair that is fastest within ``memory_budget``
-            (:func:`vmcgrad._sr.qgt.choose_design`), else ``"fused"``. Both give the same matrix; the
+            (:func:`vmcgrad._sr.qgt.qgt.choose_design`), else ``"fused"``. Both give the same matrix; the
             operator's ``qgt.design`` says which one it uses.
         memory_budget: bytes per device for ``chunk_size="auto"`` (compiled ``memory_analysis()``
             of one product), or None: ``vstate.vmcgrad_memory_budget`` on a
@@ -277,7 +278,7 @@ def _is_concrete(tree: Any) -> bool:
 def _as_rep_flat(params: Any, mode: str, v: Any) -> tuple[jax.Array, Any]:
     """``v`` as a flat vector of the mode's representation, and the map back to ``v``'s kind.
 
-    The kind is the core's guess (:meth:`vmcgrad._sr.views.Views.guess`: a pytree like ``params``,
+    The kind is the core's guess (:meth:`vmcgrad._sr.qgt.views.Views.guess`: a pytree like ``params``,
     then a flat vector of the representation, of length :math:`D` (the basis of
     :meth:`QGTOnTheFlyT.to_dense`; what the solvers are handed), then a flat vector in
     ``ravel_pytree(params)`` order); the dtype is then cast as NetKet casts, and a complex vector on

@@ -39,7 +39,7 @@ from netket.utils import struct, timing
 
 import vmcgrad
 from vmcgrad._problem import validation as check
-from vmcgrad._sr import minsr
+from vmcgrad._sr.ntk import minsr
 from vmcgrad._warnings import VmcgradWarning
 
 from . import _nk_private as nkp
@@ -58,7 +58,7 @@ class VMC_SR(nk.driver.VMC_SR):
         chunk_size_bwd: rows and columns per block of the kernel on each device: any positive int,
             None, or ``"auto"`` (largest power of two whose program fits ``memory_budget``; on the
             dense route then fewer, larger chunks at the batch it fixes, or one block of every
-            sample at a smaller batch, :func:`vmcgrad._sr.ntk_dense.choose_dense`).
+            sample at a smaller batch, :func:`vmcgrad._sr.ntk.dense.choose_dense`).
             Default: the state's vmcgrad chunk size (``vmcgrad.netket.MCState``), else its
             ``chunk_size``.
         linear_solver: NetKet's dense solver ``solver(A, b)``, or ``"cg"`` (matrix-free).
@@ -69,7 +69,7 @@ class VMC_SR(nk.driver.VMC_SR):
         route: the update's route (:func:`vmcgrad.minsr_update`): ``"dense"`` (the N×N kernel in blocks),
             ``"parameter"`` (the P×P matrix: the cheaper dense system when P < N·K), ``"cg"``
             (matrix-free, Nyström-preconditioned), or None: chosen each step from N, P and
-            ``memory_budget`` (:func:`vmcgrad._sr.minsr.choose_route`: the smaller dense system whose
+            ``memory_budget`` (:func:`vmcgrad._sr.ntk.minsr.choose_route`: the smaller dense system whose
             matrix and factor fit the budget, else ``"cg"``). The route taken is logged each step as
             ``minsr_route`` (and CG's iterations as ``cg_iterations``) and kept in :attr:`route`.
         grow_samples: a :class:`GrowSamples` rule: N is multiplied by its ``factor`` (a multiple of

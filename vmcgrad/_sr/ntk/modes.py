@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from vmcgrad._chunks.plan import cast_like
-from vmcgrad._sr.qgt_modes import MODES, from_rep, is_complex, to_rep
+from vmcgrad._sr.modes import MODES, from_rep, is_complex, to_rep
 
 #: Samples in NetKet's mean-Jacobian estimate (``srt_onthefly``'s ``n_subset``).
 SHIFT_SAMPLES = 32
@@ -98,7 +98,7 @@ JACOBIAN_BATCH_MIN = 1
 
 def jacobian_batch(rows: int, fixed: int | None = None) -> int:
     """Samples whose Jacobians a chunk of ``rows`` derives at once: ``max(1, rows // 16)``, or
-    ``fixed`` (at most ``rows``) where the chunk choice set it (:func:`vmcgrad._sr.ntk_dense.choose_dense`).
+    ``fixed`` (at most ``rows``) where the chunk choice set it (:func:`vmcgrad._sr.ntk.dense.choose_dense`).
 
     A per-sample Jacobian's intermediates (a reverse pass per output component) can outweigh the
     Jacobian itself many times (NetKet's GCNN on 6×6: about 10×), so deriving them a sixteenth at a

@@ -2,14 +2,14 @@ r"""What applies a QGT operator, any of them (:class:`vmcgrad.QGTOperator`, :cla
 the compiled product :math:`S_\text{eff} v` and the compiled conjugate-gradient solve of
 :math:`S_\text{eff} x = b`.
 
-An operator passed here is a :class:`vmcgrad._sr.qgt_abstract.AbstractQGT`: it provides ``problem``,
+An operator passed here is a :class:`vmcgrad._sr.qgt.abstract.AbstractQGT`: it provides ``problem``,
 ``views`` (the vectors it takes), the shifts, ``_at(prob)`` (itself at the chunk of ``prob``) and
 ``_apply_rep(v)`` (the product on vectors in its internal representation).
 
 The programs are written once for both operator classes, as module-level jitted functions that
 take the operator as a pytree argument (its problem static), so that more than the classes' methods
 can call them: :func:`vmcgrad.QGT` sizes :func:`matmul_program` for each candidate design when it
-picks the design from the memory budget (:mod:`vmcgrad._sr.qgt`), and the tests lower it to read its
+picks the design from the memory budget (:mod:`vmcgrad._sr.qgt.qgt`), and the tests lower it to read its
 compiled bytes.
 """
 
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from vmcgrad._problem import validation as check
 from vmcgrad._problem.problem import Problem, call
-from vmcgrad._sr.solve import CGInfo, cg
+from vmcgrad._sr.solve import CGInfo, differentiable_cg
 
 
 @partial(jax.jit, static_argnums=(0, 3))
@@ -85,40 +85,6 @@ def _apply_rep(A: Any, rep: Any) -> Any:
     residual check and ``x0``'s residual, in the solve and in its transpose), and each call traced
     the model again (tests/test_qgt.py::test_solve_traces_the_product_once)."""
     return A._apply_rep(rep)
-
-
-def differentiable_cg(
-    matvec: Any, b: Any, x0: Any, *, iterate: Any = None, **options: Any
-) -> tuple[Any, CGInfo]:
-    r""":func:`vmcgrad._sr.solve.cg` as ``jax.lax.custom_linear_solve``: :math:`x = A^{-1} b` is
-    differentiated implicitly, not through the iterations.
-
-    ``iterate`` (default ``matvec``) is the product the iterations run: the same matrix, computed
-    another way (from kept linearisations); derivatives take ``matvec`` only.
-
-    The tangent of :math:`x` is :math:`A^{-1}(\dot b - \dot A x)` (one more solve), its transpose a
-    solve with :math:`A^T`; for the Hermitian :math:`A` of a QGT, :math:`A^T y = \overline{A \bar y}`,
-    so the transposed solve is the same CG on conjugated vectors. ``jax.vmap`` batches the CG loop
-    (a batched stopping rule runs every lane until the last one stops; each lane's ``x`` stops
-    changing when its own residual does).
-    """
-
-    iterate = matvec if iterate is None else iterate
-
-    def solve(mv, rhs):
-        del mv  # matvec; the iterations run `iterate`, the same matrix
-        return cg(iterate, rhs, x0, **options)
-
-    def transpose_solve(vecmat, rhs):
-        del vecmat
-        x, info = cg(iterate, _conj(rhs), None if x0 is None else _conj(x0), **options)
-        return _conj(x), info
-
-    return jax.lax.custom_linear_solve(matvec, b, solve, transpose_solve, has_aux=True)
-
-
-def _conj(tree: Any) -> Any:
-    return jax.tree.map(jnp.conj, tree)
 
 
 def _jacobi(op: Any) -> Any:

@@ -13,12 +13,12 @@ non-zero spectrum is that of the QGT :math:`S = \frac1N \Delta J^\dagger \Delta 
 How it is computed, always through the one chunked primitive (:mod:`vmcgrad._runner.primitive`):
 
 * :meth:`NTKOperator.to_dense`: block by block, each row chunk's Jacobian contracted with the column
-  chunks' on and above the diagonal (:mod:`vmcgrad._sr.ntk_dense`).
+  chunks' on and above the diagonal (:mod:`vmcgrad._sr.ntk.dense`).
 * ``T @ v``: one vjp pass (:math:`g = \Delta J^\dagger v`, the pullback path of
   :func:`vmcgrad.batched_vjp`) and one jvp pass (:math:`\Delta J g`, that of
   :func:`vmcgrad.batched_jvp`); nothing of size N×N or N×P is stored.
 
-The update of sample-space SR (:func:`vmcgrad.minsr_update`, :mod:`vmcgrad._sr.minsr`) maps the
+The update of sample-space SR (:func:`vmcgrad.minsr_update`, :mod:`vmcgrad._sr.ntk.minsr`) maps the
 solution back to parameter space with the same pullback as :func:`vmcgrad.batched_vjp`
 (``vmcgrad._estimators.vjp.vjp_sum``).
 
@@ -42,21 +42,20 @@ import jax.numpy as jnp
 from vmcgrad._chunks.plan import cast_like
 from vmcgrad._estimators.jvp import jvp_chunk
 from vmcgrad._estimators.vjp import vjp_sum
+from vmcgrad._function import join_fun
 from vmcgrad._problem import validation as check
-from vmcgrad._problem.function import join_fun
 from vmcgrad._problem.problem import Problem, call, problem
 from vmcgrad._runner.primitive import map_reduce_problem
-from vmcgrad._sr.ntk_dense import choose_dense, dense_program, dense_solve
-from vmcgrad._sr.ntk_modes import (
+from vmcgrad._sr.base import AbstractOperator
+from vmcgrad._sr.modes import is_complex
+from vmcgrad._sr.ntk.dense import choose_dense, dense_program, dense_solve
+from vmcgrad._sr.ntk.modes import (
     choose_ntk_mode,
     components,
     k_of,
     vector_dtype,
 )
-from vmcgrad._sr.operator import AbstractOperator
-from vmcgrad._sr.qgt_apply import differentiable_cg
-from vmcgrad._sr.qgt_modes import is_complex
-from vmcgrad._sr.solve import CGInfo
+from vmcgrad._sr.solve import CGInfo, differentiable_cg
 
 _NAME = "vmcgrad.NTK"
 
@@ -66,7 +65,7 @@ _NAME = "vmcgrad.NTK"
 class NTKOperator(AbstractOperator):
     r"""The centred kernel :math:`T = \frac1N \Delta J \Delta J^\dagger + \lambda\mathbb 1` (see :func:`NTK`).
 
-    A pytree (:class:`vmcgrad._sr.operator.AbstractOperator`): parameters, samples, the model state of a
+    A pytree (:class:`vmcgrad._sr.base.AbstractOperator`): parameters, samples, the model state of a
     ``Partial`` ``logpsi`` and ``diag_shift`` are leaves (rebuilding it every step does not recompile);
     the function's code, the chunk size, the mode and the sample mesh axis are static.
 
@@ -78,8 +77,8 @@ class NTKOperator(AbstractOperator):
     _described = ("jacobian_batch",)
 
     #: Samples whose Jacobians the dense kernel derives at once, or None for a sixteenth of the chunk
-    #: (:func:`~vmcgrad._sr.ntk_modes.jacobian_batch`). Static; ``chunk_size="auto"`` sets it
-    #: (:func:`~vmcgrad._sr.ntk_dense.choose_dense`).
+    #: (:func:`~vmcgrad._sr.ntk.modes.jacobian_batch`). Static; ``chunk_size="auto"`` sets it
+    #: (:func:`~vmcgrad._sr.ntk.dense.choose_dense`).
     jacobian_batch: int | None = dataclasses.field(default=None, metadata={"static": True})
 
     @property
@@ -247,7 +246,7 @@ def NTK(
             (all local rows against all samples), or ``"auto"``: the largest chunk whose
             :meth:`~NTKOperator.to_dense` program fits ``memory_budget``, among the powers of two
             and then, at the Jacobian batch they fix, the fewer larger chunks
-            (:func:`~vmcgrad._sr.ntk_dense.choose_dense`).
+            (:func:`~vmcgrad._sr.ntk.dense.choose_dense`).
         mode: 'real', 'complex', 'holomorphic', or None: 'real' for real parameters and output,
             else 'complex' (NetKet's default).
         diag_shift: :math:`\lambda`.

@@ -8,7 +8,7 @@ each chunk's forward pass per product, and :class:`vmcgrad.LinearizedQGT`, which
 
 with :math:`\epsilon_1` = ``diag_scale`` and :math:`\epsilon_2` = ``diag_shift``. Both operators hold
 the same leaves (the parameters and samples, :math:`\bar O`, :math:`\operatorname{diag} S` and the
-shifts) and take the same vectors (:mod:`vmcgrad._sr.views`); they differ only in how a chunk's
+shifts) and take the same vectors (:mod:`vmcgrad._sr.qgt.views`); they differ only in how a chunk's
 :math:`\Delta O^\dagger \Delta O v` is computed (:meth:`AbstractQGT._apply_rep`). So the product,
 the solve, the dense matrix, the diagonal and :meth:`~AbstractQGT.replace` are written here once.
 As in equinox, a class is abstract or final: the two operators derive from this one, not from each
@@ -29,12 +29,12 @@ from jax.flatten_util import ravel_pytree
 from vmcgrad._problem import validation as check
 from vmcgrad._problem.problem import Problem, call
 from vmcgrad._runner.primitive import map_reduce_problem
-from vmcgrad._sr.operator import AbstractOperator
-from vmcgrad._sr.qgt_apply import matmul_program, solve
-from vmcgrad._sr.qgt_modes import to_rep
-from vmcgrad._sr.qgt_passes import jacobian_chunk
+from vmcgrad._sr.base import AbstractOperator
+from vmcgrad._sr.modes import to_rep
+from vmcgrad._sr.qgt.apply import matmul_program, solve
+from vmcgrad._sr.qgt.passes import jacobian_chunk
+from vmcgrad._sr.qgt.views import Views
 from vmcgrad._sr.solve import CGInfo
-from vmcgrad._sr.views import Views
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
@@ -62,7 +62,7 @@ class AbstractQGT(AbstractOperator):
 
     @property
     def views(self) -> Views:
-        """The vector kinds this operator takes (:class:`vmcgrad._sr.views.Views`)."""
+        """The vector kinds this operator takes (:class:`vmcgrad._sr.qgt.views.Views`)."""
         return Views(self.params, self.mode)
 
     @property
@@ -150,7 +150,7 @@ class AbstractQGT(AbstractOperator):
     @abc.abstractmethod
     def _apply_rep(self, rep: Any) -> Any:
         """:math:`S_\\text{eff} \\tilde v` for a representation pytree: one pass, one reduction (the
-        interface of :mod:`vmcgrad._sr.qgt_apply`)."""
+        interface of :mod:`vmcgrad._sr.qgt.apply`)."""
 
     @property
     def kept_solve(self) -> int | None:

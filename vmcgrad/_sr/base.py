@@ -1,5 +1,5 @@
 r"""``AbstractOperator``: what the operators built over N samples share (:class:`vmcgrad.QGTOperator`
-and :class:`vmcgrad.LinearizedQGT`, through :class:`vmcgrad._sr.qgt_abstract.AbstractQGT`, and
+and :class:`vmcgrad.LinearizedQGT`, through :class:`vmcgrad._sr.qgt.abstract.AbstractQGT`, and
 :class:`vmcgrad.NTKOperator`).
 
 As lineax's ``AbstractLinearOperator``: an immutable pytree that is a linear map, applied with

@@ -22,17 +22,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 
-from vmcgrad._problem.problem import Problem, call
-from vmcgrad._runner.primitive import map_reduce, map_reduce_problem
-from vmcgrad._sr.qgt_abstract import AbstractQGT
-from vmcgrad._sr.qgt_passes import kept_product_chunk, linearize_chunk
-
-if TYPE_CHECKING:  # annotations only: _qgt imports this module (QGTOperator.linearize)
-    from vmcgrad._sr.qgt import QGTOperator
+from vmcgrad._runner.primitive import map_reduce
+from vmcgrad._sr.qgt.abstract import AbstractQGT
+from vmcgrad._sr.qgt.passes import kept_product_chunk
 
 
 @jax.tree_util.register_dataclass
@@ -42,7 +38,7 @@ class LinearizedQGT(AbstractQGT):
 
     The same matrix as the operator it came from (its leaves, shifts and chunk size), the same
     products, solves, ``to_dense``, ``diagonal`` and ``replace``
-    (:class:`vmcgrad._sr.qgt_abstract.AbstractQGT`), taking the same kinds of vectors; each product
+    (:class:`vmcgrad._sr.qgt.abstract.AbstractQGT`), taking the same kinds of vectors; each product
     reads the kept linearisations instead of running a forward pass. A pytree: pass it into
     ``jax.jit`` like the operator. ``jax.vmap`` over vectors, derivatives of a product or solve in its
     vector, and ``jax.scipy.sparse.linalg.cg(lambda v: L @ v, b)`` work; differentiating in the kept
@@ -81,22 +77,3 @@ class LinearizedQGT(AbstractQGT):
             sum_layout=layout,
         )
         return self._finish(total, rep)
-
-
-def linearize(op: QGTOperator) -> LinearizedQGT:
-    """``op.linearize()``: one pass keeping every chunk's linearisation.
-
-    With ``chunk_size="auto"`` the chunk is fixed here (the product's automatic chunk), so that the
-    products walk the chunks the linearisations were kept for.
-    """
-    if op.problem.chunk_size == "auto":
-        op = op._at(op.problem.at_chunk(op.chunk_size))
-    _, _, maps = call(_linearize_program, op.problem, op)
-    kept = {f.name: getattr(op, f.name) for f in dataclasses.fields(LinearizedQGT) if f.name != "linear_maps"}
-    return LinearizedQGT(**kept, linear_maps=maps)
-
-
-@partial(jax.jit, static_argnums=0)
-def _linearize_program(prob: Problem, op: QGTOperator) -> tuple[Any, Any, Any]:
-    op = op._at(prob)
-    return map_reduce_problem(prob, op.inputs, partial(linearize_chunk, mode=op.mode))

@@ -11,7 +11,8 @@ from vmcgrad._estimators.grad import grad_program
 from vmcgrad._estimators.jvp import jvp_program
 from vmcgrad._estimators.vjp import vjp_program
 from vmcgrad._problem.problem import auto_chunk, problem
-from vmcgrad._sr.qgt import QGT
+from vmcgrad._problem.validation import check_memory_budget
+from vmcgrad._sr.qgt.qgt import QGT
 
 ESTIMATORS = ("batched_vjp", "batched_jvp", "expect_grad", "QGT")
 
@@ -77,8 +78,6 @@ def auto_chunk_size(
 
 
 def _checked(name: str, memory_budget: Any) -> Any:
-    from vmcgrad._problem.validation import check_memory_budget
-
     return check_memory_budget(name, memory_budget)
 
 

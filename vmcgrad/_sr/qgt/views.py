@@ -1,6 +1,6 @@
 """Vector views of a QGT: a parameter pytree, its flat ravel, or the mode's flat real representation.
 
-A QGT acts on vectors in the representation :math:`\\tilde v` of its mode (:mod:`vmcgrad._sr.qgt_modes`).
+A QGT acts on vectors in the representation :math:`\\tilde v` of its mode (:mod:`vmcgrad._sr.modes`).
 Users hand vectors in one of three *kinds*, and get the same kind back:
 
 - ``"tree"``: a pytree like the parameters (same structure, shapes and dtypes);
@@ -24,7 +24,7 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from vmcgrad._problem.validation import as_arrays, describe
-from vmcgrad._sr.qgt_modes import from_rep, is_complex, to_rep
+from vmcgrad._sr.modes import from_rep, is_complex, to_rep
 
 
 class Views(NamedTuple):

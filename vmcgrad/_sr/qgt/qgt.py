@@ -9,13 +9,13 @@ r"""``QGT``: the quantum geometric tensor as an immutable, jit-friendly linear o
 applied as :math:`S_\text{eff}\,v = S v + \epsilon_1 \operatorname{diag}(S)\, v + \epsilon_2 v`
 with :math:`\epsilon_1` = ``diag_scale`` and :math:`\epsilon_2` = ``diag_shift`` (NetKet's
 QGTJacobian regularisation, Becca & Sorella 2017). The matrix taken in each mode (real part, real
-and imaginary parts split, holomorphic) is described in :mod:`vmcgrad._sr.qgt_modes`; the kinds of
-vectors it takes in :mod:`vmcgrad._sr.views`.
+and imaginary parts split, holomorphic) is described in :mod:`vmcgrad._sr.modes`; the kinds of
+vectors it takes in :mod:`vmcgrad._sr.qgt.views`.
 
 The pieces: this module holds the operator (its product's designs) and its builder; what it shares
-with the kept-linearisation operator :class:`vmcgrad.LinearizedQGT` (:mod:`vmcgrad._sr.qgt_linearized`)
-is their base :class:`~vmcgrad._sr.qgt_abstract.AbstractQGT` (products, solves, the dense matrix); the
-chunk functions are in :mod:`vmcgrad._sr.qgt_passes`, run by the chunked primitive
+with the kept-linearisation operator :class:`vmcgrad.LinearizedQGT` (:mod:`vmcgrad._sr.qgt.linearized`)
+is their base :class:`~vmcgrad._sr.qgt.abstract.AbstractQGT` (products, solves, the dense matrix); the
+chunk functions are in :mod:`vmcgrad._sr.qgt.passes`, run by the chunked primitive
 (:mod:`vmcgrad._runner.primitive`); the solver is :mod:`vmcgrad._sr.solve`. Every product is one pass over the
 samples: per chunk one linearisation, its jvp and its transpose; :math:`\bar O` is computed once,
 when the operator is built, so the centring is a cheap dot product; one reduction per product,
@@ -31,19 +31,27 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from vmcgrad._checks.holomorphy import holomorphic_violation
 from vmcgrad._problem import validation as check
 from vmcgrad._problem.problem import Problem, auto_chunk, auto_knob, call, problem
 from vmcgrad._runner.primitive import map_reduce_problem
-from vmcgrad._sr.qgt_abstract import AbstractQGT, diag_s_program, diag_scale_leaf
-from vmcgrad._sr.qgt_apply import matmul_program, solve_program
-from vmcgrad._sr.qgt_linearized import LinearizedQGT, linearize
-from vmcgrad._sr.qgt_modes import choose_mode, holomorphic_violation, to_rep
-from vmcgrad._sr.qgt_passes import join_mean, mean_chunk, product_chunk, product_jvp_vjp_chunk, split_imag
-from vmcgrad._sr.views import Views
+from vmcgrad._sr.modes import choose_mode, to_rep
+from vmcgrad._sr.qgt.abstract import AbstractQGT, diag_s_program, diag_scale_leaf
+from vmcgrad._sr.qgt.apply import matmul_program, solve_program
+from vmcgrad._sr.qgt.linearized import LinearizedQGT
+from vmcgrad._sr.qgt.passes import (
+    join_mean,
+    linearize_chunk,
+    mean_chunk,
+    product_chunk,
+    product_jvp_vjp_chunk,
+    split_imag,
+)
+from vmcgrad._sr.qgt.views import Views
 
 _NAME = "vmcgrad.QGT"
 
-#: The product's designs, by name: the chunk function of ``S @ v`` (:mod:`vmcgrad._sr.qgt_passes`).
+#: The product's designs, by name: the chunk function of ``S @ v`` (:mod:`vmcgrad._sr.qgt.passes`).
 #: ``"fused"``: one linearisation per chunk, its jvp and its transpose (three linear passes over the
 #: chunk); ``"jvp_vjp"``: a jvp, then the pullback of a second forward pass (four; a smaller chunk
 #: footprint where XLA keeps the two apart).
@@ -67,14 +75,14 @@ CHUNK_ROWS_ACCELERATOR = 4096
 class QGTOperator(AbstractQGT):
     r"""The regularised QGT :math:`S + \epsilon_1\operatorname{diag}(S) + \epsilon_2` of one set of samples.
 
-    Build it with :func:`vmcgrad.QGT`. It is a pytree (:class:`vmcgrad._sr.operator.AbstractOperator`):
+    Build it with :func:`vmcgrad.QGT`. It is a pytree (:class:`vmcgrad._sr.base.AbstractOperator`):
     the parameters, samples, :math:`\bar O`, the model state of a ``Partial`` ``logpsi`` and the
     shifts are leaves, so it can be passed into ``jax.jit`` and rebuilt every step without
     recompiling; ``logpsi``'s code, the chunk size, the mode, the product's design and the sample
     mesh axis are static (the design here, the rest in its :class:`~vmcgrad._problem.problem.Problem`).
 
     Products, solves, ``to_dense``, ``diagonal`` and ``replace`` are those of
-    :class:`vmcgrad._sr.qgt_abstract.AbstractQGT`; each product recomputes every chunk's forward pass
+    :class:`vmcgrad._sr.qgt.abstract.AbstractQGT`; each product recomputes every chunk's forward pass
     (:attr:`design`), holding one chunk's at a time. Vectors are pytrees like ``params``, flat
     vectors in ``ravel_pytree(params)`` order, or flat vectors in the mode's real representation
     (length :attr:`dim`, the order of :meth:`to_dense`); every method returns the kind it was given.
@@ -213,7 +221,7 @@ def QGT(
         \Delta O_i = O_i - \bar O,\quad O_{ik} = \frac{\partial \log\psi(\sigma_i)}{\partial\theta_k}
 
     in the mode's representation (``Re`` of it for 'real' and 'complex'; see
-    :mod:`vmcgrad._sr.qgt_modes`). Building it costs one pass over the samples (for :math:`\bar O`;
+    :mod:`vmcgrad._sr.modes`). Building it costs one pass over the samples (for :math:`\bar O`;
     a second one, holding one chunk's Jacobian, when ``diag_scale`` is set, for
     :math:`\operatorname{diag} S`); each product :math:`S v` then costs one more.
 
@@ -335,3 +343,22 @@ def _mean_program(prob: Problem, op: QGTOperator) -> Any:
         return (t / prob.n).astype(dtype)
 
     return jax.tree.map(mean, total, like)
+
+
+def linearize(op: QGTOperator) -> LinearizedQGT:
+    """``op.linearize()``: one pass keeping every chunk's linearisation.
+
+    With ``chunk_size="auto"`` the chunk is fixed here (the product's automatic chunk), so that the
+    products walk the chunks the linearisations were kept for.
+    """
+    if op.problem.chunk_size == "auto":
+        op = op._at(op.problem.at_chunk(op.chunk_size))
+    _, _, maps = call(_linearize_program, op.problem, op)
+    kept = {f.name: getattr(op, f.name) for f in dataclasses.fields(LinearizedQGT) if f.name != "linear_maps"}
+    return LinearizedQGT(**kept, linear_maps=maps)
+
+
+@partial(jax.jit, static_argnums=0)
+def _linearize_program(prob: Problem, op: QGTOperator) -> tuple[Any, Any, Any]:
+    op = op._at(prob)
+    return map_reduce_problem(prob, op.inputs, partial(linearize_chunk, mode=op.mode))

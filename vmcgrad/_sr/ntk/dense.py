@@ -3,7 +3,7 @@ r"""The dense centred kernel of :class:`vmcgrad.NTKOperator` in blocks, and its 
 :func:`dense_program` makes one pass over each device's rows, ``c`` at a time. For a chunk of rows the
 chunk's Jacobian :math:`J_{[k]}` (``c K × P``) is taken, then an inner loop walks the N samples
 (gathered once, before the pass) ``b`` columns at a time, ``b`` the chunk's Jacobian batch
-(:func:`~vmcgrad._sr.ntk_modes.jacobian_batch`, a sixteenth of it; all N for one block), taking each
+(:func:`~vmcgrad._sr.ntk.modes.jacobian_batch`, a sixteenth of it; all N for one block), taking each
 column block's Jacobian and the block :math:`U_{[k][l]} = (J_{[k]} - \mathbf 1 s^T)(J_{[l]} - \mathbf 1
 s^T)^\dagger`, only for the column blocks on or above the diagonal (from the one holding the chunk's
 first counted row). A column block whose samples are rows of the chunk itself, in order, takes their
@@ -20,7 +20,7 @@ device's :math:`N_\text{local} K \times NK` rows and the buffer of their transpo
 see ``benchmarks/bench_minsr.py``). ``chunk_size="auto"`` picks the largest chunk whose compiled program
 fits the budget (:func:`choose_dense`: the powers of two, then fewer larger chunks at the Jacobian batch
 those fixed, or one block at a smaller batch), the N×N kernel and, in :func:`vmcgrad.minsr_update`, its
-factor and pullback included (the pullback runs at the Jacobian batch, :func:`vmcgrad._sr.minsr.passes`,
+factor and pullback included (the pullback runs at the Jacobian batch, :func:`vmcgrad._sr.ntk.minsr.passes`,
 so that it does not bind). No collective runs per block. :math:`s` is NetKet's mean-Jacobian estimate (32
 evenly strided samples): it does not change the centred kernel in exact arithmetic, and keeps its small
 eigenvalues in float32 (taken over at most ``c`` samples, so that no model call exceeds the chunk). The
@@ -44,12 +44,12 @@ from vmcgrad._problem.problem import Problem, auto_chunk, auto_knob
 from vmcgrad._problem.sharding import explicit_sharding, unsplit_explicit
 from vmcgrad._runner.primitive import map_reduce_problem
 from vmcgrad._runner.runner import REPLICATED, SAMPLES
-from vmcgrad._sr.ntk_modes import contract, jacobian, jacobian_batch, k_of, mean_jacobian, rows_fun, theta_of
+from vmcgrad._sr.ntk.modes import contract, jacobian, jacobian_batch, k_of, mean_jacobian, rows_fun, theta_of
 
 
 def column_chunk(prob: Problem, batch: int | None = None) -> int:
     """Columns per block: all N for one block (a chunk of at least N rows), else the chunk's Jacobian
-    batch (:func:`~vmcgrad._sr.ntk_modes.jacobian_batch`: ``batch``, or a sixteenth of the chunk): the
+    batch (:func:`~vmcgrad._sr.ntk.modes.jacobian_batch`: ``batch``, or a sixteenth of the chunk): the
     columns are derived many at a time anyway, so narrow blocks hold the model's intermediates of a
     wide one and leave the rows most of the budget (fewer row chunks: fewer recomputed column
     Jacobians)."""
@@ -63,7 +63,7 @@ def choose_dense(program: Any, prob: Problem, op: Any, *args: Any) -> tuple[int,
 
     The chunk sets how often column Jacobians are derived again, :math:`N + N(N - c)/2c`, and the
     Jacobian batch :math:`b` how many samples' intermediates are held. The powers of two are searched
-    first with :math:`b = c/16` (:func:`~vmcgrad._sr.ntk_modes.jacobian_batch`); the largest that fits,
+    first with :math:`b = c/16` (:func:`~vmcgrad._sr.ntk.modes.jacobian_batch`); the largest that fits,
     :math:`c^*`, fixes :math:`b^* = c^*/16`. With :math:`b^*` held, a chunk's bytes grow only by its
     rows' Jacobians, so fewer and larger chunks may still fit: the candidates
     :math:`\lceil N_\text{local}/m \rceil` for :math:`m` = 1 to the count of :math:`c^*` (:math:`m`

@@ -5,7 +5,7 @@ slots)``) of :func:`vmcgrad._runner.primitive.map_reduce_problem` (:func:`kept_p
 samples, that of :func:`vmcgrad._runner.primitive.map_reduce`) and returns one chunk's sums (``w`` the row
 mask); the primitive walks the chunks and adds the one reduction, and JAX's transformations act on
 them. The bodies work on the representation :math:`\tilde\theta` of the parameters
-(:mod:`vmcgrad._sr.qgt_modes`) through :math:`g(\tilde\theta, x) = f(\mathrm{from\_rep}(\tilde\theta),
+(:mod:`vmcgrad._sr.modes`) through :math:`g(\tilde\theta, x) = f(\mathrm{from\_rep}(\tilde\theta),
 x)`. Rows carry the weights of :mod:`vmcgrad._chunks.plan` (0 for padded rows and rows an earlier chunk
 covered).
 
@@ -41,7 +41,7 @@ from jax.flatten_util import ravel_pytree
 
 from vmcgrad._chunks.plan import cast_like, promote
 from vmcgrad._runner.primitive import Pullback
-from vmcgrad._sr.qgt_modes import from_rep, to_rep
+from vmcgrad._sr.modes import from_rep, to_rep
 
 
 def _on_rep(fun: Callable, params: Any, mode: str) -> tuple[Callable, Any]:

@@ -10,14 +10,14 @@ r"""``minsr_update``: the sample-space SR (MinSR, SPRING) update of NetKet's ``V
 :math:`-\mu\Delta J\delta_\mathrm{old}/\sqrt N`).
 The routes (:data:`ROUTES`), chosen by :func:`choose_route` unless given:
 
-* ``"dense"``: the :math:`NK \times NK` kernel :math:`T` in blocks (:mod:`vmcgrad._sr.ntk_dense`) and a
+* ``"dense"``: the :math:`NK \times NK` kernel :math:`T` in blocks (:mod:`vmcgrad._sr.ntk.dense`) and a
   dense solve: per-sample Jacobians about :math:`N(1 + (N - c)/2c)`, then :math:`(NK)^3/3` for the factor;
   where one chunk holds all N on one device, the Jacobian is kept (:func:`_whole_jacobian`): N, as
   NetKet's ``srt``, held once (centred in place, :func:`_centred_in_place`);
 * ``"parameter"``: the :math:`P \times P` matrix :math:`S` from each row chunk's Jacobian (N per-sample
   Jacobians, once each) and a dense solve, then :math:`P^3/3`: the cheaper one when :math:`P < NK`;
 * ``"cg"``: matrix-free conjugate gradient on :math:`T v` (one vjp and one jvp pass per iteration), with
-  the Nyström preconditioner of :mod:`vmcgrad._sr.nystrom` (r samples, r set by the budget): no N×N or
+  the Nyström preconditioner of :mod:`vmcgrad._sr.ntk.nystrom` (r samples, r set by the budget): no N×N or
   P×P matrix, for when neither fits.
 """
 
@@ -38,10 +38,9 @@ from vmcgrad._problem.problem import Problem, call, problem
 from vmcgrad._problem.sharding import unsplit_explicit
 from vmcgrad._runner.primitive import map_reduce_problem
 from vmcgrad._runner.runner import REPLICATED
-from vmcgrad._sr import nystrom
-from vmcgrad._sr.ntk import NTKOperator, _check_solver, _product
-from vmcgrad._sr.ntk_dense import choose_dense, dense_program, dense_solve
-from vmcgrad._sr.ntk_modes import (
+from vmcgrad._sr.ntk import nystrom
+from vmcgrad._sr.ntk.dense import choose_dense, dense_program, dense_solve
+from vmcgrad._sr.ntk.modes import (
     choose_ntk_mode,
     components,
     jacobian,
@@ -53,6 +52,7 @@ from vmcgrad._sr.ntk_modes import (
     theta_of,
     vector_dtype,
 )
+from vmcgrad._sr.ntk.ntk import NTKOperator, _check_solver, _product
 from vmcgrad._sr.solve import cg
 
 _UPDATE = "vmcgrad.minsr_update"
@@ -140,7 +140,7 @@ def minsr_update(
             (matrix-free), or None: :func:`choose_route` on N, P and the budget (``memory_budget``, else
             the default budget), or ``"cg"`` when ``solver="cg"``.
         nystrom_rank: samples of the ``"cg"`` route's Nyström preconditioner: ``"auto"``
-            (:func:`vmcgrad._sr.nystrom.nystrom_rank` of the budget, at most N/2), an int in ``[0, N]``,
+            (:func:`vmcgrad._sr.ntk.nystrom.nystrom_rank` of the budget, at most N/2), an int in ``[0, N]``,
             or None / 0 for plain CG.
         tol, maxiter: for ``"cg"`` (relative residual of the kernel system, iteration cap).
 
@@ -251,7 +251,7 @@ def _update_program(
 def passes(op: NTKOperator) -> NTKOperator:
     r"""``op`` with the chunk of its single jvp and vjp passes (:math:`\Delta J t`, :math:`\Delta
     J^\dagger x`) on the dense routes: the chunk's Jacobian batch
-    (:func:`~vmcgrad._sr.ntk_modes.jacobian_batch`, the operator's own where the chunk choice fixed it).
+    (:func:`~vmcgrad._sr.ntk.modes.jacobian_batch`, the operator's own where the chunk choice fixed it).
     A pass holds the model's intermediates for all of
     its chunk's samples, the Jacobians for a batch of them: at the chunk's own size the pass, run once,
     would bind the budget and shrink the chunk that sets how often the Jacobians are derived."""
@@ -304,7 +304,7 @@ def holds_every_row(prob: Problem) -> bool:
 
 def jacobian_rows(fun, params, x, w, *, mode: str, batch: int | None) -> tuple[tuple, jax.Array]:
     """One chunk's per-sample Jacobians in the mode's flat parametrisation, ``(c, K, P)``, derived a
-    Jacobian batch at a time (:func:`~vmcgrad._sr.ntk_modes.jacobian_batch`)."""
+    Jacobian batch at a time (:func:`~vmcgrad._sr.ntk.modes.jacobian_batch`)."""
     f = rows_fun(fun, mode, params)
     theta, unravel = ravel_pytree(theta_of(mode, params))
     # differentiated at the flat θ, each batch's rows land in the output: no second copy of the rows

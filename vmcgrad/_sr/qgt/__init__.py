@@ -1,0 +1,1 @@
+"""The QGT wing: the quantum geometric tensor S as a matrix-free operator, its products and solves."""
