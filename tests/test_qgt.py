@@ -412,7 +412,7 @@ def test_one_reduction_per_product(kind, case):
         solve = collective_report(jax.jit(lambda S, v: S.solve(v, maxiter=5)).lower(S, v).compile())
         assert set(solve.in_loops) == {"all-reduce"} and solve.in_loops["all-reduce"] <= n_dtypes, solve
         # kept linearisations: the same, and the linearising pass reduces nothing (per-chunk slots)
-        from vmcgrad._sr.qgt.linearized import _linearize_program
+        from vmcgrad._sr.qgt.qgt import _linearize_program
 
         lin = S.linearize()
         kept = collective_report(_linearize_program.lower(S.problem, S).compile())
