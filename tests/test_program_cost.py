@@ -9,6 +9,8 @@ from its shapes.
 """
 
 import math
+import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +22,7 @@ import vmcgrad
 from vmcgrad._checks.cost import PLATFORMS, Platform
 
 F32 = jnp.float32
+DATA = Path(__file__).resolve().parent / "data"
 
 
 def cost(fun, *args, platform=None):
@@ -192,3 +195,37 @@ def test_an_fft_counts_five_n_log_n_per_transform():
     c = cost(jnp.fft.fft, x)
     assert c.flops == 4 * 5 * 64 * math.log2(64)
     assert c.ops >= 1 and np.isfinite(c.modelled_seconds)
+
+
+def test_a_loop_without_a_known_trip_count_has_it_read_from_its_condition():
+    # XLA:TPU writes no known_trip_count: the count is read from the counter, as fori_loop compiles
+    text = jax.jit(fori(12)).lower(X).compile().as_text()
+    stripped = re.sub(r',?"known_trip_count":\{"n":"\d+"\}', "", text)
+    assert '"known_trip_count"' in text and '"known_trip_count"' not in stripped
+    c, want = vmcgrad.program_cost(stripped), vmcgrad.program_cost(text)
+    assert c.loops[0].trip_count == 12 and c.unknown_trip_loops == ()
+    assert c[:3] == want[:3]
+    # a loop from 3 to 12 by steps of 1, and a scan in reverse (its counter counts down in the body
+    # or up, as JAX lowers it): the same count from the condition as from the backend config
+    for f in (
+        lambda x: lax.fori_loop(3, 12, lambda i, y: body(y), x),
+        lambda x: lax.scan(lambda y, _: (body(y), None), x, None, length=7, reverse=True)[0],
+    ):
+        text = jax.jit(f).lower(X).compile().as_text()
+        stripped = re.sub(r',?"known_trip_count":\{"n":"\d+"\}', "", text)
+        assert vmcgrad.program_cost(stripped)[:3] == vmcgrad.program_cost(text)[:3]
+
+
+def test_a_program_compiled_for_a_tpu():
+    """``jax.jit(lambda x, w: lax.fori_loop(0, 16, lambda i, y: jnp.tanh(y @ w), x))`` on an 8 x 16
+    and a 16 x 16 float32 array, compiled by jax 0.10.2 for one TPU v5e chip: its ``as_text()``."""
+    text = (DATA / "tpu-v5e-fori-loop-16.hlo").read_text()
+    assert '"known_trip_count"' not in text and "T(8,128)" in text  # TPU layouts, no trip count
+    c = vmcgrad.program_cost(text, platform="tpu")
+    (lp,) = c.loops
+    # a trip: a copy, the dot fused with the tanh (a convolution fusion), the counter's add, the
+    # compare; the entry: three copy-starts (their copy-dones free), a copy and a convert
+    assert (lp.trip_count, lp.ops_per_trip, c.unknown_trip_loops) == (16, 4, ())
+    assert c.ops == 16 * 4 + 5
+    # the dot, 2 * 8 * 16 * 16, the tanh's 8 * 16 and the counter's add and compare, 16 times
+    assert c.flops == 16 * (2 * 8 * 16 * 16 + 8 * 16 + 2)

@@ -17,9 +17,12 @@ with the constants of a platform (:data:`PLATFORMS`). What is counted:
   the ops inside a fusion are not counted). Free ops count 0: ``parameter``, ``constant``, ``tuple``,
   ``get-tuple-element``, ``bitcast``, ``opt-barrier``, ``after-all``, ``add-dependency``, ``domain``,
   ``partition-id``, ``replica-id`` and the ``*-done`` / ``*-update`` halves of asynchronous ops (their
-  ``*-start`` counts 1). A ``while`` counts its trip count (``known_trip_count`` in its backend config)
-  times its body's and its condition's counts, recursively; a loop without a known trip count is
-  counted as one trip and reported (``unknown_trip_loops``: the counts are then lower bounds). A
+  ``*-start`` counts 1). A ``while`` counts its trip count times its body's and its condition's
+  counts, recursively. The trip count is ``known_trip_count`` in the loop's backend config (XLA:CPU
+  and XLA:GPU write it), else read from the loop (XLA:TPU writes none): a condition comparing a
+  counter with a constant (``i < n``, ``<=``, ``>``, ``>=``), the counter starting at a constant and
+  the body adding a constant to it, as ``fori_loop`` and ``scan`` compile. Any other loop is counted
+  as one trip and reported (``unknown_trip_loops``: the counts are then lower bounds). A
   ``conditional`` counts the **mean** of its branches (the compiled program does not say how often
   each is taken); a ``call`` counts its callee's ops (inlined). Ops that apply a small computation to
   elements (``reduce``, ``sort``, ``scatter``, ``map``, ...) count 1; their computation is not walked.
@@ -80,7 +83,8 @@ class Platform(NamedTuple):
 #: Platform name -> :class:`Platform`: the cost model's constants (read-only).
 #:
 #: - ``cpu``: this project's 2-core x86_64 machines. ``t_op`` 1 µs: XLA:CPU runs one thunk per op, a
-#:   function call and its bookkeeping, of the order of a microsecond; peak 50 GFLOP/s: two cores of 8-wide float32 FMA at about 3 GHz give about 100
+#:   function call and its bookkeeping, of the order of a microsecond (``benchmarks/calibrate_op_cost.py``
+#:   measures it); peak 50 GFLOP/s: two cores of 8-wide float32 FMA at about 3 GHz give about 100
 #:   GFLOP/s at best, about half in XLA's matmuls; bandwidth 20 GB/s: one DDR4 channel's order.
 #: - ``gpu``: an NVIDIA H200. ``t_op`` 5 µs: a kernel launch and its wait, a few µs (the figure of
 #:   vmcgrad's issue 47); peak 60 TFLOP/s: NVIDIA's float32 (non-tensor-core) figure for the H200 SXM,
@@ -189,7 +193,7 @@ class _Program(OpCosts):
                 cond = re.search(r"condition=%?([\w.\-]+)", i.attrs)
                 parts = [self.cost(m.group(1)) for m in (body, cond) if m]
                 trips = _TRIPS.search(i.attrs)
-                n = int(trips.group(1)) if trips else None
+                n = int(trips.group(1)) if trips else self.loop_trips(i, comp)
                 per = _Cost(
                     sum(p.ops for p in parts),
                     sum(p.flops for p in parts),
@@ -253,8 +257,9 @@ def program_cost(compiled: Any, platform: str | Platform | None = None) -> Progr
     On a GPU or a TPU a program costs about the number of ops it runs one after another (each pays a
     launch or a scheduled region, however small); XLA's ``compiled.cost_analysis()`` counts a loop's
     body once, whatever its trip count, and counts no ops. What each count includes is in
-    :mod:`vmcgrad._checks.cost`'s documentation: a fusion is one op; a ``while`` counts its
-    ``known_trip_count`` times its body's and condition's counts, recursively; a ``conditional`` the
+    :mod:`vmcgrad._checks.cost`'s documentation: a fusion is one op; a ``while`` counts its trip
+    count (its ``known_trip_count``, or read from its counter) times its body's and condition's
+    counts, recursively; a ``conditional`` the
     mean of its branches; a ``call`` its callee; ``dot``, ``convolution`` and ``fft`` FLOPs from their
     shapes; bytes from operand and result shapes (slices and in-place updates by the bytes they
     touch). The constants of each platform, and where they come from, are in

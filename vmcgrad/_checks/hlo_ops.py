@@ -16,7 +16,7 @@ from vmcgrad._checks.hlo import _CALLS, _parse
 
 # --- one HLO instruction ------------------------------------------------------------------------
 
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _OPCODE = re.compile(r"([\w\-]+)\(")
 _ARRAY = re.compile(r"\b(pred|token|[a-z]+\d+[a-z0-9]*)\[([^\]]*)\]")
 _OPERAND = re.compile(r"%([\w.\-]+)")
@@ -86,8 +86,9 @@ class _Instr(NamedTuple):
     name: str
     type: str  # the result's type: an array or a tuple of them
     opcode: str
-    operands: tuple[str, ...]  # operand names (for ``parameter``: its number)
+    operands: tuple[str, ...]  # operand names (``parameter``: its number; ``constant``: its literal)
     attrs: str  # everything after the operands
+    is_root: bool = False
 
 
 def _balanced(text: str, start: int) -> int:
@@ -107,7 +108,7 @@ def _instr(line: str) -> _Instr | None:
     m = _INSTR.match(line)
     if m is None:
         return None
-    name, rest = m.group(1), m.group(2)
+    name, rest = m.group(2), m.group(3)
     if rest.startswith("("):
         end = _balanced(rest, 0)
     else:
@@ -119,11 +120,11 @@ def _instr(line: str) -> _Instr | None:
         return None
     close = _balanced(rest, op.end() - 1)
     args, attrs = rest[op.end() : close - 1], rest[close:]
-    if op.group(1) == "parameter":
+    if op.group(1) in ("parameter", "constant"):  # its number, or its literal
         operands = (args.strip(),)
     else:
         operands = tuple(_OPERAND.findall(args))
-    return _Instr(name, type_, op.group(1), operands, attrs)
+    return _Instr(name, type_, op.group(1), operands, attrs, bool(m.group(1)))
 
 
 def _arrays(type_: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -172,6 +173,91 @@ class OpCosts:
             self.comps[name] = [i for i in map(_instr, lines) if i is not None]
         self.table = {name: {i.name: i for i in instrs} for name, instrs in self.comps.items()}
         self._flops: dict[str, float] = {}
+
+    def root(self, comp: str) -> _Instr | None:
+        instrs = self.comps.get(comp, [])
+        return next((i for i in instrs if i.is_root), instrs[-1] if instrs else None)
+
+    # --- a loop's trip count, read from its condition and body (TPU programs carry none) ----------
+
+    def _value(self, comp: str, name: str) -> tuple[str, int] | None:
+        """``("const", v)``, ``("gte", i)`` (element i of the computation's tuple parameter) or
+        ``("param", k)`` (parameter k), through copies, bitcasts and converts; else None."""
+        j = self.table.get(comp, {}).get(name)
+        while j is not None and j.opcode in ("copy", "bitcast", "convert", "reshape") and j.operands:
+            j = self.table[comp].get(j.operands[0])
+        if j is None:
+            return None
+        if j.opcode == "constant":
+            try:
+                return ("const", int(float(j.operands[0])))
+            except ValueError:
+                return None
+        if j.opcode == "parameter" and j.operands[0].isdigit():
+            return ("param", int(j.operands[0]))
+        index = re.search(r"index=(\d+)", j.attrs)
+        if j.opcode == "get-tuple-element" and index:
+            source = self.table[comp].get(j.operands[0])
+            if source is not None and source.opcode == "parameter":
+                return ("gte", int(index.group(1)))
+        return None
+
+    def _node(self, comp: str, name: str) -> tuple[str, str, list] | None:
+        """The opcode, attributes and operand values of ``name``, looking into a fusion's root."""
+        j = self.table.get(comp, {}).get(name)
+        if j is None:
+            return None
+        if j.opcode != "fusion":
+            return j.opcode, j.attrs, [self._value(comp, o) for o in j.operands]
+        callee = _CALLS.findall(j.attrs)[:1]
+        r = self.root(callee[0]) if callee else None
+        if r is None:
+            return None
+        values = []
+        for o in r.operands:
+            v = self._value(callee[0], o)
+            if v is not None and v[0] == "param" and v[1] < len(j.operands):
+                v = self._value(comp, j.operands[v[1]])
+            values.append(v)
+        return r.opcode, r.attrs, values
+
+    def loop_trips(self, loop: _Instr, comp: str) -> int | None:
+        """The trip count of a ``while`` whose condition compares a counter with a constant
+        (``i < n``, ``<=``, ``>``, ``>=``), the counter starting at a constant and the body adding a
+        constant to it: how ``fori_loop`` and ``scan`` compile. None for any other loop."""
+        body = re.search(r"body=%?([\w.\-]+)", loop.attrs)
+        cond = re.search(r"condition=%?([\w.\-]+)", loop.attrs)
+        init = self.table.get(comp, {}).get(loop.operands[0]) if loop.operands else None
+        root = self.root(cond.group(1)) if cond else None
+        if body is None or root is None or init is None or init.opcode != "tuple":
+            return None
+        node = self._node(cond.group(1), root.name)
+        direction = re.search(r"direction=(\w+)", node[1]) if node and node[0] == "compare" else None
+        if direction is None or len(node[2]) != 2 or None in node[2]:
+            return None
+        (ka, a), (kb, b) = node[2]
+        flip = {"LT": "GT", "GT": "LT", "LE": "GE", "GE": "LE"}
+        if ka == "gte" and kb == "const":
+            index, bound, d = a, b, direction.group(1)
+        elif kb == "gte" and ka == "const":
+            index, bound, d = b, a, flip.get(direction.group(1), "")
+        else:
+            return None
+        start = self._value(comp, init.operands[index]) if index < len(init.operands) else None
+        out = self.root(body.group(1))
+        if start is None or start[0] != "const" or out is None or out.opcode != "tuple":
+            return None
+        step = self._node(body.group(1), out.operands[index]) if index < len(out.operands) else None
+        if step is None or step[0] not in ("add", "subtract") or ("gte", index) != step[2][0]:
+            return None
+        if step[2][1] is None or step[2][1][0] != "const":
+            return None
+        s = step[2][1][1] * (1 if step[0] == "add" else -1)
+        n = (bound - start[1]) if s > 0 else (start[1] - bound)
+        if s == 0 or d not in (("LT", "LE") if s > 0 else ("GT", "GE")):
+            return None
+        trips = -(-n // abs(s)) if d in ("LT", "GT") else n // abs(s) + 1
+        return max(trips, 0)
 
     # FLOPs of a computation's instructions (a fusion's body, recursively)
     def comp_flops(self, comp: str) -> float:
@@ -267,7 +353,7 @@ class OpCosts:
                 out += final_users(j.name) if j.opcode == "bitcast" else [(j, pos)]
             return out
 
-        root = instrs[-1] if instrs else None
+        root = self.root(callee)
         for j in instrs:
             if j.opcode == "parameter" and j.operands and j.operands[0].isdigit():
                 k = int(j.operands[0])
