@@ -22,7 +22,7 @@ with per-platform constants (``vmcgrad._checks.cost.PLATFORMS``). This script me
 - ``bandwidth``: ``x * 1.5 + 1`` on float32 arrays of m and m/4 elements, one fusion reading and
   writing each (8 bytes an element): the slope of bytes against time.
 
-Sizes depend on the platform (a CPU gets n = 512 and m = 2²², an accelerator n = 4096 and m = 2²⁴),
+Sizes depend on the platform (a CPU gets n = 512 and m = 2²², an accelerator n = 8192 and m = 2²⁶),
 so that the whole runs in well under a minute on a CPU and on a TPU. Prints one JSON object (and
 writes it to ``--json``), with the constants ``program_cost`` now uses for this platform beside
 the measured ones.
@@ -44,8 +44,8 @@ def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ks", type=int, nargs="+", default=[16, 64, 256, 1024], help="chain and loop lengths")
     ap.add_argument("--repeats", type=int, default=7, help="timed calls per program (median)")
-    ap.add_argument("--matmul-n", type=int, help="n of the matmul (default: 512 on a CPU, else 4096)")
-    ap.add_argument("--copy-m", type=int, help="elements of the copy (default: 2**22 on a CPU, else 2**24)")
+    ap.add_argument("--matmul-n", type=int, help="n of the matmul (default: 512 on a CPU, else 8192)")
+    ap.add_argument("--copy-m", type=int, help="elements of the copy (default: 2**22 on a CPU, else 2**26)")
     ap.add_argument("--json", help="write the result to this file")
     args = ap.parse_args(argv)
     if len(args.ks) < 2 or min(args.ks) < 1:
@@ -129,7 +129,7 @@ def main(argv=None):
         result[f"t_op_{name}_s"] = t_op
         result[f"call_{name}_s"] = fixed
 
-    n = args.matmul_n or (512 if cpu else 4096)
+    n = args.matmul_n or (512 if cpu else 8192)
     for precision in ("default", "highest"):
         p = None if precision == "default" else lax.Precision.HIGHEST
         mm = jax.jit(lambda a, b, p=p: jnp.matmul(a, b, precision=p))
@@ -140,7 +140,7 @@ def main(argv=None):
             points.append({"n": size, "flops": 2 * size**3, "median_s": seconds})
         rate, _ = slope([q["median_s"] for q in points], [q["flops"] for q in points])
         result[f"matmul_{precision}"] = {"points": points, "flops_per_s": rate}
-    m = args.copy_m or (2**22 if cpu else 2**24)
+    m = args.copy_m or (2**22 if cpu else 2**26)
     points = []
     for size in (m // 4, m):
         big = jnp.ones((size,), jnp.float32)
