@@ -8,9 +8,14 @@
 #                                              # not part of the test suite)
 #   STEPS=regime bash benchmarks/device.sh     # a step's time against N, compilation apart: 6-9 minutes
 #   STEPS=race bash benchmarks/device.sh       # the short race (issue 33); see below
+#   STEPS=calib bash benchmarks/device.sh      # the cost model's constants only (under a minute)
 #
-# STEPS (default "core grad qgt qgt_eqmem large") names the steps to run, in that order; `regime` and
-# `race` are not among the defaults (with them the call would pass 10 minutes).
+# STEPS (default "calib core grad qgt qgt_eqmem large") names the steps to run, in that order; `regime`
+# and `race` are not among the defaults (with them the call would pass 10 minutes).
+#
+# `calib`, first, is benchmarks/calibrate_op_cost.py: the constants of vmcgrad.program_cost's model
+# measured on the device (t_op from a chain of k small ops and a loop of k trips, against the ops
+# program_cost counts; peak FLOP/s from a matmul; bandwidth from a copy), as JSON in OUT/calib.json.
 #
 # `regime` is benchmarks/step_regime.py on the race's problem and model (below), float32 with x64 off,
 # 64 MiB: NetKet's and vmcgrad's VMC_SR at N = 256, chunk 64 (vmcgrad's with its chunk's Jacobians
@@ -31,9 +36,10 @@
 # meant for that: a first call with short minutes compiles every contender's programs, and a second
 # call while the machine is warm races on them (not yet tried on an accelerator).
 #
-# PYTHON defaults to `python`. Every step has its own timeout (seconds: core, grad, qgt and qgt_eqmem
-# 90 each, large 200, so at most 560 s in all; regime 540; race 450; SMOKE: 300, large 600, regime and
-# race 400, on a CPU) so
+# PYTHON defaults to `python`. Every step has its own timeout (seconds: calib 120; core, grad, qgt and
+# qgt_eqmem 90 each, large 200, so at most 680 s in all: with calib the defaults can pass a 10-minute
+# call, leave a step out where they must fit; regime 540; race 450; SMOKE: calib 120, 300, large 600,
+# regime and race 400, on a CPU) so
 # one slow step cannot eat the whole budget; a failed step is recorded and the others still run (the
 # exit status is then 1).
 set -u
@@ -41,7 +47,8 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
 OUT=${OUT:-device-bench-$(date -u +%Y%m%dT%H%M%SZ)}
 SMOKE=${SMOKE:-0}
-STEPS=${STEPS:-core grad qgt qgt_eqmem large}
+STEPS=${STEPS:-calib core grad qgt qgt_eqmem large}
+T_CALIB=120
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # JAX's persistent compilation cache, kept outside OUT: a second call on a machine still warm (its
@@ -109,6 +116,7 @@ race() {  # the short race: time_to_energy.py writes its own files into OUT/race
 
 for name in $STEPS; do
   case $name in
+    calib) step calib "$T_CALIB" benchmarks/calibrate_op_cost.py ;;
     core) step core "$T_SMALL" benchmarks/bench_core.py "${CORE[@]}" ;;
     grad) step grad "$T_SMALL" benchmarks/bench_grad.py "${GRAD[@]}" ;;
     qgt) step qgt "$T_SMALL" benchmarks/bench_qgt.py "${QGT[@]}" --only same-chunk memory ;;
@@ -117,7 +125,7 @@ for name in $STEPS; do
     large) step large "$T_LARGE" benchmarks/bench_large.py "${LARGE[@]}" ;;
     regime) step regime "$T_REGIME" benchmarks/step_regime.py "${REGIME[@]}" ;;
     race) race ;;
-    *) echo "STEPS: unknown step '$name' (expected core grad qgt qgt_eqmem large regime race)" | tee -a "$OUT/log.txt"
+    *) echo "STEPS: unknown step '$name' (expected calib core grad qgt qgt_eqmem large regime race)" | tee -a "$OUT/log.txt"
        status=1 ;;
   esac
 done

@@ -144,7 +144,7 @@ def test_rebinding_netkets_mcstate_to_vmcgrads_switches_a_script():
 #: test (``::test_name``, ``::Class::test_name``, a parametrize id in brackets).
 CITED = re.compile(
     r"(?<![\w/.-])((?:vmcgrad|tests|benchmarks|docs|notebooks|\.ci)/[\w/.-]*\w\.(?:py|md|ipynb|sh|cfg|toml|json))"
-    r"((?:::\w+)*)"
+    r"(?!\w)((?:::\w+)*)"  # the whole extension: rows.jsonl is not a citation of rows.json
 )
 
 

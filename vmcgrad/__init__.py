@@ -20,6 +20,7 @@ _EXPORTS = {
     "LinearizedQGT": "vmcgrad._sr.qgt.linearized",
     "NTK": "vmcgrad._sr.ntk.ntk",
     "NTKOperator": "vmcgrad._sr.ntk.ntk",
+    "ProgramCost": "vmcgrad._checks.cost",
     "QGTOperator": "vmcgrad._sr.qgt.qgt",
     "VmcgradWarning": "vmcgrad._warnings",
     "auto_chunk_size": "vmcgrad._auto_chunk_size",
@@ -30,6 +31,7 @@ _EXPORTS = {
     "initialize_distributed": "vmcgrad._distributed",
     "lower": "vmcgrad._estimators.lower",
     "minsr_update": "vmcgrad._sr.ntk.minsr",
+    "program_cost": "vmcgrad._checks.cost",
     "program_bytes": "vmcgrad._chunks.budget",
 }
 
@@ -51,6 +53,8 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from vmcgrad._auto_chunk_size import auto_chunk_size as auto_chunk_size
+    from vmcgrad._checks.cost import ProgramCost as ProgramCost
+    from vmcgrad._checks.cost import program_cost as program_cost
     from vmcgrad._checks.hlo import CollectiveReport as CollectiveReport
     from vmcgrad._checks.hlo import collective_report as collective_report
     from vmcgrad._chunks.budget import program_bytes as program_bytes
