@@ -238,7 +238,6 @@ class Recorder:
             records=self.records,
             config=self.config,
             info=self.info,
-            extra=_checkpoint.driver_state(self.driver),
         )
         if not self.main:
             self.n_checkpoint = n

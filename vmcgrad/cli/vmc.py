@@ -316,7 +316,8 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
     if snap is not None:
         if main:
             print(f"resuming from step {snap['step']} of {args.out}/{_checkpoint.CHECKPOINT}")
-        _checkpoint.restore(driver, snap, Path(args.out) / _checkpoint.CHECKPOINT)
+        driver = _checkpoint.restore(driver, snap, Path(args.out) / _checkpoint.CHECKPOINT)
+        vstate = driver.state
 
     out = Path(args.out)
     if main:
