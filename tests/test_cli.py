@@ -141,6 +141,7 @@ def test_short_run_writes_log_and_plot(tmp_path):
         "energy.png",
         "log.json",
         "params.mpack",
+        "run.json",
     ]
     printed = re.search(r"exact energy: (\S+) \(lanczos\)", stdout)
     assert printed and float(printed.group(1)) == pytest.approx(exact, rel=1e-9)

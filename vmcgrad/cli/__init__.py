@@ -27,6 +27,9 @@ from pathlib import Path
 
 from . import _checkpoint, _distributed, _lock, _output, _supervise, vmc
 from ._args import Parser
+from ._run_folder import Run, RunFolderError, load_run
+
+__all__ = ["Run", "RunFolderError", "build_parser", "load_run", "main"]
 
 
 def build_parser() -> Parser:

@@ -36,6 +36,7 @@ from . import (
     _phases,
     _report,
     _resume,
+    _run_folder,
     _systems,
     _user_problem,
 )
@@ -51,7 +52,7 @@ DRIVERS = {
 #: The modules this command imports beyond vmcgrad's own (the ``[cli]`` extra), checked before it starts.
 REQUIRES = ("netket", "matplotlib", "tqdm")
 #: What a run writes in ``--out``.
-FILES = ("log.json", "energy.png", _checkpoint.CHECKPOINT, _checkpoint.PARAMS)
+FILES = (_run_folder.RUN_FILE, "log.json", "energy.png", _checkpoint.CHECKPOINT, _checkpoint.PARAMS)
 
 
 def add_parser(commands) -> None:
@@ -143,7 +144,8 @@ def add_parser(commands) -> None:
         "--out",
         default="vmcgrad-run",
         metavar="DIR",
-        help="output directory (log.json, energy.png, checkpoint.mpack, params.mpack)",
+        help="output directory (run.json, log.json, energy.png, checkpoint.mpack, params.mpack); "
+        "vmcgrad.cli.load_run(DIR) loads it back as a NetKet state",
     )
     p.add_argument(
         "--checkpoint-every",
@@ -305,7 +307,12 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
         "memory_budget": args.memory_budget,
         "exact_energy_source": exact_source,
         "infinite_temperature_energy": e_inf,
-        "versions": {"vmcgrad": _version(), "netket": nk.__version__, "jax": jax.__version__},
+        "versions": {
+            "vmcgrad": _version(),
+            "netket": nk.__version__,
+            "jax": jax.__version__,
+            "flax": _flax_version(),
+        },
         "resumed_at": [] if snap is None else [*snap["info"].get("resumed_at", []), int(snap["step"])],
     }
     if main:
@@ -322,6 +329,9 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
     out = Path(args.out)
     if main:
         _output.remove_stale_temporaries(out, FILES)
+        driver_record = {"option": args.driver, "name": args.driver, "description": info["driver"]}
+        run_record = _run_folder.record(args, system, model, vstate, info, driver_record)
+        _output.write_json_atomic(out / _run_folder.RUN_FILE, run_record)
     recorder = _report.Recorder(
         out,
         config_of(args),
@@ -391,8 +401,9 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
         )
         return 130
     print(
-        f"wrote {out / 'log.json'}, {out / 'energy.png'}, {out / _checkpoint.CHECKPOINT} and "
-        f"{out / _checkpoint.PARAMS} in {wall:.1f} s"
+        f"wrote {out / _run_folder.RUN_FILE}, {out / 'log.json'}, {out / 'energy.png'}, "
+        f"{out / _checkpoint.CHECKPOINT} and {out / _checkpoint.PARAMS} in {wall:.1f} s; "
+        f"load it with vmcgrad.cli.load_run({str(out)!r})"
     )
     return 0
 
@@ -458,6 +469,12 @@ def _chunk_sizes(
         return {"gradient": gradient, "kernel": "auto"}, "-"
     qgt = vmcgrad.QGT(logpsi, vstate.parameters, samples, chunk_size="auto", **budget)  # builds O-bar once
     return {"gradient": gradient, "qgt": qgt.chunk_size}, qgt.design
+
+
+def _flax_version() -> str:
+    import flax
+
+    return flax.__version__
 
 
 def _version() -> str:
