@@ -122,7 +122,7 @@ def test_short_run_writes_log_and_plot(tmp_path):
         "out": str(out),
         "checkpoint_every": 10,
         "resume": None,
-        "driver": "sr",
+        "driver": "auto",
         "memory_budget": None,
         "grow_samples": None,
         "minutes": None,

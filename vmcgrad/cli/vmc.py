@@ -44,10 +44,13 @@ from ._args import HelpFormatter, byte_size, chunk_size, non_negative_float, pos
 
 #: Samples per Metropolis chain are at least this many: chains per device = min(16, samples / devices / this).
 _CHAINS_PER_DEVICE = 16
-#: The optimisation drivers of ``--driver``.
+#: The optimisation drivers of ``--driver`` (``auto`` picks one of the other two: :func:`choose_driver`).
 DRIVERS = {
+    "auto": "minsr where the parameters outnumber the samples (NetKet's rule of thumb, as its VMC_SR "
+    "chooses: P > N), sr otherwise",
     "sr": "nk.driver.VMC with SR in parameter space (vmcgrad's QGTOnTheFly products, CG)",
-    "minsr": "vmcgrad.netket.VMC_SR: sample-space SR (MinSR), its N x N kernel built in chunked blocks",
+    "minsr": "vmcgrad.netket.VMC_SR: sample-space SR (MinSR); its route (the N x N kernel in chunked "
+    "blocks, the P x P matrix, or matrix-free CG) is chosen from N, P and the memory budget",
 }
 #: The modules this command imports beyond vmcgrad's own (the ``[cli]`` extra), checked before it starts.
 REQUIRES = ("netket", "matplotlib", "tqdm")
@@ -103,7 +106,7 @@ def add_parser(commands) -> None:
     p.add_argument(
         "--driver",
         choices=tuple(DRIVERS),
-        default="sr",
+        default="auto",
         help="; ".join(f"{k}: {v}" for k, v in DRIVERS.items()),
     )
     p.add_argument(
@@ -175,9 +178,10 @@ def check(args, parser) -> None:
     elif args.memory_budget is not None and "chunk_size" not in _resume.given_options(args, parser):
         args.chunk_size = "auto"  # a budget alone chooses every chunk
     _systems.fill_defaults(args)
-    if args.grow_samples is not None and args.driver != "minsr":
+    if args.grow_samples is not None and args.driver == "sr":
         parser.error(
-            "argument --grow-samples: needs --driver minsr (sample-space SR holds N within a budget)"
+            "argument --grow-samples: needs --driver minsr or auto (sample-space SR holds N within a "
+            "budget); got --driver sr"
         )
     problem = _systems.size_problem(args.system, args.L)
     if problem:
@@ -193,6 +197,40 @@ def check(args, parser) -> None:
                 f"argument --out: {args.out} holds the checkpoint of another run; continue it with "
                 f"`--resume {args.out}`, choose another --out, or delete {checkpoint} to start over"
             )
+
+
+def choose_driver(option: str, n_parameters: int, n_samples: int, grow: bool = False) -> tuple[str, str]:
+    """The driver a run takes for ``--driver option`` and why: ``auto`` takes sample-space SR
+    (``minsr``) where the parameters outnumber the samples, as NetKet's ``VMC_SR`` chooses its kernel,
+    and with ``--grow-samples``; parameter-space SR (``sr``) otherwise. A forced driver is kept, and the
+    reason says when ``auto`` would take the other.
+
+    Examples:
+        >>> choose_driver("auto", 2120, 1024)[0], choose_driver("auto", 80, 256)[0]
+        ('minsr', 'sr')
+    """
+    p, n = n_parameters, n_samples
+    more = p > n
+    relation = f"{p} parameters {'>' if more else '<='} {n} samples"
+    if option == "auto":
+        if grow:
+            return (
+                "minsr",
+                "--driver auto with --grow-samples: sample-space SR, which holds N within a budget",
+            )
+        if more:
+            return "minsr", f"--driver auto: {relation}, so sample-space SR (NetKet's rule of thumb: P > N)"
+        return "sr", f"--driver auto: {relation}, so parameter-space SR (NetKet's rule of thumb: P <= N)"
+    if option == "sr" and not more:
+        return "sr", f"--driver sr as given ({relation})"
+    if option == "sr":
+        return "sr", (
+            f"--driver sr as given, with {relation}: the P x P system is under-determined here; "
+            "--driver auto takes minsr (sample-space SR), as NetKet recommends"
+        )
+    if more:
+        return "minsr", f"--driver minsr as given ({relation})"
+    return "minsr", f"--driver minsr as given ({relation}: --driver auto would take sr, parameter-space SR)"
 
 
 def config_of(args) -> dict:
@@ -282,8 +320,13 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
         sampler_seed=args.seed + 1,
     )
     snap = getattr(args, "_checkpoint", None)
+    taken, why = choose_driver(
+        args.driver, int(vstate.n_parameters), n_samples, args.grow_samples is not None
+    )
+    if snap is not None:  # the driver the run was started with
+        taken = snap["info"].get("driver_taken", taken)
     if snap is None:
-        chunks, qgt_design = _chunk_sizes(args.chunk_size, vstate, args.memory_budget, args.driver)
+        chunks, qgt_design = _chunk_sizes(args.chunk_size, vstate, args.memory_budget, taken)
     else:  # the chunks the run was started with (auto's pick could differ now, and change the numbers)
         chunks, qgt_design = snap["info"]["chunk_size"], snap["info"]["qgt_design"]
     vstate.vmcgrad_chunk_size = chunks["gradient"]
@@ -303,7 +346,9 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
         "n_processes": jax.process_count(),
         "chunk_size": chunks,
         "qgt_design": qgt_design,
-        "driver": DRIVERS[args.driver],
+        "driver": DRIVERS[taken],
+        "driver_taken": taken,
+        "driver_reason": why,
         "memory_budget": args.memory_budget,
         "exact_energy_source": exact_source,
         "infinite_temperature_energy": e_inf,
@@ -318,7 +363,7 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
     if main:
         _report.print_header(args, info, exact, exact_source)
 
-    driver = _driver(args, system, vstate, chunks, qgt_design)
+    driver = _driver(args, taken, system, vstate, chunks, qgt_design)
 
     if snap is not None:
         if main:
@@ -329,7 +374,7 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
     out = Path(args.out)
     if main:
         _output.remove_stale_temporaries(out, FILES)
-        driver_record = {"option": args.driver, "name": args.driver, "description": info["driver"]}
+        driver_record = {"option": args.driver, "name": taken, "reason": why, "description": info["driver"]}
         run_record = _run_folder.record(args, system, model, vstate, info, driver_record)
         _output.write_json_atomic(out / _run_folder.RUN_FILE, run_record)
     recorder = _report.Recorder(
@@ -342,6 +387,7 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
         main=main,
         driver=driver,
         phases=_phases.PhaseBytes(vstate, chunks, qgt_design, args.memory_budget, args.diag_shift),
+        kernel_chunk=chunks.get("kernel"),
         checkpoint_every=args.checkpoint_every,
         records=[] if snap is None else snap["records"][: int(snap["step"])],
         deadline=None if args.minutes is None else t_start + 60 * args.minutes,
@@ -373,16 +419,16 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
                 f"final energy {recorder.final_energy!r}; process 0 wrote the log"
             )
         return 130 if status == "interrupted" else 0
+    last = _report._plural(recorder.n_final, "step")
     if recorder.relative_error is not None:
         print(
-            f"final energy {recorder.final_energy:.6f} (mean of the last {recorder.n_final} steps), "
+            f"final energy {recorder.final_energy:.6f} (mean of the last {last}), "
             f"exact {exact:.6f}, relative error {recorder.relative_error:.2e}"
         )
     elif n:
         print(
             f"final energy {recorder.final_energy:.6f} ± {recorder.final_energy_error:.6f}, variance "
-            f"{recorder.final_variance:.6f} (means of the last {recorder.n_final} steps), "
-            + _report.v_score_text(recorder)
+            f"{recorder.final_variance:.6f} (means of the last {last}), " + _report.v_score_text(recorder)
         )
     if recorder.failed:
         raise _output.OutputError(recorder.failure())
@@ -408,25 +454,29 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
     return 0
 
 
-def _driver(args, system, vstate, chunks: dict, qgt_design: str):
-    """The optimisation driver of ``--driver``: NetKet's VMC with SR on vmcgrad's QGT products, or
-    vmcgrad's ``VMC_SR`` (MinSR) with its kernel chunk from the budget."""
+def _driver(args, taken: str, system, vstate, chunks: dict, qgt_design: str):
+    """The optimisation driver ``taken`` (:func:`choose_driver`): NetKet's VMC with SR on vmcgrad's QGT
+    products, or vmcgrad's ``VMC_SR`` (MinSR) with its kernel chunk from the budget. NetKet's warning
+    that SR has fewer samples than parameters is left out: the header's driver line says it."""
     import contextlib
     import io
+    import warnings
 
     import netket as nk
 
     import vmcgrad.netket as vnk
 
     optimizer = nk.optimizer.Sgd(learning_rate=args.lr)
-    if args.driver == "sr":
+    if taken == "sr":
         qgt = vnk.QGTOnTheFly(chunk_size=chunks["qgt"], design=qgt_design)
-        return nk.driver.VMC(
-            system.hamiltonian,
-            optimizer,
-            variational_state=vstate,
-            preconditioner=nk.optimizer.SR(qgt=qgt, diag_shift=args.diag_shift),
-        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", nk.errors.InsufficientSamplesForSRWarning)
+            return nk.driver.VMC(
+                system.hamiltonian,
+                optimizer,
+                variational_state=vstate,
+                preconditioner=nk.optimizer.SR(qgt=qgt, diag_shift=args.diag_shift),
+            )
     grow = None if args.grow_samples is None else vnk.GrowSamples(max_samples=args.grow_samples)
     with contextlib.redirect_stdout(io.StringIO()):  # NetKet's notes on its own automatic choices
         return vnk.VMC_SR(
