@@ -269,6 +269,9 @@ def test_interrupted_run_keeps_a_valid_log(tmp_path):
     assert log["status"] == "interrupted" and log["relative_error"] is not None
     assert _is_png(out / "energy.png")
     assert "interrupted after" in stdout and "Traceback" not in stderr
+    assert (
+        "wrote the checkpoint of step" in stdout and f"continue with `vmcgrad vmc --resume {out}`" in stdout
+    )
 
 
 def test_python_m_vmcgrad_help(tmp_path):

@@ -57,6 +57,13 @@ def print_header(args, info: dict, exact: float | None, exact_source: str | None
         f"{chunk}; {'SR' if taken == 'sr' else 'MinSR'} diag_shift {args.diag_shift}, "
         f"lr {args.lr}, {args.steps} steps"
     )
+    given = info.get("samples_given", info["n_samples"])
+    if given != info["n_samples"]:
+        per_device = info["n_chains"] // info["n_devices"]
+        print(
+            f"note: --samples {given} rounded up to {info['n_samples']}, the same number in each of the "
+            f"{info['n_chains']} chains ({per_device} per device on {devices})"
+        )
     budget = "" if args.memory_budget is None else f", within {args.memory_budget} bytes per device"
     grow = (
         "" if args.grow_samples is None else f"; samples grow up to {args.grow_samples} as the energy settles"
@@ -119,7 +126,17 @@ def keep(kept: dict) -> str | None:
     recorder.write()
     if recorder.log_error is not None:
         return str(recorder.log_error)
-    return f"kept {recorder.out / 'log.json'} ({len(recorder.records)} steps)"
+    kept = f"kept {recorder.out / 'log.json'} ({_plural(len(recorder.records), 'step')})"
+    return kept + resume_hint(recorder.out, recorder.n_checkpoint)
+
+
+def resume_hint(out: Path, step: int | None = None) -> str:
+    """``"; continue from the checkpoint of step K with `vmcgrad vmc --resume DIR`"`` when ``out``
+    holds a checkpoint, else ``""``."""
+    if not (out / _checkpoint.CHECKPOINT).is_file():
+        return ""
+    at = "" if step is None else f" of step {step}"
+    return f"; continue from the checkpoint{at} with `vmcgrad vmc --resume {out}`"
 
 
 def v_score_text(recorder) -> str:

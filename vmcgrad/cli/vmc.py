@@ -44,6 +44,9 @@ from ._args import HelpFormatter, byte_size, chunk_size, non_negative_float, pos
 
 #: Samples per Metropolis chain are at least this many: chains per device = min(16, samples / devices / this).
 _CHAINS_PER_DEVICE = 16
+#: The fewest samples a step may have: NetKet's error of the mean (``nk.stats.statistics``) is NaN
+#: below its block size, 32 samples in all (tests/test_cli_messages.py checks it against NetKet).
+MIN_SAMPLES = 32
 #: The optimisation drivers of ``--driver`` (``auto`` picks one of the other two: :func:`choose_driver`).
 DRIVERS = {
     "auto": "minsr where the parameters outnumber the samples (NetKet's rule of thumb, as its VMC_SR "
@@ -178,6 +181,12 @@ def check(args, parser) -> None:
     elif args.memory_budget is not None and "chunk_size" not in _resume.given_options(args, parser):
         args.chunk_size = "auto"  # a budget alone chooses every chunk
     _systems.fill_defaults(args)
+    if args.samples < MIN_SAMPLES:
+        parser.error(
+            f"argument --samples: must be at least {MIN_SAMPLES}; got {args.samples}, for which NetKet's "
+            f"error of the mean is nan (it needs {MIN_SAMPLES} samples, its block size). "
+            f"Fix: --samples {MIN_SAMPLES} or more"
+        )
     if args.grow_samples is not None and args.driver == "sr":
         parser.error(
             "argument --grow-samples: needs --driver minsr or auto (sample-space SR holds N within a "
@@ -292,7 +301,9 @@ def mark_log(args, status: str, error: str | None) -> str | None:
         _output.write_json_atomic(path, log)
     except _output.OutputError as failure:
         return str(failure)
-    return f"{path} keeps the {len(log['energy_mean'])} steps run"
+    n = len(log["energy_mean"])
+    kept = f"{path} keeps the {n} {'step' if n == 1 else 'steps'} run"
+    return kept + _report.resume_hint(Path(args.out))
 
 
 def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) -> int:
@@ -341,6 +352,7 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
         "n_sites": system.n_sites,
         "n_parameters": int(vstate.n_parameters),
         "n_samples": n_samples,
+        "samples_given": args.samples,
         "n_chains": n_chains,
         "n_devices": n_devices,
         "n_processes": jax.process_count(),
@@ -441,9 +453,15 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
         )
         return 0
     if status == "interrupted":
+        written = (
+            f"wrote the checkpoint of step {recorder.n_checkpoint} ({out / _checkpoint.CHECKPOINT})"
+            if recorder.n_checkpoint
+            else "no checkpoint yet"
+        )
         print(
-            f"interrupted after {n} of {args.steps} steps; kept {out / 'log.json'} and {out / 'energy.png'}; "
-            f"continue with `vmcgrad vmc --resume {out}` (from step {recorder.n_checkpoint})"
+            f"interrupted after {n} of {_report._plural(args.steps, 'step')}; {written}, kept "
+            f"{out / 'log.json'} and {out / 'energy.png'}; continue with `vmcgrad vmc --resume {out}`"
+            + (f" (from step {recorder.n_checkpoint})" if recorder.n_checkpoint else " (from the start)")
         )
         return 130
     print(
