@@ -131,6 +131,7 @@ def test_short_run_writes_log_and_plot(tmp_path):
         "num_processes": None,
         "process_id": None,
         "distributed_timeout": 60,
+        "verbose": False,
     }
     # The energy went down from the random start: the update is applied with the right sign.
     assert min(log["energy_mean"][1:]) < log["energy_mean"][0]

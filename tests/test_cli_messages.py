@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from test_cli_resume import _synthetic
 
-from vmcgrad.cli import _checkpoint, _lock, _report, main, vmc
+from vmcgrad.cli import _checkpoint, _lock, _report, _supervise, main, vmc
 
 
 def _one_line(capsys) -> str:
@@ -100,3 +100,50 @@ def test_a_lost_process_ends_with_the_resume_line(tmp_path):
     assert json.loads((out / "log.json").read_text())["status"] == "failed"
     (out / _checkpoint.CHECKPOINT).unlink()  # none written yet: no hint
     assert "--resume" not in vmc.mark_log(args, "failed", "lost process 1 of 2")
+
+
+#: What a multi-process run's child prints besides ours: Gloo's line (seen on stdout), glog/absl lines
+#: of JAX's distributed client (the format of absl's LogMessage), and ours.
+THEIRS = [
+    b"[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n",
+    b"I0000 00:00:1733428123.456789   12345 distributed.cc:123] Connecting to coordination service\n",
+    b"W0102 12:00:00.123456 777 client.cc:9] heartbeat slow\n",
+    b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n",
+]
+OURS = [b"vmcgrad vmc: a header line\n", b"step 1/3 |#   | E = -1\r", b"Info: a line of the user\n"]
+
+
+def _relayed(tmp_path, third_party, chunks):
+    import io
+    import os
+    import threading
+    import time
+
+    r, w = os.pipe()
+    out = io.BytesIO()
+    stream = io.TextIOWrapper(out, write_through=True)
+
+    def write():
+        for chunk in chunks:
+            os.write(w, chunk)
+            time.sleep(0.002)  # the relay sees partial lines
+        os.close(w)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    _supervise._relay(r, stream, third_party)
+    writer.join()
+    os.close(r)
+    return out.getvalue()
+
+
+def test_third_party_log_lines_go_to_the_run_folder_unless_verbose(tmp_path):
+    lines = [OURS[0], THEIRS[0], THEIRS[1], OURS[1], THEIRS[2], OURS[2], THEIRS[3]]
+    log = tmp_path / _supervise.THIRD_PARTY_LOG
+    # split mid-line too: a partial third-party line waits for its end
+    data = b"".join(lines)
+    chunks = [data[i : i + 7] for i in range(0, len(data), 7)]
+    shown = _relayed(tmp_path, log, chunks)
+    assert shown == b"".join(OURS), shown
+    assert log.read_bytes() == b"".join(THEIRS)
+    assert _relayed(tmp_path, None, chunks) == data  # --verbose: all of it, in order

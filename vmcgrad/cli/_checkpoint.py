@@ -51,6 +51,7 @@ MAY_CHANGE = frozenset(
         "coordinator",
         "process_id",
         "distributed_timeout",
+        "verbose",
     }
 )
 

@@ -166,6 +166,12 @@ def add_parser(commands) -> None:
         metavar="DIR",
         help="continue the run whose checkpoint is in DIR (its options are used; --steps may be raised)",
     )
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show the log lines of the libraries under a multi-process run (JAX's distributed client, "
+        "Gloo) in the terminal; otherwise process 0 writes them to DIR/third_party.log",
+    )
     _distributed.add_arguments(p)
     p.set_defaults(_command=sys.modules[__name__], _parser=p)
 
