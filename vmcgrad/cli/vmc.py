@@ -1,6 +1,8 @@
 """``vmcgrad vmc``: a ground-state search with NetKet's sampler and driver and vmcgrad's gradients and SR.
 
-One step is NetKet's ``nk.driver.VMC`` with an ``nk.optimizer.SR`` preconditioner: sample, then
+``--driver auto`` (the default) takes sample-space SR (:class:`vmcgrad.netket.VMC_SR`, MinSR) where
+the parameters outnumber the samples, and parameter-space SR otherwise (:func:`choose_driver`). A
+parameter-space step is NetKet's ``nk.driver.VMC`` with an ``nk.optimizer.SR`` preconditioner: sample, then
 
 .. math::
 
@@ -124,8 +126,9 @@ def add_parser(commands) -> None:
         type=positive_int,
         default=None,
         metavar="MAX",
-        help="with --driver minsr: double the samples whenever the energy settles to its error bar over 20 "
-        "steps, up to MAX and to what --memory-budget holds (vmcgrad.netket.GrowSamples)",
+        help="with --driver minsr or auto (which then takes minsr): double the samples whenever the "
+        "energy settles to its error bar over 20 steps, up to MAX and to what --memory-budget holds "
+        "(vmcgrad.netket.GrowSamples)",
     )
     p.add_argument(
         "--minutes",
