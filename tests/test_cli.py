@@ -122,7 +122,7 @@ def test_short_run_writes_log_and_plot(tmp_path):
         "out": str(out),
         "checkpoint_every": 10,
         "resume": None,
-        "driver": "sr",
+        "driver": "auto",
         "memory_budget": None,
         "grow_samples": None,
         "minutes": None,
@@ -131,6 +131,7 @@ def test_short_run_writes_log_and_plot(tmp_path):
         "num_processes": None,
         "process_id": None,
         "distributed_timeout": 60,
+        "verbose": False,
     }
     # The energy went down from the random start: the update is applied with the right sign.
     assert min(log["energy_mean"][1:]) < log["energy_mean"][0]
@@ -141,6 +142,7 @@ def test_short_run_writes_log_and_plot(tmp_path):
         "energy.png",
         "log.json",
         "params.mpack",
+        "run.json",
     ]
     printed = re.search(r"exact energy: (\S+) \(lanczos\)", stdout)
     assert printed and float(printed.group(1)) == pytest.approx(exact, rel=1e-9)
@@ -268,6 +270,9 @@ def test_interrupted_run_keeps_a_valid_log(tmp_path):
     assert log["status"] == "interrupted" and log["relative_error"] is not None
     assert _is_png(out / "energy.png")
     assert "interrupted after" in stdout and "Traceback" not in stderr
+    assert (
+        "wrote the checkpoint of step" in stdout and f"continue with `vmcgrad vmc --resume {out}`" in stdout
+    )
 
 
 def test_python_m_vmcgrad_help(tmp_path):

@@ -202,6 +202,8 @@ def test_two_processes_start_from_the_launchers_environment_alone(tmp_path):
         "energy.png",
         "log.json",
         "params.mpack",
+        "run.json",
+        "third_party.log",
     ]
     reported = re.search(r"process 1 of 2: finished after 3 steps, final energy (\S+);", out1)
     assert reported and float(reported.group(1)) == log["final_energy"], out1
@@ -248,4 +250,5 @@ def test_a_launched_process_killed_mid_run_ends_the_other_with_one_line(tmp_path
     log = json.loads((out / "log.json").read_text())
     assert log["status"] == "failed" and log["error"].startswith("lost process 1 of 2"), log
     # no lock file left
-    assert {p.name for p in out.iterdir()} <= {"energy.png", "log.json", "checkpoint.mpack", "params.mpack"}
+    kept = {"energy.png", "log.json", "checkpoint.mpack", "params.mpack", "run.json", "third_party.log"}
+    assert {p.name for p in out.iterdir()} <= kept

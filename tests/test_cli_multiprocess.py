@@ -113,7 +113,10 @@ def test_two_processes_match_one(tmp_path):
         "energy.png",
         "log.json",
         "params.mpack",
+        "run.json",
+        "third_party.log",  # Gloo's line, not the terminal's
     ]
+    assert "[Gloo]" in (multi / "third_party.log").read_text() and "[Gloo]" not in out0 + out1 + err0 + err1
     assert "relative error" in out0 and "Traceback" not in err0 + err1
 
     # Process 1: one line, the same final energy as process 0's log, to the last bit.
@@ -205,6 +208,8 @@ def test_a_process_killed_mid_run_ends_the_other_with_one_line(tmp_path, killed)
             "log.json",
             "checkpoint.mpack",
             "params.mpack",
+            "run.json",
+            "third_party.log",
         }
 
 
@@ -241,7 +246,8 @@ def test_a_process_that_never_joins_ends_the_others_with_one_line(tmp_path, seco
         log = json.loads((out / "log.json").read_text())
         assert log["status"] == "failed" and log["error"].startswith("process 1 of 2 did not join")
         assert log["energy_mean"] == [] and log["config"]["process_id"] == 0
-        assert sorted(p.name for p in out.iterdir()) == ["log.json"]  # no lock file left
+        assert {p.name for p in out.iterdir()} <= {"log.json", "third_party.log"}  # no lock file left
+        assert (out / "log.json").exists()
 
 
 def test_initialize_distributed_refuses_a_bad_timeout():

@@ -263,6 +263,7 @@ def test_killed_at_random_instants_and_resumed_reaches_the_same_energies(tmp_pat
         "energy.png",
         "log.json",
         "params.mpack",
+        "run.json",
     ]
     assert _checkpoint.read(out)["step"] == steps
 

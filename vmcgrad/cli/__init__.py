@@ -28,6 +28,9 @@ from pathlib import Path
 from .. import __version__
 from . import _checkpoint, _distributed, _lock, _output, _supervise, vmc
 from ._args import Parser
+from ._run_folder import Run, RunFolderError, load_run
+
+__all__ = ["Run", "RunFolderError", "build_parser", "load_run", "main"]
 
 
 def build_parser() -> Parser:
@@ -76,9 +79,10 @@ def missing_dependencies(names: Sequence[str]) -> list[str]:
     return missing
 
 
-def claim_out_dir(out: Path, parser: Parser) -> _lock.OutDirLock:
+def claim_out_dir(out: Path, parser: Parser, option: str = "--out") -> _lock.OutDirLock:
     """Creates ``out`` and locks it for this run; a usage error (exit 2) when another run holds it or it
-    cannot be created or written (a full disk): then nothing that this created is left behind."""
+    cannot be created or written (a full disk): then nothing that this created is left behind.
+    ``option`` is the one the user gave the folder with (``--out``, or ``--resume``), for the message."""
     created = [p for p in (out, *out.absolute().parents) if not p.exists()][::-1]  # outermost first
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -90,8 +94,9 @@ def claim_out_dir(out: Path, parser: Parser) -> _lock.OutDirLock:
             except OSError:
                 break
         if isinstance(error, _lock.Busy):
-            parser.error(f"argument --out: {error}")
-        parser.error(f"argument --out: cannot create {str(out)!r}: {_output.reason(error)}")
+            fix = "choose another --out" if option == "--out" else "resume it once that run has ended"
+            parser.error(f"argument {option}: {error}; wait for it to end, or {fix}")
+        parser.error(f"argument {option}: cannot create {str(out)!r}: {_output.reason(error)}")
     if lock.stale_pid is not None:
         print(
             f"{parser.prog}: note: took over the lock file {lock.path} of process {lock.stale_pid}, "
@@ -133,7 +138,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     lock = None
     try:
         out = None if supervised else command.out_dir(args)
-        lock = claim_out_dir(out, sub) if out is not None else None
+        option = "--resume" if getattr(args, "resume", None) is not None else "--out"
+        lock = claim_out_dir(out, sub, option) if out is not None else None
         if distributed and not supervised:  # JAX runs in a child, which this process watches
             return _distributed.supervise(
                 args,

@@ -19,8 +19,10 @@ are compared with those that wrote it (:func:`differences`: the ones that change
 driver (:func:`restore`), after which the run continues with the same program on the same inputs: on
 the same devices it reproduces the energies of the run that was never interrupted bit for bit.
 
-The payload is a :func:`flax.serialization.msgpack_serialize` state dict; ``"driver"`` is the place
-for a driver's own state (for example a MinSR momentum), empty for ``nk.driver.VMC`` with SGD.
+The payload is a :func:`flax.serialization.msgpack_serialize` state dict; ``"driver"`` holds the
+driver's own state through its public interface: :meth:`vmcgrad.netket.VMC_SR.state_dict` (steps,
+optimiser, samples, the ``grow_samples`` rule, the SPRING momentum), or for NetKet's drivers the step
+count and optimiser state of their flax serialization.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from . import _output
 #: The first bytes of every checkpoint file.
 MAGIC = b"vmcgrad checkpoint\n"
 #: The layout of the payload; a file of another format is refused.
-FORMAT = 1
+FORMAT = 2
 CHECKPOINT = "checkpoint.mpack"
 PARAMS = "params.mpack"
 #: The options that may differ between a run and its resumption (each resumed run has its own: they are
@@ -51,6 +53,7 @@ MAY_CHANGE = frozenset(
         "coordinator",
         "process_id",
         "distributed_timeout",
+        "verbose",
     }
 )
 
@@ -81,9 +84,7 @@ def to_host(tree):
     return jax.tree_util.tree_map(leaf, tree)
 
 
-def snapshot(
-    driver, *, step: int, records: list, config: dict, info: dict, extra: dict | None = None
-) -> dict:
+def snapshot(driver, *, step: int, records: list, config: dict, info: dict) -> dict:
     """The state of ``driver`` after ``step`` completed steps, as a state dict of host arrays.
 
     Collective: every process calls it (sharded chains are gathered); only process 0 writes it.
@@ -100,25 +101,25 @@ def snapshot(
         "records": json.dumps(records),
         "variables": to_host(serialization.to_state_dict(state.variables)),
         "sampler_state": to_host(serialization.to_state_dict(state.sampler_state)),
-        "optimizer_state": to_host(serialization.to_state_dict(driver._optimizer_state)),
-        "driver": to_host(extra or {}),
+        "driver": to_host(driver_state(driver)),
     }
 
 
+#: The entries of a NetKet driver's flax state dict (:func:`flax.serialization.to_state_dict`, which
+#: NetKet registers for its drivers) that a run continues from: the steps done and the optimiser's state.
+NETKET_DRIVER_ENTRIES = ("_step_count", "_optimizer_state")
+
+
 def driver_state(driver) -> dict:
-    """A driver's own state beyond the variational state and the optimiser: for
-    :class:`vmcgrad.netket.VMC_SR`, the number of samples (it may have grown), the ``grow_samples``
-    rule's window, raises and whether it stopped, and the SPRING momentum's last update; nothing
-    for ``nk.driver.VMC``."""
-    state = {}
-    if hasattr(driver, "grown"):  # vmcgrad.netket.VMC_SR
-        state["n_samples"] = int(driver.state.n_samples)
-        grow = {"history": driver._grow_history, "grown": driver.grown, "stopped": driver._grow_stopped}
-        state["grow"] = json.dumps(grow)
-    old = getattr(driver, "_old_updates", None)
-    if old is not None:
-        state["old_updates"] = old
-    return state
+    """The driver's own resumable state, beyond the variational state: :meth:`vmcgrad.netket.VMC_SR.
+    state_dict` (steps, optimiser, samples, the ``grow_samples`` rule, the SPRING momentum), or for
+    NetKet's drivers the step count and optimiser state of their flax serialization."""
+    if hasattr(driver, "load_state_dict"):  # vmcgrad.netket.VMC_SR: its public state
+        return driver.state_dict()
+    from flax import serialization
+
+    saved = serialization.to_state_dict(driver)
+    return {key: saved[key] for key in NETKET_DRIVER_ENTRIES}
 
 
 def params_bytes(snap: dict) -> bytes:
@@ -205,8 +206,10 @@ def differences(saved: dict, given: dict) -> list[str]:
     return out
 
 
-def restore(driver, snap: dict, path: Path) -> None:
-    """Puts the checkpoint's variables, sampler state, optimiser state and step into ``driver``.
+def restore(driver, snap: dict, path: Path):
+    """Puts the checkpoint's variables, sampler state and driver state (steps, optimiser, ...) into
+    ``driver``; returns the driver to run: ``driver`` itself, or for NetKet's drivers the one flax's
+    :func:`~flax.serialization.from_state_dict` returns (its variational state a copy of ``driver``'s).
 
     Raises:
         CheckpointError: when the checkpoint's variables or states do not fit this run's (another model).
@@ -215,11 +218,13 @@ def restore(driver, snap: dict, path: Path) -> None:
     from flax import serialization
 
     state = driver.state
-    extra = snap.get("driver") or {}
-    if "n_samples" in extra:  # before the sampler state: its chains do not depend on it
-        state.n_samples = int(extra["n_samples"])
+    saved = snap.get("driver") or {}
+    if hasattr(driver, "load_state_dict"):  # first: it may set n_samples, which resets the samples
+        try:
+            driver.load_state_dict(saved)
+        except ValueError as error:
+            raise CheckpointError(f"{path}: {error}") from None
     variables = _fitted(state.variables, snap["variables"], "variables", path)
-    optimizer_state = _fitted(driver._optimizer_state, snap["optimizer_state"], "optimizer state", path)
     try:
         sampler_state = serialization.from_state_dict(state.sampler_state, snap["sampler_state"])
     except (ValueError, KeyError, TypeError) as error:
@@ -229,16 +234,18 @@ def restore(driver, snap: dict, path: Path) -> None:
     state.variables = variables
     state.sampler_state = sampler_state
     state.reset()
-    driver._optimizer_state = optimizer_state
-    driver._step_count = int(snap["step"])
-    if "grow" in extra:
-        grow = json.loads(extra["grow"])
-        driver._grow_history = [tuple(x) for x in grow["history"]]
-        driver.grown = [tuple(x) for x in grow["grown"]]
-        driver._grow_stopped = bool(grow.get("stopped", False))  # (checkpoints before it was kept)
-    if "old_updates" in extra:
-        driver._old_updates = _fitted(state.parameters, extra["old_updates"], "momentum", path)
-    jax.block_until_ready((state.variables, state.sampler_state))
+    if not hasattr(driver, "load_state_dict"):  # NetKet's driver: through its flax serialization
+        current = serialization.to_state_dict(driver)
+        try:
+            entries = {key: saved[key] for key in NETKET_DRIVER_ENTRIES}
+        except KeyError as error:
+            raise CheckpointError(f"{path}: its driver state lacks {error}") from None
+        entries["_optimizer_state"] = _fitted(
+            current["_optimizer_state"], entries["_optimizer_state"], "optimizer state", path
+        )
+        driver = serialization.from_state_dict(driver, {**current, **entries})
+    jax.block_until_ready((driver.state.variables, driver.state.sampler_state))
+    return driver
 
 
 def _fitted(target, saved: Any, what: str, path: Path):

@@ -303,6 +303,19 @@ def supervise(args, argv, prog: str, on_failure, on_interrupt) -> int:
             launcher=getattr(getattr(args, "_launch", None), "launcher", None),
         )
 
+    from pathlib import Path
+
+    if getattr(args, "verbose", False):
+        third_party = None
+    elif args.process_id:  # only process 0 writes in the run folder
+        third_party = Path(os.devnull)
+    else:
+        third_party = Path(args.out) / _supervise.THIRD_PARTY_LOG
     return _supervise.run_child(
-        argv, prog, diagnose_child=diagnose, on_failure=on_failure, on_interrupt=on_interrupt
+        argv,
+        prog,
+        diagnose_child=diagnose,
+        on_failure=on_failure,
+        on_interrupt=on_interrupt,
+        third_party=third_party,
     )

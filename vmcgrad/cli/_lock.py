@@ -53,8 +53,7 @@ class OutDirLock:
                 os.close(fd)
                 who = f"process {holder}" if holder else "another process"
                 raise Busy(
-                    f"{str(out)!r} is in use by another vmcgrad run ({who}, lock file {path}); "
-                    "wait for it to end, or choose another --out"
+                    f"{str(out)!r} is in use by another vmcgrad run ({who}, lock file {path})"
                 ) from None
             # The holder may have removed the file between our open and our flock: then we locked
             # an unlinked file, and must lock the one that is there now.

@@ -46,22 +46,30 @@ def print_header(args, info: dict, exact: float | None, exact_source: str | None
     )
     if args.chunk_size == "auto":
         chunk = f"auto: {chunk}"
+    if chunks.get("kernel") == "auto":  # the kernel's blocks: chosen by vmcgrad.minsr_update at each N
+        chunk = f"{chunks['gradient']} (gradient), kernel blocks chosen within the budget at each N"
+    taken = info["driver_taken"]
+    devices = _plural(info["n_devices"], "device")
     print(
         f"vmcgrad vmc: {info['description']}; "
         f"{args.model} with {info['n_parameters']} parameters; {info['n_samples']} samples in "
-        f"{info['n_chains']} chains on {info['n_devices']} device(s){processes}, chunk size "
-        f"{chunk}; {args.driver.upper() if args.driver == 'sr' else 'MinSR'} diag_shift {args.diag_shift}, "
+        f"{info['n_chains']} chains on {devices}{processes}, chunk size "
+        f"{chunk}; {'SR' if taken == 'sr' else 'MinSR'} diag_shift {args.diag_shift}, "
         f"lr {args.lr}, {args.steps} steps"
     )
-    if args.driver == "minsr":
-        budget = "" if args.memory_budget is None else f" within {args.memory_budget} bytes per device"
-        grow = (
-            ""
-            if args.grow_samples is None
-            else f"; samples grow up to {args.grow_samples} as the energy settles"
+    given = info.get("samples_given", info["n_samples"])
+    if given != info["n_samples"]:
+        per_device = info["n_chains"] // info["n_devices"]
+        print(
+            f"note: --samples {given} rounded up to {info['n_samples']}, the same number in each of the "
+            f"{info['n_chains']} chains ({per_device} per device on {devices})"
         )
-        print(f"driver minsr: {info['driver']}{budget}{grow}")
-    elif args.chunk_size == "auto":
+    budget = "" if args.memory_budget is None else f", within {args.memory_budget} bytes per device"
+    grow = (
+        "" if args.grow_samples is None else f"; samples grow up to {args.grow_samples} as the energy settles"
+    )
+    print(f"driver {taken}: {info['driver_reason']}{budget}{grow}")
+    if taken == "sr" and args.chunk_size == "auto":
         print(
             f"chunk size auto: picked {chunks['gradient']} for the gradient and {chunks['qgt']} "
             f"({info['qgt_design']} design) for the QGT products (the largest powers of two whose "
@@ -85,6 +93,24 @@ def print_header(args, info: dict, exact: float | None, exact_source: str | None
     sys.stdout.flush()
 
 
+def _plural(n: int, word: str) -> str:
+    """``"1 step"``, ``"2 steps"``.
+
+    Examples:
+        >>> _plural(1, "step"), _plural(3, "device")
+        ('1 step', '3 devices')
+    """
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+#: What each MinSR route is, for the line printed when a step first takes it.
+ROUTES = {
+    "dense": "the N x N kernel built in chunked blocks and solved densely",
+    "parameter": "the P x P matrix S built in chunks and solved densely (P < N: the smaller system)",
+    "cg": "matrix-free conjugate gradient on the N x N kernel (no N x N matrix stored)",
+}
+
+
 def describe(error: BaseException) -> str:
     """``"TypeName: first line of the message"``."""
     lines = str(error).strip().splitlines()
@@ -100,7 +126,17 @@ def keep(kept: dict) -> str | None:
     recorder.write()
     if recorder.log_error is not None:
         return str(recorder.log_error)
-    return f"kept {recorder.out / 'log.json'} ({len(recorder.records)} steps)"
+    kept = f"kept {recorder.out / 'log.json'} ({_plural(len(recorder.records), 'step')})"
+    return kept + resume_hint(recorder.out, recorder.n_checkpoint)
+
+
+def resume_hint(out: Path, step: int | None = None) -> str:
+    """``"; continue from the checkpoint of step K with `vmcgrad vmc --resume DIR`"`` when ``out``
+    holds a checkpoint, else ``""``."""
+    if not (out / _checkpoint.CHECKPOINT).is_file():
+        return ""
+    at = "" if step is None else f" of step {step}"
+    return f"; continue from the checkpoint{at} with `vmcgrad vmc --resume {out}`"
 
 
 def v_score_text(recorder) -> str:
@@ -136,6 +172,7 @@ class Recorder:
         checkpoint_every: int = CHECKPOINT_EVERY,
         records: list[tuple] = (),
         deadline: float | None = None,
+        kernel_chunk: int | str | None = None,
     ):
         self.out, self.config, self.info, self.exact = out, config, info, exact
         self.interrupts = interrupts
@@ -147,6 +184,8 @@ class Recorder:
         # (a checkpoint of a run logged before the route and bytes were: those fields are None)
         self.records: list[tuple] = [(*r, *[None] * (len(STEP_KEYS) - len(r))) for r in records]
         self.phases = phases
+        self.kernel_chunk = kernel_chunk  # MinSR's kernel chunk (an int, or "auto"), None for SR
+        self.route: str | None = None  # the last route a MinSR step took, said when it changes
         self.n_checkpoint = len(self.records)  # the step of the last checkpoint written (or resumed)
         self.checkpoint_error: _output.OutputError | None = None
         self.deadline = deadline  # time.perf_counter() after which the run stops (--minutes)
@@ -201,6 +240,7 @@ class Recorder:
         )
         self.records.append(record)
         self.write()
+        self._say_route(record[6], n)
         mean, error, variance, acc, dt = record[:5]
         acc_s = "-" if acc is None else f"{acc:.0%}"
         self.bar.set_description_str(
@@ -211,6 +251,22 @@ class Recorder:
         if time.perf_counter() - self.t_plot > PLOT_EVERY_S:
             self.plot()
         return True
+
+    def _say_route(self, route: str, n: int) -> None:
+        """One line when a MinSR step takes a route other than the last one (the first step's included):
+        the route, what it is, N and the kernel's chunk."""
+        if not self.main or self.kernel_chunk is None or route == self.route:
+            return
+        self.route = route
+        chunk = (
+            "kernel blocks chosen within the budget by vmcgrad.minsr_update"
+            if self.kernel_chunk == "auto"
+            else f"kernel chunk {self.kernel_chunk}"
+        )
+        what = ROUTES.get(route, route)
+        self.bar.write(
+            f"step {len(self.records)}: MinSR route {route}, {what}; N = {n}, {chunk}", file=sys.stdout
+        )
 
     def after_step(self) -> None:
         """After the step's parameter update (NetKet's ``on_step_end``): the checkpoint every
@@ -238,7 +294,6 @@ class Recorder:
             records=self.records,
             config=self.config,
             info=self.info,
-            extra=_checkpoint.driver_state(self.driver),
         )
         if not self.main:
             self.n_checkpoint = n

@@ -39,6 +39,15 @@ _FATAL = "Terminating process because the JAX distributed service detected fatal
 _UNHEALTHY = re.compile(r"tasks are unhealthy \(stopped sending heartbeats\):\s*((?:\d+[\s,]*)+)")
 _LEADER = "leader task was preempted/died"
 _NOISE = (b"    @ ", b"*** Check failure stack trace")
+#: Log lines of the libraries under JAX's distributed runtime (glog/absl lines of its client and
+#: coordination service, Gloo's own): written to ``DIR/third_party.log``, not the terminal, unless
+#: ``--verbose``. A partial line that may become one waits for its end.
+_THIRD_PARTY = re.compile(
+    rb"^(?:[IWEF]\d{4} \d\d:\d\d:\d+\.\d+ +\d+ [^\]\s]+:\d+\]"  # glog/absl: I0102 12:00:00.1 42 f.cc:7]
+    rb"|\[Gloo\]|WARNING: All log messages before absl)"
+)
+_THIRD_PARTY_START = re.compile(rb"^(?:[IWEF]\d{0,4}(?: |$)|\[G(?:l(?:o(?:o\]?)?)?)?$|\[Gloo\]|WARNING)")
+THIRD_PARTY_LOG = "third_party.log"
 _TAIL_BYTES = 1 << 18
 
 
@@ -115,6 +124,7 @@ def run_child(
     diagnose_child: Callable[[str], str | None],
     on_failure: Callable[[str], str | None],
     on_interrupt: Callable[[], None],
+    third_party: Path | None = None,
 ) -> int:
     """Runs ``python -m vmcgrad *argv`` as the supervised child; returns the exit status.
 
@@ -124,14 +134,19 @@ def run_child(
         diagnose_child: the child's standard error -> one line naming the lost process, or None.
         on_failure: called with that line when the child was lost; returns a note on the log kept.
         on_interrupt: called when a forwarded SIGINT/SIGTERM ended the child before it could keep its log.
+        third_party: the file the child's third-party log lines go to (appended), or None to show
+            them (``--verbose``); a process without a run folder passes ``os.devnull``.
     """
 
     env = dict(os.environ)
     env[ENV] = "1"
     root = str(Path(vmcgrad.__file__).resolve().parents[1])  # the child imports this very vmcgrad
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    if third_party is not None:  # its stdout is relayed too (Gloo prints there): unbuffered, in order
+        env["PYTHONUNBUFFERED"] = "1"
     child = subprocess.Popen(
         [sys.executable, "-m", "vmcgrad", *argv],
+        stdout=subprocess.PIPE if third_party is not None else None,
         stderr=subprocess.PIPE,
         env=env,
         start_new_session=True,
@@ -148,7 +163,17 @@ def run_child(
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        tail = _relay(child.stderr.fileno(), sys.stderr)
+        relay_out = None
+        if third_party is not None:
+            import threading
+
+            relay_out = threading.Thread(
+                target=_relay, args=(child.stdout.fileno(), sys.stdout, third_party), daemon=True
+            )
+            relay_out.start()
+        tail = _relay(child.stderr.fileno(), sys.stderr, third_party)
+        if relay_out is not None:
+            relay_out.join()
         rc = child.wait()
     finally:
         for sig, handler in previous.items():
@@ -174,12 +199,23 @@ def run_child(
     return rc
 
 
-def _relay(fd: int, stream) -> bytes:
-    """Copies ``fd`` to ``stream`` until end of file, dropping C++ stack frames; returns the tail."""
+def _relay(fd: int, stream, third_party: Path | None = None) -> bytes:
+    """Copies ``fd`` to ``stream`` until end of file, dropping C++ stack frames and, with
+    ``third_party``, appending third-party log lines to that file instead; returns the tail."""
     out = getattr(stream, "buffer", None)
     tail, pending, line_open = b"", b"", False
+    log = [None]
 
     def emit(data: bytes) -> None:
+        if third_party is not None and not line_open and _THIRD_PARTY.match(data):
+            try:
+                if log[0] is None:
+                    log[0] = open(third_party, "ab")  # closed at the end
+                log[0].write(data)
+                log[0].flush()
+            except OSError:
+                pass  # a log of others' notes is not worth stopping for
+            return
         if out is not None:
             out.write(data)
         else:
@@ -201,11 +237,16 @@ def _relay(fd: int, stream) -> bytes:
                 emit(segment)
             line_open = False
         # a partial line (a progress bar redrawn with \r) goes out at once, unless it may be noise
-        if pending and (line_open or (len(pending) >= 32 and not pending.startswith(_NOISE))):
+        maybe_theirs = third_party is not None and _THIRD_PARTY_START.match(pending)
+        if pending and (
+            line_open or (len(pending) >= 32 and not pending.startswith(_NOISE) and not maybe_theirs)
+        ):
             emit(pending)
             pending, line_open = b"", True
     if pending and not pending.startswith(_NOISE):
         emit(pending)
+    if log[0] is not None:
+        log[0].close()
     return tail
 
 

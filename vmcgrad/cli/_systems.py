@@ -23,6 +23,32 @@ MODEL_HELP = {
     "gcnn": "group-convolutional network over the space group (nk.models.GCNN), 2 layers of 4 features",
 }
 
+#: Each model's class and options, as :func:`make_model` builds it (recorded in ``run.json``).
+MODEL_OPTIONS = {
+    "rbm": {"type": "netket.models.RBM", "alpha": 1, "param_dtype": "float64"},
+    "rbm-phase": {"type": "netket.models.RBMModPhase", "alpha": 1, "param_dtype": "float64"},
+    "mlp": {
+        "type": "netket.models.MLP",
+        "hidden_dims_alpha": [2, 1],
+        "hidden_activations": "netket.nn.activation.log_cosh",
+        "param_dtype": "float64",
+    },
+    "rbm-symm": {
+        "type": "netket.models.RBMSymm",
+        "symmetries": "graph.translation_group()",
+        "alpha": 4,
+        "param_dtype": "float64",
+        "kernel_init": "jax.nn.initializers.normal(0.01)",
+    },
+    "gcnn": {
+        "type": "netket.models.GCNN",
+        "symmetries": "graph.space_group()",
+        "layers": 2,
+        "features": 4,
+        "param_dtype": "float64",
+    },
+}
+
 #: Per-system defaults of the ``vmcgrad vmc`` options left at :data:`PER_SYSTEM`. The square lattices use
 #: the translation-symmetric RBM, whose first SR steps kick it off the lattice's near-uniform start unless
 #: the learning rate is small: with these values the energy goes down from the first step

@@ -1,6 +1,8 @@
 """``vmcgrad vmc``: a ground-state search with NetKet's sampler and driver and vmcgrad's gradients and SR.
 
-One step is NetKet's ``nk.driver.VMC`` with an ``nk.optimizer.SR`` preconditioner: sample, then
+``--driver auto`` (the default) takes sample-space SR (:class:`vmcgrad.netket.VMC_SR`, MinSR) where
+the parameters outnumber the samples, and parameter-space SR otherwise (:func:`choose_driver`). A
+parameter-space step is NetKet's ``nk.driver.VMC`` with an ``nk.optimizer.SR`` preconditioner: sample, then
 
 .. math::
 
@@ -39,6 +41,7 @@ from . import (
     _phases,
     _report,
     _resume,
+    _run_folder,
     _systems,
     _user_problem,
 )
@@ -46,15 +49,21 @@ from ._args import HelpFormatter, byte_size, chunk_size, non_negative_float, pos
 
 #: Samples per Metropolis chain are at least this many: chains per device = min(16, samples / devices / this).
 _CHAINS_PER_DEVICE = 16
-#: The optimisation drivers of ``--driver``.
+#: The fewest samples a step may have: NetKet's error of the mean (``nk.stats.statistics``) is NaN
+#: below its block size, 32 samples in all (tests/test_cli_messages.py checks it against NetKet).
+MIN_SAMPLES = 32
+#: The optimisation drivers of ``--driver`` (``auto`` picks one of the other two: :func:`choose_driver`).
 DRIVERS = {
+    "auto": "minsr where the parameters outnumber the samples (NetKet's rule of thumb, as its VMC_SR "
+    "chooses: P > N), sr otherwise",
     "sr": "nk.driver.VMC with SR in parameter space (vmcgrad's QGTOnTheFly products, CG)",
-    "minsr": "vmcgrad.netket.VMC_SR: sample-space SR (MinSR), its N x N kernel built in chunked blocks",
+    "minsr": "vmcgrad.netket.VMC_SR: sample-space SR (MinSR); its route (the N x N kernel in chunked "
+    "blocks, the P x P matrix, or matrix-free CG) is chosen from N, P and the memory budget",
 }
 #: The modules this command imports beyond vmcgrad's own (the ``[cli]`` extra), checked before it starts.
 REQUIRES = ("netket", "matplotlib", "tqdm")
 #: What a run writes in ``--out``.
-FILES = ("log.json", "energy.png", _checkpoint.CHECKPOINT, _checkpoint.PARAMS)
+FILES = (_run_folder.RUN_FILE, "log.json", "energy.png", _checkpoint.CHECKPOINT, _checkpoint.PARAMS)
 
 
 def add_parser(commands) -> None:
@@ -105,7 +114,7 @@ def add_parser(commands) -> None:
     p.add_argument(
         "--driver",
         choices=tuple(DRIVERS),
-        default="sr",
+        default="auto",
         help="; ".join(f"{k}: {v}" for k, v in DRIVERS.items()),
     )
     p.add_argument(
@@ -120,8 +129,9 @@ def add_parser(commands) -> None:
         type=positive_int,
         default=None,
         metavar="MAX",
-        help="with --driver minsr: double the samples whenever the energy settles to its error bar over 20 "
-        "steps, up to MAX and to what --memory-budget holds (vmcgrad.netket.GrowSamples)",
+        help="with --driver minsr or auto (which then takes minsr): double the samples whenever the "
+        "energy settles to its error bar over 20 steps, up to MAX and to what --memory-budget holds "
+        "(vmcgrad.netket.GrowSamples)",
     )
     p.add_argument(
         "--minutes",
@@ -146,7 +156,8 @@ def add_parser(commands) -> None:
         "--out",
         default="vmcgrad-run",
         metavar="DIR",
-        help="output directory (log.json, energy.png, checkpoint.mpack, params.mpack)",
+        help="output directory (run.json, log.json, energy.png, checkpoint.mpack, params.mpack); "
+        "vmcgrad.cli.load_run(DIR) loads it back as a NetKet state",
     )
     p.add_argument(
         "--checkpoint-every",
@@ -160,6 +171,12 @@ def add_parser(commands) -> None:
         default=None,
         metavar="DIR",
         help="continue the run whose checkpoint is in DIR (its options are used; --steps may be raised)",
+    )
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show the log lines of the libraries under a multi-process run (JAX's distributed client, "
+        "Gloo) in the terminal; otherwise process 0 writes them to DIR/third_party.log",
     )
     _distributed.add_arguments(p)
     p.set_defaults(_command=sys.modules[__name__], _parser=p)
@@ -176,9 +193,16 @@ def check(args, parser) -> None:
     elif args.memory_budget is not None and "chunk_size" not in _resume.given_options(args, parser):
         args.chunk_size = "auto"  # a budget alone chooses every chunk
     _systems.fill_defaults(args)
-    if args.grow_samples is not None and args.driver != "minsr":
+    if args.samples < MIN_SAMPLES:
         parser.error(
-            "argument --grow-samples: needs --driver minsr (sample-space SR holds N within a budget)"
+            f"argument --samples: must be at least {MIN_SAMPLES}; got {args.samples}, for which NetKet's "
+            f"error of the mean is nan (it needs {MIN_SAMPLES} samples, its block size). "
+            f"Fix: --samples {MIN_SAMPLES} or more"
+        )
+    if args.grow_samples is not None and args.driver == "sr":
+        parser.error(
+            "argument --grow-samples: needs --driver minsr or auto (sample-space SR holds N within a "
+            "budget); got --driver sr"
         )
     problem = _systems.size_problem(args.system, args.L)
     if problem:
@@ -194,6 +218,40 @@ def check(args, parser) -> None:
                 f"argument --out: {args.out} holds the checkpoint of another run; continue it with "
                 f"`--resume {args.out}`, choose another --out, or delete {checkpoint} to start over"
             )
+
+
+def choose_driver(option: str, n_parameters: int, n_samples: int, grow: bool = False) -> tuple[str, str]:
+    """The driver a run takes for ``--driver option`` and why: ``auto`` takes sample-space SR
+    (``minsr``) where the parameters outnumber the samples, as NetKet's ``VMC_SR`` chooses its kernel,
+    and with ``--grow-samples``; parameter-space SR (``sr``) otherwise. A forced driver is kept, and the
+    reason says when ``auto`` would take the other.
+
+    Examples:
+        >>> choose_driver("auto", 2120, 1024)[0], choose_driver("auto", 80, 256)[0]
+        ('minsr', 'sr')
+    """
+    p, n = n_parameters, n_samples
+    more = p > n
+    relation = f"{p} parameters {'>' if more else '<='} {n} samples"
+    if option == "auto":
+        if grow:
+            return (
+                "minsr",
+                "--driver auto with --grow-samples: sample-space SR, which holds N within a budget",
+            )
+        if more:
+            return "minsr", f"--driver auto: {relation}, so sample-space SR (NetKet's rule of thumb: P > N)"
+        return "sr", f"--driver auto: {relation}, so parameter-space SR (NetKet's rule of thumb: P <= N)"
+    if option == "sr" and not more:
+        return "sr", f"--driver sr as given ({relation})"
+    if option == "sr":
+        return "sr", (
+            f"--driver sr as given, with {relation}: the P x P system is under-determined here; "
+            "--driver auto takes minsr (sample-space SR), as NetKet recommends"
+        )
+    if more:
+        return "minsr", f"--driver minsr as given ({relation})"
+    return "minsr", f"--driver minsr as given ({relation}: --driver auto would take sr, parameter-space SR)"
 
 
 def config_of(args) -> dict:
@@ -255,7 +313,9 @@ def mark_log(args, status: str, error: str | None) -> str | None:
         _output.write_json_atomic(path, log)
     except _output.OutputError as failure:
         return str(failure)
-    return f"{path} keeps the {len(log['energy_mean'])} steps run"
+    n = len(log["energy_mean"])
+    kept = f"{path} keeps the {n} {'step' if n == 1 else 'steps'} run"
+    return kept + _report.resume_hint(Path(args.out))
 
 
 def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) -> int:
@@ -284,8 +344,13 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
         sampler_seed=args.seed + 1,
     )
     snap = getattr(args, "_checkpoint", None)
+    taken, why = choose_driver(
+        args.driver, int(vstate.n_parameters), n_samples, args.grow_samples is not None
+    )
+    if snap is not None:  # the driver the run was started with
+        taken = snap["info"].get("driver_taken", taken)
     if snap is None:
-        chunks, qgt_design = _chunk_sizes(args.chunk_size, vstate, args.memory_budget, args.driver)
+        chunks, qgt_design = _chunk_sizes(args.chunk_size, vstate, args.memory_budget, taken)
     else:  # the chunks the run was started with (auto's pick could differ now, and change the numbers)
         chunks, qgt_design = snap["info"]["chunk_size"], snap["info"]["qgt_design"]
     vstate.vmcgrad_chunk_size = chunks["gradient"]
@@ -300,31 +365,43 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
         "n_sites": system.n_sites,
         "n_parameters": int(vstate.n_parameters),
         "n_samples": n_samples,
+        "samples_given": args.samples,
         "n_chains": n_chains,
         "n_devices": n_devices,
         "n_processes": jax.process_count(),
         "chunk_size": chunks,
         "qgt_design": qgt_design,
-        "driver": DRIVERS[args.driver],
+        "driver": DRIVERS[taken],
+        "driver_taken": taken,
+        "driver_reason": why,
         "memory_budget": args.memory_budget,
         "exact_energy_source": exact_source,
         "infinite_temperature_energy": e_inf,
-        "versions": {"vmcgrad": _version(), "netket": nk.__version__, "jax": jax.__version__},
+        "versions": {
+            "vmcgrad": _version(),
+            "netket": nk.__version__,
+            "jax": jax.__version__,
+            "flax": _flax_version(),
+        },
         "resumed_at": [] if snap is None else [*snap["info"].get("resumed_at", []), int(snap["step"])],
     }
     if main:
         _report.print_header(args, info, exact, exact_source)
 
-    driver = _driver(args, system, vstate, chunks, qgt_design)
+    driver = _driver(args, taken, system, vstate, chunks, qgt_design)
 
     if snap is not None:
         if main:
             print(f"resuming from step {snap['step']} of {args.out}/{_checkpoint.CHECKPOINT}")
-        _checkpoint.restore(driver, snap, Path(args.out) / _checkpoint.CHECKPOINT)
+        driver = _checkpoint.restore(driver, snap, Path(args.out) / _checkpoint.CHECKPOINT)
+        vstate = driver.state
 
     out = Path(args.out)
     if main:
         _output.remove_stale_temporaries(out, FILES)
+        driver_record = {"option": args.driver, "name": taken, "reason": why, "description": info["driver"]}
+        run_record = _run_folder.record(args, system, model, vstate, info, driver_record)
+        _output.write_json_atomic(out / _run_folder.RUN_FILE, run_record)
     recorder = _report.Recorder(
         out,
         config_of(args),
@@ -335,6 +412,7 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
         main=main,
         driver=driver,
         phases=_phases.PhaseBytes(vstate, chunks, qgt_design, args.memory_budget, args.diag_shift),
+        kernel_chunk=chunks.get("kernel"),
         checkpoint_every=args.checkpoint_every,
         records=[] if snap is None else snap["records"][: int(snap["step"])],
         deadline=None if args.minutes is None else t_start + 60 * args.minutes,
@@ -366,16 +444,16 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
                 f"final energy {recorder.final_energy!r}; process 0 wrote the log"
             )
         return 130 if status == "interrupted" else 0
+    last = _report._plural(recorder.n_final, "step")
     if recorder.relative_error is not None:
         print(
-            f"final energy {recorder.final_energy:.6f} (mean of the last {recorder.n_final} steps), "
+            f"final energy {recorder.final_energy:.6f} (mean of the last {last}), "
             f"exact {exact:.6f}, relative error {recorder.relative_error:.2e}"
         )
     elif n:
         print(
             f"final energy {recorder.final_energy:.6f} ± {recorder.final_energy_error:.6f}, variance "
-            f"{recorder.final_variance:.6f} (means of the last {recorder.n_final} steps), "
-            + _report.v_score_text(recorder)
+            f"{recorder.final_variance:.6f} (means of the last {last}), " + _report.v_score_text(recorder)
         )
     if recorder.failed:
         raise _output.OutputError(recorder.failure())
@@ -388,23 +466,32 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
         )
         return 0
     if status == "interrupted":
+        written = (
+            f"wrote the checkpoint of step {recorder.n_checkpoint} ({out / _checkpoint.CHECKPOINT})"
+            if recorder.n_checkpoint
+            else "no checkpoint yet"
+        )
         print(
-            f"interrupted after {n} of {args.steps} steps; kept {out / 'log.json'} and {out / 'energy.png'}; "
-            f"continue with `vmcgrad vmc --resume {out}` (from step {recorder.n_checkpoint})"
+            f"interrupted after {n} of {_report._plural(args.steps, 'step')}; {written}, kept "
+            f"{out / 'log.json'} and {out / 'energy.png'}; continue with `vmcgrad vmc --resume {out}`"
+            + (f" (from step {recorder.n_checkpoint})" if recorder.n_checkpoint else " (from the start)")
         )
         return 130
     print(
-        f"wrote {out / 'log.json'}, {out / 'energy.png'}, {out / _checkpoint.CHECKPOINT} and "
-        f"{out / _checkpoint.PARAMS} in {wall:.1f} s"
+        f"wrote {out / _run_folder.RUN_FILE}, {out / 'log.json'}, {out / 'energy.png'}, "
+        f"{out / _checkpoint.CHECKPOINT} and {out / _checkpoint.PARAMS} in {wall:.1f} s; "
+        f"load it with vmcgrad.cli.load_run({str(out)!r})"
     )
     return 0
 
 
-def _driver(args, system, vstate, chunks: dict, qgt_design: str):
-    """The optimisation driver of ``--driver``: NetKet's VMC with SR on vmcgrad's QGT products, or
-    vmcgrad's ``VMC_SR`` (MinSR) with its kernel chunk from the budget."""
+def _driver(args, taken: str, system, vstate, chunks: dict, qgt_design: str):
+    """The optimisation driver ``taken`` (:func:`choose_driver`): NetKet's VMC with SR on vmcgrad's QGT
+    products, or vmcgrad's ``VMC_SR`` (MinSR) with its kernel chunk from the budget. NetKet's warning
+    that SR has fewer samples than parameters is left out: the header's driver line says it."""
     import contextlib
     import io
+    import warnings
 
     import netket as nk
 
@@ -412,14 +499,16 @@ def _driver(args, system, vstate, chunks: dict, qgt_design: str):
     import vmcgrad.netket as vnk
 
     optimizer = nk.optimizer.Sgd(learning_rate=args.lr)
-    if args.driver == "sr":
+    if taken == "sr":
         qgt = vnk.QGTOnTheFly(chunk_size=chunks["qgt"], design=qgt_design)
-        return nk.driver.VMC(
-            system.hamiltonian,
-            optimizer,
-            variational_state=vstate,
-            preconditioner=nk.optimizer.SR(qgt=qgt, diag_shift=args.diag_shift),
-        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", nk.errors.InsufficientSamplesForSRWarning)
+            return nk.driver.VMC(
+                system.hamiltonian,
+                optimizer,
+                variational_state=vstate,
+                preconditioner=nk.optimizer.SR(qgt=qgt, diag_shift=args.diag_shift),
+            )
     grow = None if args.grow_samples is None else vnk.GrowSamples(max_samples=args.grow_samples)
     with contextlib.redirect_stdout(io.StringIO()):  # NetKet's notes on its own automatic choices
         return vnk.VMC_SR(
@@ -460,6 +549,12 @@ def _chunk_sizes(
         return {"gradient": gradient, "kernel": "auto"}, "-"
     qgt = vmcgrad.QGT(logpsi, vstate.parameters, samples, chunk_size="auto", **budget)  # builds O-bar once
     return {"gradient": gradient, "qgt": qgt.chunk_size}, qgt.design
+
+
+def _flax_version() -> str:
+    import flax
+
+    return flax.__version__
 
 
 def _version() -> str:

@@ -280,6 +280,74 @@ class VMC_SR(nk.driver.VMC_SR):
             itemsize *= 2
         return int((self._memory_budget / (2 * itemsize)) ** 0.5) // k
 
+    def state_dict(self) -> dict:
+        """Everything this driver needs to continue a run, beyond its variational state.
+
+        A dict (a pytree of arrays, numbers, lists and bools, ready for
+        :func:`flax.serialization.msgpack_serialize` once its arrays are on the host):
+
+        - ``"step_count"``: the steps done (:attr:`step_count`; schedules are evaluated at it);
+        - ``"optimizer_state"``: the optimizer's state, as :func:`flax.serialization.to_state_dict`;
+        - ``"n_samples"``: the state's number of samples (``grow_samples`` may have raised it), or None
+          for a ``FullSumState``;
+        - ``"grow"``: the ``grow_samples`` rule's window of ``(energy, error)`` pairs (``"history"``),
+          its raises (``"grown"``, as :attr:`grown`) and whether it stopped raising (``"stopped"``);
+        - ``"old_updates"``: SPRING's last update (a pytree like the parameters), or None.
+
+        The variational state itself (``variables``, ``sampler_state``) is saved through its own
+        attributes. :meth:`load_state_dict` puts the dict back into a driver built with the same
+        arguments; with the same variational state the run then continues bit for bit.
+        """
+        from flax import serialization
+
+        sampled = isinstance(self.state, nk.vqs.MCState)
+        return {
+            "step_count": int(self.step_count),
+            "optimizer_state": serialization.to_state_dict(self._optimizer_state),
+            "n_samples": int(self.state.n_samples) if sampled else None,
+            "grow": {
+                "history": [[float(e), float(s)] for e, s in self._grow_history],
+                "grown": [[int(x) for x in g] for g in self.grown],
+                "stopped": bool(self._grow_stopped),
+            },
+            "old_updates": self._old_updates if self.use_ntk else None,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Puts a :meth:`state_dict` back into this driver (in place).
+
+        Arrays may be NumPy arrays (as read from a file): each is placed like the driver's own (the
+        same sharding). Set the variational state's ``variables`` and ``sampler_state`` as well
+        (after this call: ``n_samples`` is set here, which resets the state's samples).
+
+        Raises:
+            ValueError: naming the entry, when ``state`` lacks one or an array does not fit this
+                driver's (another model or optimizer).
+        """
+        from flax import serialization
+
+        missing = [k for k in ("step_count", "optimizer_state", "grow") if k not in state]
+        if missing:
+            raise ValueError(
+                f"{NAME}.load_state_dict: the state lacks {', '.join(map(repr, missing))}; expected a dict "
+                "from VMC_SR.state_dict()."
+            )
+        if state.get("n_samples") is not None and isinstance(self.state, nk.vqs.MCState):
+            self.state.n_samples = int(state["n_samples"])
+        optimizer_state = serialization.to_state_dict(self._optimizer_state)
+        optimizer_state = _placed_like(optimizer_state, state["optimizer_state"], "optimizer_state")
+        self._optimizer_state = serialization.from_state_dict(self._optimizer_state, optimizer_state)
+        self._step_count = int(state["step_count"])
+        grow = state["grow"]
+        self._grow_history = [(float(e), float(s)) for e, s in grow["history"]]
+        self.grown = [tuple(int(x) for x in g) for g in grow["grown"]]
+        self._grow_stopped = bool(grow["stopped"])
+        old = state.get("old_updates")
+        if self.use_ntk:
+            self._old_updates = (
+                None if old is None else _placed_like(self.state.parameters, old, "old_updates")
+            )
+
     def _log_additional_data(self, log_dict: dict):
         super()._log_additional_data(log_dict)
         if self.use_ntk and self.route is not None:
@@ -319,6 +387,33 @@ def _update(
         old_updates=old_updates,
         **static,
     )
+
+
+def _placed_like(target: Any, saved: Any, name: str) -> Any:
+    """``saved`` (a state dict of host or device arrays) as a pytree shaped, typed and sharded like
+    ``target``; a ValueError naming ``name`` when it does not fit."""
+    import numpy as np
+    from flax import serialization
+
+    where = f"{NAME}.load_state_dict: its {name!r}"
+    try:
+        tree = serialization.from_state_dict(target, saved)
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{where} does not fit this driver's ({error})") from None
+    flat_target, treedef = jax.tree_util.tree_flatten(target)
+    out = []
+    for t, s in zip(flat_target, treedef.flatten_up_to(tree)):
+        if not isinstance(t, jax.Array):
+            out.append(s)
+            continue
+        s = np.asarray(s)
+        if s.shape != t.shape or s.dtype != t.dtype:
+            raise ValueError(
+                f"{where} does not fit this driver's: an array of {s.dtype}{list(s.shape)} where this "
+                f"driver has {t.dtype}{list(t.shape)} (another model or optimizer)"
+            )
+        out.append(jax.make_array_from_callback(t.shape, t.sharding, lambda index, s=s: s[index]))
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 _WARNED: list[bool] = []
