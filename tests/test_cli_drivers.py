@@ -109,7 +109,20 @@ def test_a_budget_alone_chooses_the_chunks_within_it(tmp_path):
     for budget in ("32KiB", "1GiB"):
         out = tmp_path / budget
         rc, _stdout, err = _vmcgrad(
-            [*RUN, "--model", "mlp", "--memory-budget", budget, "--steps", "1", "--out", str(out)], tmp_path
+            [
+                *RUN,
+                "--model",
+                "mlp",
+                "--driver",
+                "sr",
+                "--memory-budget",
+                budget,
+                "--steps",
+                "1",
+                "--out",
+                str(out),
+            ],
+            tmp_path,
         )
         assert rc == 0, err
         log = _log(out)
