@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from test_cli_resume import _synthetic
 
-from vmcgrad.cli import _checkpoint, _lock, _report, _supervise, main, vmc
+from vmcgrad.cli import _checkpoint, _lock, _report, _supervise, _vmc_options, main, vmc
 
 
 def _one_line(capsys) -> str:
@@ -39,10 +39,10 @@ def test_the_minimum_of_samples_is_netkets(tmp_path, capsys):
 
     rng = np.random.default_rng(0)
     for chains in (1, 2, 4, 8, 16, 31):  # below the minimum, NaN for any split into chains
-        per_chain = max(1, (vmc.MIN_SAMPLES - 1) // chains)
+        per_chain = max(1, (_vmc_options.MIN_SAMPLES - 1) // chains)
         assert np.isnan(nk.stats.statistics(rng.normal(size=(chains, per_chain))).error_of_mean)
     for chains in (1, 2, 4, 8, 16, 32):  # at it, finite
-        x = rng.normal(size=(chains, vmc.MIN_SAMPLES // chains))
+        x = rng.normal(size=(chains, _vmc_options.MIN_SAMPLES // chains))
         assert np.isfinite(nk.stats.statistics(x).error_of_mean)
     with pytest.raises(SystemExit) as exit_:
         main(["vmc", "--samples", "10", "--out", str(tmp_path / "run")])

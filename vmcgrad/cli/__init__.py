@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .. import __version__
-from . import _checkpoint, _distributed, _lock, _output, _supervise, vmc
+from . import _checkpoint, _distributed, _lock, _output, _supervise, _vmc_options, vmc
 from ._args import Parser
 from ._run_folder import Run, RunFolderError, load_run
 
@@ -41,7 +41,7 @@ def build_parser() -> Parser:
     )
     parser.add_argument("--version", action="version", version=f"vmcgrad {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    vmc.add_parser(commands)
+    _vmc_options.add_parser(commands, vmc)
     return parser
 
 

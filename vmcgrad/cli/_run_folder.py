@@ -24,6 +24,8 @@ import json
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from . import _systems, _user_problem
+
 #: The record's name in the run folder, and its layout (a record of another format is refused).
 RUN_FILE = "run.json"
 FORMAT = 1
@@ -56,8 +58,6 @@ def record(args, system, model, vstate, info: dict, driver: dict) -> dict:
     """The ``run.json`` of a run: its problem, as built (see the module docstring)."""
     import jax
     import numpy as np
-
-    from . import _systems, _user_problem
 
     if _user_problem.is_spec(args.system):
         system_record = {"factory": args.system, "file": _factory_file(args.system)}
@@ -182,7 +182,6 @@ def _read_json(folder: Path, name: str) -> dict:
 
 def _rebuild(config: dict, folder: Path, path) -> tuple[Any, Any]:
     """The run's System and flax module, from the record."""
-    from . import _systems, _user_problem
 
     def spec_of(entry: dict) -> str:
         spec, file = entry["factory"], entry.get("file")
@@ -217,6 +216,7 @@ def _state(config: dict, system, model):
     """The run's MCState: its sampler, samples, chains, seeds and gradient chunk."""
     import jax
 
+    # deferred: `import vmcgrad.cli` imports no JAX or NetKet (tests/test_package.py)
     import vmcgrad.netket as vnk
 
     n_chains = int(config["sampler"]["n_chains"])
