@@ -27,6 +27,7 @@ _EXPORTS = {
     "batched_jvp": "vmcgrad._estimators.jvp",
     "batched_vjp": "vmcgrad._estimators.vjp",
     "collective_report": "vmcgrad._hlo.collectives",
+    "cost_platform": "vmcgrad._hlo.platform",
     "expect_grad": "vmcgrad._estimators.grad",
     "initialize_distributed": "vmcgrad._distributed",
     "lower": "vmcgrad._estimators.lower",
@@ -63,6 +64,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from vmcgrad._hlo.collectives import collective_report as collective_report
     from vmcgrad._hlo.cost import ProgramCost as ProgramCost
     from vmcgrad._hlo.cost import program_cost as program_cost
+    from vmcgrad._hlo.platform import cost_platform as cost_platform
     from vmcgrad._sr.ntk.minsr import minsr_update as minsr_update
     from vmcgrad._sr.ntk.ntk import NTK as NTK
     from vmcgrad._sr.ntk.ntk import NTKOperator as NTKOperator
