@@ -10,7 +10,7 @@ sequence, its FLOPs and bytes (loops weighted by their trip counts) and its mode
 
     t = n_{\text{ops}}\, t_{\text{op}} + \text{FLOPs}/\text{peak} + \text{bytes}/\text{bandwidth}
 
-with the constants of a CPU, a GPU (H200) and a TPU (v5e) (``vmcgrad._checks.cost.PLATFORMS``), with
+with the constants of a CPU, a GPU (H200) and a TPU (v5e) (``vmcgrad._hlo.cost.PLATFORMS``), with
 its compiled temporaries (``memory_analysis().temp_size_in_bytes``). Each comparison sets vmcgrad's
 program against NetKet's counterpart and gives the ratio vmcgrad / NetKet of each modelled time:
 

@@ -6,7 +6,7 @@ r"""The constants of vmcgrad's cost model, measured on this machine's first devi
 
     t = n_{\text{ops}}\, t_{\text{op}} + \text{FLOPs}/\text{peak} + \text{bytes}/\text{bandwidth}
 
-with per-platform constants (``vmcgrad._checks.cost.PLATFORMS``). This script measures them:
+with per-platform constants (``vmcgrad._hlo.cost.PLATFORMS``). This script measures them:
 
 - ``t_op``, twice: a chain of k dependent small matmuls (``x = tanh(x @ w)``, an 8×16 by 16×16
   product: two dots cannot fuse, so each link is at least one op; the ops are counted by
@@ -82,7 +82,7 @@ def main(argv=None):
     from jax import lax
 
     import vmcgrad
-    from vmcgrad._checks.cost import PLATFORMS
+    from vmcgrad._hlo.cost import PLATFORMS
 
     d = jax.devices()[0]
     platform = d.platform

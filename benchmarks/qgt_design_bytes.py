@@ -11,8 +11,8 @@ operator built outside the program) of NetKet's ``QGTOnTheFly`` and of ``vmcgrad
 design=d)`` for each design at ``--chunk``, in units of one ``chunk × L`` float64 array: the
 figures of ``docs/performance.md``, "The design, chosen from the budget". With ``--time-chunks``,
 also the median process CPU time of the fused product at each of those chunk sizes over
-interleaved calls, and its ratio to the time at the largest: the per-chunk cost that
-``CHUNK_ROWS`` in ``vmcgrad/_sr/qgt/qgt.py`` holds for CPU.
+interleaved calls, and its ratio to the time at the largest: the per-chunk cost on this CPU, against
+which the CPU constants of ``vmcgrad._hlo.cost.PLATFORMS`` (what the design choice prices) are checked.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_smoke_table_costs_every_comparison_from_its_compiled_programs(tmp_path):
-    from vmcgrad._checks.cost import PLATFORMS
+    from vmcgrad._hlo.cost import PLATFORMS
 
     env = {**child_env(), "PYTHONPATH": str(ROOT / "benchmarks") + ":" + str(ROOT)}
     rows_path, table_path = tmp_path / "rows.jsonl", tmp_path / "table.md"

@@ -85,7 +85,7 @@ def test_the_checker_sees_private_use(tmp_path):
     sample = tmp_path / "sample.py"  # its own package's ._x modules are allowed
     sample.write_text(
         "import sys\nsys.path.insert(0, '.')\nfrom vmcgrad._chunks.budget import choose_for\n"
-        "from ..netket import _qgt\nvs._samples = 1\nimport vmcgrad._checks.hlo\n"
+        "from ..netket import _qgt\nvs._samples = 1\nimport vmcgrad._hlo.collectives\n"
         "from ._harness import measure\n"
     )
     assert len(_problems(sample)) == 5, _problems(sample)

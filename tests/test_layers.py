@@ -34,7 +34,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("vmcgrad._problem",),
     ("vmcgrad._checks", "vmcgrad._chunks"),
     ("vmcgrad._cache", "vmcgrad._distributed"),
-    ("vmcgrad._function", "vmcgrad._jax_private", "vmcgrad._warnings"),
+    ("vmcgrad._function", "vmcgrad._hlo", "vmcgrad._jax_private", "vmcgrad._warnings"),
 )
 
 
@@ -208,7 +208,8 @@ def _planted(tmp_path: Path, files: dict[str, str]) -> Path:
             "imports vmcgrad._runner.body",
         ),
         ("_sr/qgt/views.py", "from vmcgrad._sr.ntk import minsr\n", "sideways" and "vmcgrad._sr.ntk.minsr"),
-        ("_chunks/plan.py", "from vmcgrad._checks import hlo\n", "imports vmcgrad._checks.hlo"),
+        ("_chunks/plan.py", "from vmcgrad._checks import tangent\n", "imports vmcgrad._checks.tangent"),
+        ("_hlo/cost.py", "from vmcgrad._chunks import plan\n", "imports vmcgrad._chunks.plan"),
     ],
 )
 def test_the_layer_check_sees_a_planted_upward_import(tmp_path, where, text, expected):
@@ -226,7 +227,9 @@ def test_the_layer_check_sees_a_planted_upward_import(tmp_path, where, text, exp
         "_sr/ntk/__init__.py": "",
         "_sr/ntk/minsr.py": "from vmcgrad._sr.solve import cg\n",
         "_checks/__init__.py": "",
-        "_checks/hlo.py": "",
+        "_checks/tangent.py": "",
+        "_hlo/__init__.py": "",
+        "_hlo/cost.py": "",
         "_chunks/__init__.py": "",
         "_chunks/plan.py": "",
     }

@@ -92,10 +92,15 @@ def test_auto_chunk_is_the_largest_power_of_two_that_fits():
 
 
 class _Analysis:
-    """A stand-in for ``jax.stages.Compiled``: only ``memory_analysis()``, from a bytes curve."""
+    """A stand-in for ``jax.stages.Compiled``: ``memory_analysis()`` from a bytes curve, and an empty
+    program (no ops: every fitting chunk is priced the same, so the least modelled time is the
+    largest, by the tie rule)."""
 
     def __init__(self, temp, fixed):
         self.temp, self.fixed = temp, fixed
+
+    def as_text(self):
+        return ""
 
     def memory_analysis(self):
         return types.SimpleNamespace(
@@ -230,8 +235,8 @@ def test_auto_chunk_compiles_one_candidate_where_all_samples_fit(monkeypatch):
     measured, sized = [], []
     real = _auto_chunk._measure
     monkeypatch.setattr(_auto_chunk, "_measure", lambda compiled: measured.append(1) or real(compiled))
-    size = _qgt.auto_chunk  # the designs choose_design sizes
-    monkeypatch.setattr(_qgt, "auto_chunk", lambda *a: sized.append(a[2].design) or size(*a))
+    size = _qgt.auto_choice  # the designs design_choice sizes
+    monkeypatch.setattr(_qgt, "auto_choice", lambda *a: sized.append(a[2].design) or size(*a))
     fun, params, samples = make_case("r2c", 64 * N_DEV)
     ct = jnp.ones(64 * N_DEV, jnp.complex128)
     mesh = auto_mesh()

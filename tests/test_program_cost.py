@@ -19,7 +19,7 @@ import pytest
 from jax import lax
 
 import vmcgrad
-from vmcgrad._checks.cost import PLATFORMS, Platform
+from vmcgrad._hlo.cost import PLATFORMS, Platform
 
 F32 = jnp.float32
 DATA = Path(__file__).resolve().parent / "data"

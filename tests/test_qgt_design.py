@@ -42,6 +42,25 @@ def _bytes(S, design, chunk):
     return program_bytes(matmul_program.lower(S.problem.at_chunk(chunk), op, S.params, "tree").compile())
 
 
+def _cheapest(S, fits, platform):
+    """The design of least modelled time at its chunk, from ``program_cost`` of each compiled product
+    (the fused one on a tie); on the CPU, of least P_d (n + r ceil(n / c_d)) (the
+    measured rule that stands in for the model there)."""
+    import dataclasses
+
+    if platform == "cpu":
+        n = S.problem.n_local
+        rows = {d: PASSES[d] * (n + _qgt.CPU_CHUNK_ROWS * -(-n // c)) for d, c in fits.items()}
+        return min(rows, key=rows.get)
+
+    def seconds(design):
+        op = dataclasses.replace(S, design=design)
+        compiled = matmul_program.lower(S.problem.at_chunk(fits[design]), op, S.params, "tree").compile()
+        return vmcgrad.program_cost(compiled, platform).modelled_seconds
+
+    return min(fits, key=seconds)
+
+
 def _largest_fit(S, design, budget):
     """The largest power-of-two chunk whose program fits ``budget`` (a plain scan, independent of the
     search in vmcgrad._chunks.budget)."""
@@ -53,18 +72,15 @@ def _largest_fit(S, design, budget):
     return best
 
 
-def _expected(S, fits, rows):
-    n = S.problem.n_local
-    cost = {d: PASSES[d] * (n + rows * -(-n // c)) for d, c in fits.items()}
-    return min(cost, key=cost.get)
-
-
 @pytest.mark.heavy
-def test_auto_chooses_design_and_chunk_from_the_budget(monkeypatch):
-    """A tight budget, where the jvp-then-vjp chunk fits at least twice the fused one: with CPU's
-    measured per-chunk cost the fused design is the faster one and is chosen, with a costly chunk
-    the jvp-then-vjp design; a loose budget: both fit every row and the fused design (three
-    passes) is chosen. The chosen program fits the budget and the next chunk of that design does not."""
+def test_auto_chooses_design_and_chunk_from_the_budget_and_the_platform():
+    """A tight budget, where the jvp-then-vjp chunk fits twice the fused one: each design's chunk is
+    the largest that fits (a plain scan), and the design is the one of least modelled time on the
+    platform (``program_cost`` of the two compiled products, priced independently here; on the CPU
+    the measured rows rule). On the CPU the fused design wins (as measured); on the TPU's constants
+    (t_op 10 us) the jvp-then-vjp design, half the trips: fewer, larger ops within the same budget.
+    A loose budget: both fit every row and the fused design (three passes) is chosen on every
+    platform. The chosen program fits the budget and the next chunk of that design does not."""
     fun, params, x = _rbm()
     with setup("netket") as place:
         x = place(x)
@@ -74,26 +90,31 @@ def test_auto_chooses_design_and_chunk_from_the_budget(monkeypatch):
         assert _bytes(probe, "fused", 2 * c) > budget, "jvp then vjp should hold less"
         fits = {d: _largest_fit(probe, d, budget) for d in ("fused", "jvp_vjp")}
         assert fits["fused"] <= c < 2 * c == fits["jvp_vjp"], fits
-        rows = _qgt.CHUNK_ROWS["cpu"]
-        assert rows < fits["fused"]  # CPU's measured per-chunk cost: the fused design wins
-        S = vmcgrad.QGT(fun, params, x, chunk_size="auto", memory_budget=budget)
-        assert (S.design, S.chunk_size) == ("fused", fits["fused"])
-        assert _expected(probe, fits, rows) == "fused"
-        assert _bytes(S, S.design, S.chunk_size) <= budget < _bytes(S, S.design, 2 * S.chunk_size)
-
-        monkeypatch.setitem(_qgt.CHUNK_ROWS, "cpu", 8 * c)  # a costly chunk (as on an accelerator)
-        S = vmcgrad.QGT(fun, params, x, chunk_size="auto", memory_budget=budget)
-        assert (S.design, S.chunk_size) == ("jvp_vjp", 2 * c)
-        assert _expected(probe, fits, 8 * c) == "jvp_vjp"
+        picked = {}
+        for platform in ("cpu", "tpu"):
+            with vmcgrad.cost_platform(platform):
+                S = vmcgrad.QGT(fun, params, x, chunk_size="auto", memory_budget=budget)
+            picked[platform] = (S.design, S.chunk_size)
+            expected = _cheapest(probe, fits, platform)
+            assert (S.design, S.chunk_size) == (expected, fits[expected]), platform
+            assert _bytes(S, S.design, S.chunk_size) <= budget < _bytes(S, S.design, 2 * S.chunk_size)
+            with vmcgrad.cost_platform(platform):
+                record = S.choice
+                assert choose_design(S) == (S.design, S.chunk_size) == record.value
+            assert record.platform == platform and record.seconds > 0
+            assert {v for v, _ in record.priced} <= {(d, fits[d]) for d in fits}
+        # the route: the CPU's measured rule keeps the fused design at its chunk; the TPU's constants
+        # take the jvp-then-vjp design at twice the chunk: fewer, larger ops within the same budget
+        assert picked == {"cpu": ("fused", fits["fused"]), "tpu": ("jvp_vjp", 2 * c)}, picked
         assert "design='jvp_vjp'" in repr(S)
-        assert _bytes(S, S.design, S.chunk_size) <= budget < _bytes(S, S.design, 2 * S.chunk_size)
-        assert choose_design(S) == (S.design, S.chunk_size)
         # the chosen design's program: the jvp in a conditional of its own
         hlo = jax.jit(lambda S, v: S @ v).lower(S, params).compile().as_text()
         assert "conditional" in hlo
 
-        loose = vmcgrad.QGT(fun, params, x, chunk_size="auto", memory_budget=2**34)
-        assert (loose.design, loose.chunk_size) == ("fused", loose.problem.n_local)
+        for platform in ("cpu", "tpu"):
+            with vmcgrad.cost_platform(platform):
+                loose = vmcgrad.QGT(fun, params, x, chunk_size="auto", memory_budget=2**34)
+            assert (loose.design, loose.chunk_size) == ("fused", loose.problem.n_local)
         hlo = jax.jit(lambda S, v: S @ v).lower(loose, params).compile().as_text()
         assert "conditional" not in hlo
         # the products agree (and with a fixed chunk)

@@ -411,7 +411,7 @@ def test_linearized_qgt_vmaps():
 
 def innermost_loop_collectives(text):
     """Collectives reachable from while bodies that contain no further while (the chunk loops)."""
-    from vmcgrad._checks import hlo as _hlo
+    from vmcgrad._hlo import collectives as _hlo
 
     comps, _ = _hlo._parse(text)
     roots = [

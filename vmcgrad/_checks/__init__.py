@@ -1,3 +1,3 @@
-"""Checks read from programs: row coupling and holomorphy from the user's jaxpr, and the
-collectives of compiled HLO.
+"""Checks read from the user's function: row coupling, holomorphy and the tangent map of its jaxpr.
+(The readers of compiled HLO are :mod:`vmcgrad._hlo`.)
 """

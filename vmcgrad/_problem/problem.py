@@ -30,14 +30,18 @@ import numpy as np
 
 from vmcgrad._cache import Cache
 from vmcgrad._chunks.budget import (
+    Choice,
     choose_chunk,
     default_memory_budget,
+    recorded,
     remember,
     run_with_oom_retry,
     signature,
 )
 from vmcgrad._chunks.plan import Space
 from vmcgrad._function import cache_key, join_fun, on_chunks, split_fun, weak_structure
+from vmcgrad._hlo.cost import Platform
+from vmcgrad._hlo.platform import resolve_platform
 from vmcgrad._problem import validation as check
 from vmcgrad._problem.sharding import (
     SampleAxis,
@@ -198,8 +202,9 @@ def _check_problem_cached(name: str, fun: Callable, params: Any, samples: Any, a
 def call(program: Any, prob: Problem, *args: Any, choose: Chooser | None = None) -> Any:
     """Runs ``program(prob, *args)``; with ``chunk_size="auto"``, at the automatic chunk.
 
-    The chunk is the largest power of two whose compiled program fits the memory budget (cached per
-    program, problem and argument signature; nothing runs to choose it), or what ``choose`` returns
+    The chunk is, among the powers of two whose compiled program fits the memory budget, the one of
+    least modelled time on the problem's platform (:func:`auto_chunk`; cached per program, problem,
+    argument signature and platform; nothing runs to choose it), or what ``choose`` returns
     for programs with a knob besides the chunk (:func:`vmcgrad._sr.ntk.dense.choose_dense`). An
     eager call that still runs out of memory is retried once at half the chunk, with a warning, and
     the smaller chunk is remembered.
@@ -220,11 +225,11 @@ def call(program: Any, prob: Problem, *args: Any, choose: Chooser | None = None)
     chunk, args = choose(program, prob, *args)
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
         return program(prob.at_chunk(chunk), *args)
-    key, budget = _key(program, prob, args), _budget(prob)
+    key, budget, platform = _key(program, prob, args), budget_of(prob), cost_platform_of(prob)
     return run_with_oom_retry(
         lambda c: program(prob.at_chunk(c), *args),
         chunk,
-        lambda c: remember(key, prob.n_local, budget, c),
+        lambda c: remember(key, prob.n_local, budget, c, platform),
         prob.name,
     )
 
@@ -238,8 +243,9 @@ def _powers_of_two(program: Any, prob: Problem, *args: Any) -> tuple[int, tuple]
 
 
 def auto_chunk(program: Any, prob: Problem, *args: Any, candidates: Any = None) -> int:
-    """The automatic chunk of ``program`` on ``args`` (see :func:`call`), compile only: the largest
-    of ``candidates`` (default: powers of two, :func:`vmcgrad._chunks.budget.choose_chunk`) that fits."""
+    """The automatic chunk of ``program`` on ``args`` (see :func:`call`), compile only: among
+    ``candidates`` (default: powers of two) whose program fits the budget, the one of least modelled
+    time on the problem's platform (:func:`vmcgrad._chunks.budget.choose_chunk`, :func:`cost_platform_of`)."""
     abstract = _abstract(args)
 
     def compile_at(c):
@@ -249,18 +255,29 @@ def auto_chunk(program: Any, prob: Problem, *args: Any, candidates: Any = None) 
         _key(program, prob, args),
         prob.n_local,
         compile_at,
-        _budget(prob),
+        budget_of(prob),
         where=prob.name,
         candidates=candidates,
+        platform=cost_platform_of(prob),
+        chunks=True,
     )
 
 
+def auto_choice(program: Any, prob: Problem, *args: Any, candidates: Any = None) -> Choice | None:
+    """The record of :func:`auto_chunk`'s choice for these arguments (chosen first where it was not):
+    the chunk, its modelled time, the platform, its footprint (:class:`vmcgrad._chunks.budget.Choice`);
+    a chunk remembered after an out-of-memory error has ``seconds`` None."""
+    auto_chunk(program, prob, *args, candidates=candidates)
+    return recorded(_key(program, prob, args), prob.n_local, budget_of(prob), cost_platform_of(prob))
+
+
 def auto_knob(program: Any, prob: Problem, args: tuple, candidates: Any, at: Callable, *, name: str) -> Any:
-    """The largest of ``candidates``, values of a knob of ``program`` other than the chunk, at which it
-    fits the memory budget, or None where none does: ``at(candidate) -> (chunk, args)``. Compile only,
-    cached (the outcome None too) under the program, the problem, the signature of ``args`` and
-    ``name``, which says what the candidates are (:func:`vmcgrad._sr.ntk.dense.choose_dense`: one
-    chunk's Jacobian batch)."""
+    """Among ``candidates``, values of a knob of ``program`` other than the chunk, the one of least
+    modelled time on the problem's platform among those at which it fits the memory budget (the
+    largest that fits, and the smaller ones compiled on the way), or None where none does:
+    ``at(candidate) -> (chunk, args)``. Compile only, cached (the outcome None too) under the
+    program, the problem, the signature of ``args`` and ``name``, which says what the candidates are
+    (:func:`vmcgrad._sr.ntk.dense.choose_dense`: one chunk's Jacobian batch)."""
 
     def compile_at(value):
         chunk, at_args = at(value)
@@ -268,11 +285,29 @@ def auto_knob(program: Any, prob: Problem, args: tuple, candidates: Any, at: Cal
 
     key = (_key(program, prob, args), name)
     return choose_chunk(
-        key, prob.n_local, compile_at, _budget(prob), where=prob.name, candidates=candidates, none_fits=None
+        key,
+        prob.n_local,
+        compile_at,
+        budget_of(prob),
+        where=prob.name,
+        candidates=candidates,
+        none_fits=None,
+        platform=cost_platform_of(prob),
+        chunks=False,
     )
 
 
-def _budget(prob: Problem) -> int:
+def cost_platform_of(prob: Problem) -> Platform:
+    """The platform ``prob``'s automatic choices are priced for
+    (:func:`vmcgrad._hlo.platform.resolve_platform`): an override in context or in
+    ``$VMCGRAD_COST_PLATFORM``, else the platform of the devices of its sample mesh, else of the
+    default device."""
+    return resolve_platform(mesh=prob.where.mesh if prob.where is not None else None)
+
+
+def budget_of(prob: Problem) -> int:
+    """The memory budget of ``prob``'s automatic choices, bytes per device: its own, else the default
+    (:func:`vmcgrad._chunks.budget.default_memory_budget`)."""
     return prob.memory_budget if prob.memory_budget is not None else default_memory_budget()
 
 

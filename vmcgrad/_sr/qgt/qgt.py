@@ -32,8 +32,17 @@ import jax
 import jax.numpy as jnp
 
 from vmcgrad._checks.holomorphy import holomorphic_violation
+from vmcgrad._chunks.budget import Choice, cheapest, predicted_seconds
 from vmcgrad._problem import validation as check
-from vmcgrad._problem.problem import Problem, auto_chunk, auto_knob, call, problem
+from vmcgrad._problem.problem import (
+    Problem,
+    auto_choice,
+    auto_knob,
+    budget_of,
+    call,
+    cost_platform_of,
+    problem,
+)
 from vmcgrad._runner.primitive import map_reduce_problem
 from vmcgrad._sr.modes import choose_mode, to_rep
 from vmcgrad._sr.qgt.abstract import AbstractQGT, diag_s_program, diag_scale_leaf
@@ -57,17 +66,14 @@ _NAME = "vmcgrad.QGT"
 #: footprint where XLA keeps the two apart).
 DESIGNS = {"fused": product_chunk, "jvp_vjp": product_jvp_vjp_chunk}
 #: Linear passes over a chunk's rows per product, per design (forward, tangent, transpose; the
-#: jvp-then-vjp design runs the forward twice).
+#: jvp-then-vjp design runs the forward twice): what :func:`design_choice` scales a priced design's
+#: time by to estimate another's before compiling it.
 PASSES = {"fused": 3, "jvp_vjp": 4}
-#: The fixed cost of one chunk of one pass, in rows of work, per platform: a loop step, its slices,
-#: its kernel launches and a matrix product too thin to run at full speed. CPU: from the fused
-#: product's time against its chunk size (``benchmarks/qgt_design_bytes.py --time-chunks``; figures
-#: in docs/performance.md). Elsewhere (GPU, TPU): an estimate of loop step and kernel launches per
-#: chunk against the time of one row of a small model, not measured (``benchmarks/device.sh``
-#: measures the designs there). Only its order matters: it decides when a design whose chunk fits
-#: twice as large wins (:func:`choose_design`).
-CHUNK_ROWS = {"cpu": 8}
-CHUNK_ROWS_ACCELERATOR = 4096
+#: The fixed cost of one chunk of one pass on the CPU, in rows of work, measured: the fused product's
+#: time against its chunk size (``benchmarks/qgt_design_bytes.py --time-chunks``; docs/performance.md).
+#: On the CPU the designs are compared by :math:`P_d (n + r \lceil n / c_d \rceil)` with this
+#: :math:`r` rather than by ``program_cost``, which misprices them there (:func:`design_choice`).
+CPU_CHUNK_ROWS = 8
 
 
 @jax.tree_util.register_dataclass
@@ -114,6 +120,22 @@ class QGTOperator(AbstractQGT):
             return None
         return kept_solve_chunk(self)
 
+    @property
+    def choice(self) -> Choice | None:
+        """The record of ``chunk_size="auto"``'s choice for the product (None at a given chunk size):
+        a :class:`vmcgrad._chunks.budget.Choice` whose ``value`` is ``(design, chunk)``, with its
+        modelled time (``seconds``), the ``platform`` it was priced for and the designs priced
+        (:func:`design_choice`; for a design given by the caller, that design's chunk). Compile only,
+        cached: reading it after the operator was built compiles nothing. ``choice.as_dict()`` is
+        JSON-able, for a log."""
+        if self.problem.chunk_size != "auto":
+            return None
+        choice = design_choice(self)
+        if choice.value[0] == self.design:
+            return choice
+        own = auto_choice(matmul_program, self.problem, self, self.params, "tree")
+        return own._replace(value=(self.design, own.value))
+
     def _for_solve(self) -> AbstractQGT:
         chunk = self.kept_solve
         if chunk is None:
@@ -131,49 +153,72 @@ class QGTOperator(AbstractQGT):
 
 
 def choose_design(op: QGTOperator) -> tuple[str, int]:
-    r"""The product's design and chunk that ``chunk_size="auto"`` picks: the fastest within the budget.
+    """The product's design and chunk that ``chunk_size="auto"`` picks (:func:`design_choice`)."""
+    return design_choice(op).value
 
-    Per design :math:`d`, the chunk :math:`c_d` is the largest power of two whose compiled ``S @ v``
-    fits the memory budget (:func:`vmcgrad._problem.problem.auto_chunk`: compiled, not run); the time is
-    modelled as
+
+def design_choice(op: QGTOperator) -> Choice:
+    r"""The product's design and chunk that ``chunk_size="auto"`` picks, the fastest on the platform
+    within the budget, as a record (:class:`vmcgrad._chunks.budget.Choice`: ``value`` is
+    ``(design, chunk)``, ``seconds`` its modelled time, ``platform`` the platform priced for).
+
+    Per design :math:`d`, the chunk :math:`c_d` is the one ``chunk_size="auto"`` gives its compiled
+    ``S @ v`` (:func:`vmcgrad._problem.problem.auto_choice`: among the powers of two that fit the
+    memory budget, the least modelled time), and the designs are compared by that time,
 
     .. math::
 
-        t_d \propto P_d \,(n + r \lceil n / c_d \rceil),
+        t_d = n_{\text{ops}}\, t_{\text{op}} + \frac{\text{FLOPs}}{\text{peak}}
+            + \frac{\text{bytes}}{\text{bandwidth}}
 
-    :math:`P_d` the linear passes per row (:data:`PASSES`: 3 fused, 4 jvp-then-vjp), :math:`n` the
-    rows per device and :math:`r` the cost of one chunk in rows (:data:`CHUNK_ROWS`: 8 on CPU, else
-    :data:`CHUNK_ROWS_ACCELERATOR`). The smallest :math:`t_d` wins, the fused design on a tie. Where
-    the jvp-then-vjp chunk is twice the fused one (it holds about half the arrays per row), the fused
-    design wins exactly when its chunk is at least :math:`r`. A design is not sized (nothing is
-    compiled for it) when even its fastest case, one chunk of all :math:`n` rows, cannot beat a design
-    sized before it: with the fused design at chunk :math:`c`, the jvp-then-vjp design is compiled
-    only when :math:`3r\lceil n/c\rceil > n + 4r` (on CPU, with more than 64 rows: a fused chunk of
-    16 rows or fewer). The chunks are cached
-    (:func:`vmcgrad._chunks.budget.choose_chunk`): a second choice compiles nothing.
+    (:func:`vmcgrad._hlo.cost.program_cost` of the compiled product, with the constants of the
+    problem's platform: :func:`vmcgrad._problem.problem.cost_platform_of`), the fused design first
+    and on a tie. The jvp-then-vjp design holds about half the arrays per row, so where the budget
+    binds its chunk is about twice the fused one: half the trips, a third more FLOPs. Where the
+    sequential ops dominate (a GPU, a TPU, a small model) it wins; where FLOPs and bytes do (a CPU),
+    the fused design. Through :func:`vmcgrad._chunks.budget.cheapest`, a design is not sized
+    (nothing compiled for it) when even its fastest case cannot beat the best priced: the priced
+    program predicted at one chunk of all rows (:func:`vmcgrad._chunks.budget.predicted_seconds`),
+    scaled by the ratio of linear passes (:data:`PASSES`). The chunks are cached: a second choice
+    compiles nothing.
+
+    On the CPU the designs are compared by the measured rule :math:`P_d\,(n + r\lceil n/c_d\rceil)`
+    (:data:`PASSES`, :data:`CPU_CHUNK_ROWS`; the fused design wins exactly when its chunk is at
+    least :math:`r`): ``program_cost`` misprices the jvp-then-vjp design there (its second forward
+    pass sits in a ``conditional``, counted as the mean of its branches, and its transcendental
+    functions count one FLOP each), and would take it where the fused design at half its chunk is
+    measured faster (docs/performance.md, "What a step costs on an accelerator"). The record's
+    ``seconds`` is still the modelled time.
 
     Raises:
         MemoryError: when no design fits even one sample per chunk (the error of the smaller one).
     """
-    n, fits, errors = op.problem.n_local, {}, []
-    rows = CHUNK_ROWS.get(jax.local_devices()[0].platform, CHUNK_ROWS_ACCELERATOR)
+    prob = op.problem
+    platform = cost_platform_of(prob)
+    n = prob.n_local
 
-    def time(design: str, chunk: int) -> float:
-        return PASSES[design] * (n + rows * -(-n // chunk))
+    def chosen(design: str) -> Choice:
+        at = dataclasses.replace(op, design=design)
+        choice = auto_choice(matmul_program, prob, at, op.params, "tree")
+        return choice._replace(value=(design, choice.value))
 
-    for design in DESIGNS:  # the fused design first, so it wins a tie
-        if fits and min(time(d, c) for d, c in fits.items()) <= time(design, n):
-            continue  # cannot win even at its largest chunk
-        try:
-            fits[design] = auto_chunk(
-                matmul_program, op.problem, dataclasses.replace(op, design=design), op.params, "tree"
-            )
-        except MemoryError as err:
-            errors.append(err)
-    if not fits:
-        raise min(errors, key=lambda err: err.need)
-    design = min(fits, key=lambda d: time(d, fits[d]))  # dicts keep order: a tie goes to the first
-    return design, fits[design]
+    if platform.name == "cpu":  # the measured rule (see above), in rows of work
+
+        def rows(choice: Choice) -> float:
+            design, chunk = choice.value
+            return PASSES[design] * (n + CPU_CHUNK_ROWS * -(-n // chunk))
+
+        def fewest_rows(design: str, best: Choice) -> float:
+            return PASSES[design] * (n + CPU_CHUNK_ROWS)
+
+        return cheapest(tuple(DESIGNS), chosen, budget_of(prob), platform, bound=fewest_rows, score=rows)
+
+    def fastest(design: str, best: Choice) -> float:
+        best_design, chunk = best.value
+        one_chunk = predicted_seconds(best.cost, n, chunk, n, platform)
+        return one_chunk * PASSES[design] / PASSES[best_design]
+
+    return cheapest(tuple(DESIGNS), chosen, budget_of(prob), platform, bound=fastest)
 
 
 def kept_solve_chunk(op: QGTOperator) -> int | None:

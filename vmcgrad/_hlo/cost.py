@@ -4,7 +4,7 @@ weighted by how often each runs.
 On a GPU or a TPU every operation the program runs one after another pays a fixed cost (a kernel
 launch, a scheduled region, a loop iteration's synchronisation) whatever its size, so a program of
 many small operations is slow however few FLOPs it does. This module reads the optimized HLO
-(``compiled.as_text()``, parsed by :mod:`vmcgrad._checks.hlo`) and models
+(``compiled.as_text()``, parsed by :mod:`vmcgrad._hlo.collectives`) and models
 
 .. math::
 
@@ -59,7 +59,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
-from vmcgrad._checks.hlo_ops import _FREE, _OP_NAME, _TRIPS, OpCosts
+from vmcgrad._hlo.ops import _FREE, _OP_NAME, _TRIPS, OpCosts
 
 
 class Platform(NamedTuple):
@@ -257,19 +257,19 @@ def program_cost(compiled: Any, platform: str | Platform | None = None) -> Progr
     On a GPU or a TPU a program costs about the number of ops it runs one after another (each pays a
     launch or a scheduled region, however small); XLA's ``compiled.cost_analysis()`` counts a loop's
     body once, whatever its trip count, and counts no ops. What each count includes is in
-    :mod:`vmcgrad._checks.cost`'s documentation: a fusion is one op; a ``while`` counts its trip
+    :mod:`vmcgrad._hlo.cost`'s documentation: a fusion is one op; a ``while`` counts its trip
     count (its ``known_trip_count``, or read from its counter) times its body's and condition's
     counts, recursively; a ``conditional`` the
     mean of its branches; a ``call`` its callee; ``dot``, ``convolution`` and ``fft`` FLOPs from their
     shapes; bytes from operand and result shapes (slices and in-place updates by the bytes they
     touch). The constants of each platform, and where they come from, are in
-    :data:`vmcgrad._checks.cost.PLATFORMS`.
+    :data:`vmcgrad._hlo.cost.PLATFORMS`.
 
     Args:
         compiled: a ``jax.stages.Compiled`` (``jitted.lower(*args).compile()``) or its ``as_text()``
             string (the optimized HLO).
         platform: the platform to model: ``"cpu"``, ``"gpu"`` or ``"tpu"`` (``"cuda"`` and ``"rocm"``
-            are ``"gpu"``), or a :class:`~vmcgrad._checks.cost.Platform` of one's own constants; None:
+            are ``"gpu"``), or a :class:`~vmcgrad._hlo.cost.Platform` of one's own constants; None:
             the platform of the program's devices (of ``jax.devices()[0]`` for a string).
 
     Returns:

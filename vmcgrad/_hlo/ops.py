@@ -1,8 +1,8 @@
 """One optimized-HLO instruction at a time: its parts, and the FLOPs and bytes it costs.
 
 The rules (which ops are free, which move data, the FLOP formulas of ``dot``, ``convolution`` and
-``fft``, the bytes of slices and in-place updates) are :mod:`vmcgrad._checks.cost`'s, documented
-there; this module applies them to one instruction, and :mod:`vmcgrad._checks.cost` weights them by
+``fft``, the bytes of slices and in-place updates) are :mod:`vmcgrad._hlo.cost`'s, documented
+there; this module applies them to one instruction, and :mod:`vmcgrad._hlo.cost` weights them by
 how often each runs.
 """
 
@@ -12,7 +12,7 @@ import math
 import re
 from typing import NamedTuple
 
-from vmcgrad._checks.hlo import _CALLS, _parse
+from vmcgrad._hlo.collectives import _CALLS, _parse
 
 # --- one HLO instruction ------------------------------------------------------------------------
 
