@@ -42,21 +42,10 @@ os.environ["XLA_FLAGS"] = xla_flags(
 )
 
 
-def child_env() -> dict[str, str]:
-    """The environment for a JAX process a test starts (multi-process runs): this one's, less its
-    JAX_* and NETKET_* settings (the child sets its own devices and precision) and XLA's variables
-    other than XLA_FLAGS, whose compile settings it keeps (less a host device count)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_", "NETKET_"))}
-    flags = os.environ.get("XLA_FLAGS", "").split()
-    kept = [f for f in flags if not f.startswith("--xla_force_host_platform_device_count")]
-    env["XLA_FLAGS"] = " ".join(kept)
-    return env
-
-
 import jax
 import pytest
+from helpers import N_DEVICES  # VMCGRAD_TEST_DEVICES, 4 if unset
 
-N_DEVICES = int(os.environ.get("VMCGRAD_TEST_DEVICES", "4"))
 jax.config.update("jax_num_cpu_devices", N_DEVICES)
 jax.config.update("jax_enable_x64", True)
 # In NetKet's TDVP driver on 4 fake CPU devices an all-reduce once waited for ever for its fourth

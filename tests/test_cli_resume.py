@@ -19,7 +19,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_cli import N_DEVICES, _start, _vmcgrad
+from helpers import N_DEVICES
+from helpers import run_vmcgrad as _vmcgrad
+from helpers import start_vmcgrad as _start
 
 import vmcgrad
 from vmcgrad.cli import _checkpoint, main

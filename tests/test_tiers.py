@@ -4,7 +4,8 @@ subset, the 1-device smoke pass, and the rest tier as the exact complement."""
 from types import SimpleNamespace
 
 import pytest
-from conftest import child_env, tier_items, xla_flags
+from conftest import tier_items, xla_flags
+from helpers import child_env
 
 
 class Item:
