@@ -76,6 +76,11 @@ class Space(NamedTuple):
     n_local: int
     chunk_size: int | None
 
+    @property
+    def plan(self) -> ChunkPlan:
+        """How each device walks its ``n_local`` rows (:func:`plan_chunks`)."""
+        return plan_chunks(self.n_local, self.chunk_size)
+
 
 class Chunks(NamedTuple):
     """This device's rows, chunked: the plan, and where the rows sit in the global sample order.

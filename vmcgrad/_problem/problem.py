@@ -30,13 +30,13 @@ import numpy as np
 
 from vmcgrad._cache import Cache
 from vmcgrad._chunks.budget import (
+    budget_or_default,
     choose_chunk,
-    default_memory_budget,
     remember,
     run_with_oom_retry,
     signature,
 )
-from vmcgrad._chunks.plan import Space
+from vmcgrad._chunks.plan import ChunkPlan, Space
 from vmcgrad._function import cache_key, join_fun, on_chunks, split_fun, weak_structure
 from vmcgrad._problem import validation as check
 from vmcgrad._problem.sharding import (
@@ -88,6 +88,11 @@ class Problem:
     def space(self) -> Space:
         """The rows and how each device walks them (:class:`vmcgrad._chunks.plan.Space`)."""
         return Space(self.where, self.n, self.n_local, self.chunk_size)
+
+    @property
+    def plan(self) -> ChunkPlan:
+        """How each device walks its rows at the (resolved) chunk size (:attr:`Space.plan`)."""
+        return self.space.plan
 
     def user_fun(self, fun_data: tuple) -> Callable:
         """The user's function inside the program, from its static part and traced data; an
@@ -220,7 +225,7 @@ def call(program: Any, prob: Problem, *args: Any, choose: Chooser | None = None)
     chunk, args = choose(program, prob, *args)
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
         return program(prob.at_chunk(chunk), *args)
-    key, budget = _key(program, prob, args), _budget(prob)
+    key, budget = _key(program, prob, args), budget_or_default(prob.memory_budget)
     return run_with_oom_retry(
         lambda c: program(prob.at_chunk(c), *args),
         chunk,
@@ -249,7 +254,7 @@ def auto_chunk(program: Any, prob: Problem, *args: Any, candidates: Any = None) 
         _key(program, prob, args),
         prob.n_local,
         compile_at,
-        _budget(prob),
+        budget_or_default(prob.memory_budget),
         where=prob.name,
         candidates=candidates,
     )
@@ -268,12 +273,14 @@ def auto_knob(program: Any, prob: Problem, args: tuple, candidates: Any, at: Cal
 
     key = (_key(program, prob, args), name)
     return choose_chunk(
-        key, prob.n_local, compile_at, _budget(prob), where=prob.name, candidates=candidates, none_fits=None
+        key,
+        prob.n_local,
+        compile_at,
+        budget_or_default(prob.memory_budget),
+        where=prob.name,
+        candidates=candidates,
+        none_fits=None,
     )
-
-
-def _budget(prob: Problem) -> int:
-    return prob.memory_budget if prob.memory_budget is not None else default_memory_budget()
 
 
 def _key(program: Any, prob: Problem, args: tuple) -> Any:

@@ -73,7 +73,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from vmcgrad._chunks.plan import Space, acc_dtype, plan_chunks
+from vmcgrad._chunks.plan import Space, acc_dtype
 from vmcgrad._jax_private import Primitive, mlir
 from vmcgrad._runner.body import Body, Operands, Outputs, hoist
 from vmcgrad._runner.refs import Pullback, open_pullback, pullback_body, pullback_jaxprs, writable
@@ -127,7 +127,7 @@ def _slots(space: Space) -> int:
     """The length of a per-chunk operand's or output's leading axis: every device's chunks, in
     device order."""
     devices = 1 if space.where is None else space.where.size
-    return devices * plan_chunks(space.n_local, space.chunk_size).count
+    return devices * space.plan.count
 
 
 def _explicit(space: Space) -> bool:
@@ -274,7 +274,7 @@ def map_reduce(
     ps_leaves, ps_trees = _flatten(per_sample)
     pc_leaves, pc_trees = _flatten(per_chunk)
     rep_layout = tuple(d for _, layout in replicated for d in layout)
-    size = plan_chunks(space.n_local, space.chunk_size).size
+    size = space.plan.size
     slots = _slots(space)
     if any(x.ndim == 0 or x.shape[0] != slots for x in pc_leaves):
         raise ValueError(

@@ -147,7 +147,7 @@ def QGTOnTheFly(
     params = vstate.parameters
     if holomorphic is not None and not isinstance(holomorphic, bool):
         raise TypeError(
-            f"{NAME}: `holomorphic` must be True, False or None; got {_short(holomorphic)}. "
+            f"{NAME}: `holomorphic` must be True, False or None; got {check.describe(holomorphic)}. "
             "Fix: pass holomorphic=True for a holomorphic model of complex parameters."
         )
     if holomorphic and nkjax.tree_leaf_isreal(params):
@@ -255,11 +255,6 @@ class QGTOnTheFlyT(LinearOperator):
 # --- input checks (eager) ------------------------------------------------------------------------
 
 
-def _short(x: Any, n: int = 80) -> str:
-    text = repr(x)
-    return text if len(text) <= n else text[: n - 3] + "..."
-
-
 def _is_scalar(x: Any) -> bool:
     if isinstance(x, (dict, list, tuple)):
         return False
@@ -290,7 +285,7 @@ def _as_rep_flat(params: Any, mode: str, v: Any) -> tuple[jax.Array, Any]:
         check_valid_vector_type(params, v)  # NetKet's "PyTree mismatch" ValueError for other trees
         expected = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
         raise ValueError(
-            f"{NAME}: the vector's leaf shapes differ from the parameters' ({_short(expected, 200)}). "
+            f"{NAME}: the vector's leaf shapes differ from the parameters' ({check.describe(expected)}). "
             "Fix: build it with jax.tree.map over vstate.parameters."
         )
     if kind is None:
