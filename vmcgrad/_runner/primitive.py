@@ -17,12 +17,12 @@ outputs of those rows are dropped.
 **Per-chunk values.** ``g`` may also read *per-chunk* operands ``c`` (leading axis: every device's
 chunks, ``devices * chunks``, split like the devices; chunk ``k`` reads slot ``k``) and write
 per-chunk outputs (chunk ``k`` writes slot ``k``; nothing is reduced, nothing leaves its device).
-This is how :class:`vmcgrad.LinearizedQGT` keeps each chunk's ``jax.linearize`` residuals in one
-pass and reads them back in every product, inside the same one loop. Per-chunk values are batched
-like the rest (batch axis 1, the chunk axis stays first) but never differentiated: they are
-residuals of one parameter point, and a nonzero tangent into or out of them is refused by the jvp
-and transpose rules with a TypeError, which holds under ``jax.jit`` as well (the rules run wherever
-the equation is transformed).
+So a caller can keep each chunk's ``jax.linearize`` residuals in one pass and read them back in
+every product, inside the same one loop. Per-chunk values are batched like the rest (batch axis 1,
+the chunk axis stays first) but never differentiated: they are residuals of one point, and a nonzero
+tangent into or out of them is refused by the jvp and transpose rules with a TypeError in the
+caller's words (``kept_note``), which holds under ``jax.jit`` as well (the rules run wherever the
+equation is transformed).
 
 It is a :class:`jax.extend.core.Primitive`, ``vmcgrad_chunked_map_reduce``, whose lowering is the
 one runner (:func:`vmcgrad._runner.runner.run_on`: padding to the device count, ``shard_map`` with
@@ -97,6 +97,8 @@ class Params:
             (:class:`~vmcgrad._runner.refs.PullbackJaxprs`); rules ignore it (they see ``body``).
         jvp_split: None, or how a combined primal-and-tangent pass splits into its two parts
             (:class:`~vmcgrad._runner.rules.JvpSplit`).
+        kept_note: the caller's words for its per-chunk values, the TypeError a derivative in
+            them raises (:func:`~vmcgrad._runner.rules.kept_refused`; "": the runner's own).
     """
 
     body: Body
@@ -105,6 +107,7 @@ class Params:
     space: Space
     pullback: Any = None
     jvp_split: Any = None
+    kept_note: str = ""
 
     def replace(self, **changes: Any) -> Params:
         return dataclasses.replace(self, **changes)
@@ -229,6 +232,7 @@ def map_reduce(
     *,
     per_chunk: Sequence[Any] = (),
     sum_layout: tuple | None = None,
+    kept_note: str = "",
 ) -> tuple:
     r"""Runs ``chunk_fun`` over the rows chunk by chunk: sums one part, concatenates another, and
     keeps a third per chunk.
@@ -244,8 +248,8 @@ def map_reduce(
     Differentiable (forward and reverse, any order), vmappable and checkpointable in the replicated
     and per-sample inputs; each transformed computation is again one chunked pass with one reduction
     (module docstring). Per-chunk values are batched by ``jax.vmap`` but not differentiated: a pass
-    that reads or writes them refuses a nonzero tangent with a TypeError (they are
-    :class:`vmcgrad.LinearizedQGT`'s kept linearisations, constants of one parameter point).
+    that reads or writes them refuses a nonzero tangent with a TypeError (they are constants of
+    one point: a caller's kept linearisations, say), in the caller's words ``kept_note``.
     ``chunk_fun`` is traced once; sums given as a :class:`~vmcgrad._runner.refs.Pullback` are
     written through ``with_refs`` by the untransformed primitive (:mod:`vmcgrad._runner.refs`).
 
@@ -263,6 +267,8 @@ def map_reduce(
             ``k`` of each leaf for chunk ``k``.
         sum_layout: per leaf of the summed outputs, the split dimension or None (default: all
             replicated).
+        kept_note: what the per-chunk values are, and how to differentiate instead, in the caller's
+            terms: the text of the TypeError a derivative in them raises ("": a generic one).
 
     Returns:
         ``(sums, maps)``, or ``(sums, maps, slots)`` where ``chunk_fun`` returns three: the sums
@@ -280,7 +286,7 @@ def map_reduce(
         raise ValueError(
             f"vmcgrad: per-chunk values must have leading axis {slots} (devices x chunks of this pass); "
             f"got shapes {sorted({tuple(x.shape) for x in pc_leaves})}. They were kept at another chunk "
-            "plan. Fix: keep them (S.linearize()) and use them with the same operator."
+            "plan. Fix: read them with a pass over the rows, devices and chunk size that wrote them."
         )
     found = {}
 
@@ -315,6 +321,7 @@ def map_reduce(
         sum_layout=(None,) * n_sum if sum_layout is None else tuple(sum_layout),
         space=space,
         pullback=pullback,
+        kept_note=kept_note,
     )
     out = bind(params, Operands((*hoisted, *rep_leaves), tuple(ps_leaves), tuple(pc_leaves)))
     sums = jax.tree.unflatten(found["sums"], out.sums)
@@ -340,6 +347,7 @@ def map_reduce_problem(
     chunk_fun: Callable[..., tuple],
     *extra: tuple[Any, Any],
     sum_layout=None,
+    kept_note: str = "",
 ) -> tuple:
     """:func:`map_reduce` over a problem's rows: ``chunk_fun(fun, params, x, w, *extra) -> (sums, maps)``
     (or ``(sums, maps, slots)``).
@@ -349,7 +357,7 @@ def map_reduce_problem(
     ``extra`` are ``(value, placement)`` pairs, placement :data:`~vmcgrad._runner.runner.SAMPLES`,
     :data:`~vmcgrad._runner.runner.CHUNKS` (one slot per chunk), :data:`~vmcgrad._runner.runner.REPLICATED`
     or a layout tuple, passed to ``chunk_fun`` in order (per-sample ones chunked, per-chunk ones at the
-    chunk's slot).
+    chunk's slot). ``kept_note`` as for :func:`map_reduce`.
     """
     rep = [(inputs.fun_data, (None,) * len(inputs.fun_data)), (inputs.params, prob.layout)]
     where_rep, where_ps, where_pc, per_sample, per_chunk = [], [], [], [inputs.samples], []
@@ -373,4 +381,6 @@ def map_reduce_problem(
             values[i] = v
         return chunk_fun(prob.user_fun(fun_data), params, x, w, *values)
 
-    return map_reduce(prob.space, g, rep, per_sample, per_chunk=per_chunk, sum_layout=sum_layout)
+    return map_reduce(
+        prob.space, g, rep, per_sample, per_chunk=per_chunk, sum_layout=sum_layout, kept_note=kept_note
+    )

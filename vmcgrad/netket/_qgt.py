@@ -312,6 +312,17 @@ def _as_rep_flat(params: Any, mode: str, v: Any) -> tuple[jax.Array, Any]:
     return flat, back
 
 
+def _for_solve(qgt: Any) -> Any:
+    """The operator NetKet's solver iterates with (traced): ``qgt`` itself, or, where its
+    ``kept_solve`` is set, ``qgt`` at that chunk with every chunk's linearisation kept
+    (:class:`vmcgrad.LinearizedQGT`), as NetKet's unchunked ``QGTOnTheFly`` keeps its
+    ``jax.linearize``: an iteration then runs no forward pass."""
+    chunk = qgt.kept_solve
+    if chunk is None:
+        return qgt
+    return qgt._at(qgt.problem.at_chunk(chunk)).linearize()
+
+
 def _shift_rep(self: QGTOnTheFlyT) -> jax.Array:
     r"""The shift :math:`\epsilon_2` in the representation: a scalar, or a flat real ``(D,)`` vector
     (a complex parameter's shift applies to its real and imaginary parts alike)."""
@@ -376,6 +387,6 @@ def _solve(self: QGTOnTheFlyT, solve_fun: Any, y: Any, *, x0: Any) -> tuple[Any,
     x0_rep = jnp.zeros_like(y_rep) if x0 is None else _as_rep_flat(params, mode, x0)[0]
     # with every chunk's linearisation kept where the budget holds it (the operator's kept_solve, as
     # NetKet's unchunked QGTOnTheFly keeps its jax.linearize): then an iteration runs no forward pass
-    kept = self.replace(qgt=self.qgt._for_solve())
+    kept = self.replace(qgt=_for_solve(self.qgt))
     x_rep, info = solve_fun(kept, y_rep, x0=x0_rep)
     return back(x_rep), info

@@ -38,7 +38,7 @@ from vmcgrad._runner.primitive import map_reduce_problem
 from vmcgrad._sr.modes import choose_mode, to_rep
 from vmcgrad._sr.qgt.abstract import AbstractQGT, diag_s_program, diag_scale_leaf
 from vmcgrad._sr.qgt.apply import matmul_program, solve_program
-from vmcgrad._sr.qgt.linearized import LinearizedQGT
+from vmcgrad._sr.qgt.linearized import KEPT_NOTE, LinearizedQGT
 from vmcgrad._sr.qgt.passes import (
     join_mean,
     linearize_chunk,
@@ -113,12 +113,6 @@ class QGTOperator(AbstractQGT):
         if self.problem.chunk_size != "auto":
             return None
         return kept_solve_chunk(self)
-
-    def _for_solve(self) -> AbstractQGT:
-        chunk = self.kept_solve
-        if chunk is None:
-            return self
-        return linearize(self._at(self.problem.at_chunk(chunk)))
 
     def _apply_rep(self, rep: Any) -> Any:
         """:math:`S_\\text{eff} \\tilde v` for a representation pytree: one pass, one reduction."""
@@ -361,4 +355,4 @@ def linearize(op: QGTOperator) -> LinearizedQGT:
 @partial(jax.jit, static_argnums=0)
 def _linearize_program(prob: Problem, op: QGTOperator) -> tuple[Any, Any, Any]:
     op = op._at(prob)
-    return map_reduce_problem(prob, op.inputs, partial(linearize_chunk, mode=op.mode))
+    return map_reduce_problem(prob, op.inputs, partial(linearize_chunk, mode=op.mode), kept_note=KEPT_NOTE)
