@@ -44,7 +44,7 @@ os.environ["XLA_FLAGS"] = xla_flags(
 
 import jax
 import pytest
-from helpers import N_DEVICES  # VMCGRAD_TEST_DEVICES, 4 if unset
+from helpers import N_DEVICES, auto_mesh  # N_DEVICES: VMCGRAD_TEST_DEVICES, 4 if unset
 
 jax.config.update("jax_num_cpu_devices", N_DEVICES)
 jax.config.update("jax_enable_x64", True)
@@ -86,6 +86,15 @@ def _no_mesh_left_behind(request):
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty:
         pytest.fail(f"{request.node.nodeid} left a context mesh set: {mesh}")
+
+
+@pytest.fixture
+def netket_mesh():
+    """NetKet's mesh (one Auto axis "S" over all devices), as after a plain ``import netket``, set as
+    the context mesh for the test. A module whose every test runs under it names it in its
+    ``pytestmark`` (``pytest.mark.usefixtures("netket_mesh")``)."""
+    with jax.set_mesh(auto_mesh()):
+        yield
 
 
 # --- tiers ---------------------------------------------------------------------------------------

@@ -119,6 +119,83 @@ def random_like(key, shape, dtype):
     return _c(key, shape, dtype) * 2
 
 
+# --- NetKet-style models: apply(variables, x), the parameters under variables["params"] ---------
+
+NK_L, NK_H = 5, 4
+
+
+def _apply_real(v, x):
+    p = v["params"]
+    return jnp.sum(jnp.tanh(x @ p["w"] + p["b"]), -1) + x @ p["a"]
+
+
+def _apply_r2c(v, x):
+    p = v["params"]
+    return jnp.sum(jnp.log(jnp.cosh(x @ p["w"] + p["b"])), -1) + 1j * jnp.tanh(x @ p["a"])
+
+
+def _apply_holo(v, x):
+    p = v["params"]
+    return jnp.sum(jnp.log(jnp.cosh(x @ p["w"] + p["b"])), -1) + x @ p["a"]
+
+
+def _apply_nonholo(v, x):
+    p = v["params"]
+    return _apply_holo(v, x) + 0.3 * jnp.conj(x @ p["a"]) ** 2
+
+
+#: name -> (apply, complex parameters): real, real-to-complex, holomorphic, non-holomorphic.
+NK_MODELS = {
+    "real": (_apply_real, False),
+    "r2c": (_apply_r2c, False),
+    "holo": (_apply_holo, True),
+    "nonholo": (_apply_nonholo, True),
+}
+
+
+def nk_params(complex_params, dtype=jnp.float64):
+    """Parameters for :data:`NK_MODELS` (``w``: (L, H), ``b``: (H,), ``a``: (L,)), complex if asked."""
+    k = jax.random.split(jax.random.key(1), 6)
+    p = {
+        "w": 0.3 * jax.random.normal(k[0], (NK_L, NK_H)),
+        "b": 0.1 * jax.random.normal(k[1], (NK_H,)),
+        "a": 0.2 * jax.random.normal(k[2], (NK_L,)),
+    }
+    if complex_params:
+        p = {n: v + 0.2j * jax.random.normal(kk, v.shape) for (n, v), kk in zip(p.items(), k[3:])}
+    return jax.tree.map(lambda v: v.astype(jnp.result_type(dtype, v.dtype)), p)
+
+
+def nk_data(n, seed=2):
+    """``(x, e)``: n spin configurations of ±1 (length L) and complex local energies."""
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    x = jnp.where(jax.random.bernoulli(k1, 0.5, (n, NK_L)), 1.0, -1.0)
+    e = jax.random.normal(k2, (n,)) + 1j * jax.random.normal(k3, (n,))
+    return x, e
+
+
+def nk_logpsi(apply):
+    """``logpsi(params, x)`` of a NetKet-style ``apply(variables, x)``."""
+    return lambda p, x: apply({"params": p}, x)
+
+
+def close(a, b, dtype, scale=1.0):
+    """:func:`assert_tree_allclose` at :func:`tols` of ``dtype``, the absolute tolerance times ``scale``."""
+    rtol, atol = tols(dtype)
+    assert_tree_allclose(a, b, rtol=rtol, atol=atol * scale)
+
+
+def qgt_bytes(S, design, chunk):
+    """Compiled bytes (temporaries, arguments, outputs) of ``S @ v`` for one product design and chunk."""
+    import dataclasses
+
+    from vmcgrad._chunks.budget import program_bytes
+    from vmcgrad._sr.qgt.apply import matmul_program
+
+    op = dataclasses.replace(S, design=design)
+    return program_bytes(matmul_program.lower(S.problem.at_chunk(chunk), op, S.params, "tree").compile())
+
+
 # --- sharding set-ups ---------------------------------------------------------------------------
 
 

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 from helpers import assert_tree_allclose, traced_without_mesh
 from jax.flatten_util import ravel_pytree
-from jax.sharding import AxisType, Mesh
 
 import vmcgrad
 from vmcgrad._checks import holomorphy as _qgt_modes
@@ -118,12 +117,6 @@ class ConjModel(nn.Module):
         b = self.param("b", nn.initializers.normal(0.3), (3,), jnp.complex128)
         y = x @ w
         return jnp.log(jnp.cosh(y)) + 0.3 * jnp.conj(y) * b[0] + b[1] * y**2
-
-
-@pytest.fixture
-def netket_mesh():
-    with jax.set_mesh(Mesh(np.array(jax.devices()), ("S",), axis_types=(AxisType.Auto,))):
-        yield
 
 
 def _vstate(model):

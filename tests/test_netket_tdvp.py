@@ -24,7 +24,6 @@ import numpy as np
 import pytest
 from helpers import assert_tree_allclose
 from jax.nn.initializers import normal
-from jax.sharding import AxisType, Mesh
 
 with jax.set_mesh(None):
     import netket as nk
@@ -38,14 +37,7 @@ N_SAMPLES = 512
 CHUNK = 37  # divides no per-device sample count (512, 128)
 DT, N_STEPS = 0.01, 10
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-
-
-@pytest.fixture(autouse=True)
-def netket_mesh():
-    mesh = Mesh(np.array(jax.devices()), ("S",), axis_types=(AxisType.Auto,))
-    with jax.set_mesh(mesh):
-        yield
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.usefixtures("netket_mesh")]
 
 
 def ising():

@@ -6,13 +6,12 @@ reference: ``test_qgt.py::test_against_dense_reference``; under transformations:
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import setup
-from test_qgt import close
+from helpers import close, setup
+from helpers import qgt_bytes as _bytes
 
 import vmcgrad
 from vmcgrad._chunks.budget import program_bytes
 from vmcgrad._sr.qgt import qgt as _qgt
-from vmcgrad._sr.qgt.apply import matmul_program
 from vmcgrad._sr.qgt.qgt import PASSES, choose_design
 
 N_DEV = jax.device_count()
@@ -32,14 +31,6 @@ def _rbm(L=16, alpha=1, per_device=512):
         return jnp.sum(jnp.log(jnp.cosh(x @ p["W"] + p["b"])), -1) + x @ p["a"]
 
     return fun, params, x
-
-
-def _bytes(S, design, chunk):
-    """Compiled bytes (temporaries, arguments, outputs) of ``S @ v`` for one design and chunk."""
-    import dataclasses
-
-    op = dataclasses.replace(S, design=design)
-    return program_bytes(matmul_program.lower(S.problem.at_chunk(chunk), op, S.params, "tree").compile())
 
 
 def _largest_fit(S, design, budget):
