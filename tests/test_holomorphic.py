@@ -145,9 +145,10 @@ def test_adapter_non_holomorphic_matches_netket_onthefly(netket_mesh):
     v = _tree(vs, 0)
     theirs = nkqgt.QGTOnTheFly(vs, holomorphic=True, diag_shift=1e-3)
     reference = nkqgt.QGTJacobianDense(vs, holomorphic=False, diag_shift=1e-3)
-    with pytest.warns(UserWarning, match="not holomorphic.*mode='complex'"):
+    with pytest.warns(UserWarning, match="not holomorphic.*mode='complex'") as record:
         ours = vnk.QGTOnTheFly(vs, holomorphic=True, diag_shift=1e-3, chunk_size=5)
     assert ours.mode == "complex"
+    assert [w.filename for w in record if "not holomorphic" in str(w.message)] == [__file__]  # the caller's
     assert_tree_allclose(ours @ v, theirs @ v, rtol=1e-11, atol=1e-13)
     assert_tree_allclose(ours @ v, reference @ v, rtol=1e-11, atol=1e-13)
     np.testing.assert_allclose(ours.to_dense(), reference.to_dense(), rtol=1e-11, atol=1e-13)

@@ -288,32 +288,12 @@ def map_reduce(
             f"got shapes {sorted({tuple(x.shape) for x in pc_leaves})}. They were kept at another chunk "
             "plan. Fix: read them with a pass over the rows, devices and chunk size that wrote them."
         )
-    found = {}
-
-    def call(ops: Operands, w) -> Outputs:  # the one trace of chunk_fun
-        args = [_unflatten(trees, group) for trees, group in zip((rep_trees, ps_trees, pc_trees), ops)]
-        sums, maps, *rest = chunk_fun(*args[0], *args[1], *args[2], w)
-        found["three"] = bool(rest)
-        if isinstance(sums, Pullback) and not ops.chunks:  # the pullback form reads no per-chunk operands
-            sum_leaves, found["opened"] = open_pullback(sums)
-            found["sums"] = found["opened"].primal_tree
-        else:
-            sum_leaves, found["sums"] = jax.tree.flatten(sums.value() if isinstance(sums, Pullback) else sums)
-        m_leaves, found["maps"] = jax.tree.flatten(maps)
-        k_leaves, found["slots"] = jax.tree.flatten(rest[0] if rest else ())
-        return Outputs(tuple(sum_leaves), tuple(m_leaves), tuple(k_leaves))
-
     avals = Operands(
         tuple(jax.typeof(x) for x in rep_leaves),
         tuple(jax.ShapeDtypeStruct((size, *x.shape[1:]), x.dtype) for x in ps_leaves),
         tuple(jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in pc_leaves),
     )
-    body, hoisted = hoist(call, avals, jax.ShapeDtypeStruct((size,), jnp.bool_))
-    pullback = None
-    if "opened" in found:
-        pre = pullback_jaxprs(body, found["opened"])
-        body = pullback_body(pre)
-        pullback = pre if writable(pre, hoisted=bool(hoisted)) else None
+    body, hoisted, pullback, found = _trace_chunk_fun(chunk_fun, (rep_trees, ps_trees, pc_trees), avals, size)
     n_sum = body.n_out[0]
     params = Params(
         body=body,
@@ -329,6 +309,36 @@ def map_reduce(
     if not found["three"]:
         return sums, maps
     return sums, maps, jax.tree.unflatten(found["slots"], out.slots)
+
+
+def _trace_chunk_fun(chunk_fun: Callable, trees: tuple, avals: Operands, size: int) -> tuple:
+    """The one trace of ``chunk_fun`` on a chunk of ``size`` rows: ``(body, hoisted, pullback,
+    found)``, the :class:`~vmcgrad._runner.body.Body` (its loop-invariant constants ``hoisted`` out,
+    :func:`~vmcgrad._runner.body.hoist`), the sums' pullback for the lowering where they are
+    written through ``with_refs`` (or None), and ``found``: the output trees, and whether
+    ``chunk_fun`` returned slots (``"three"``)."""
+    found: dict[str, Any] = {}
+
+    def call(ops: Operands, w) -> Outputs:
+        args = [_unflatten(t, group) for t, group in zip(trees, ops)]
+        sums, maps, *rest = chunk_fun(*args[0], *args[1], *args[2], w)
+        found["three"] = bool(rest)
+        if isinstance(sums, Pullback) and not ops.chunks:  # the pullback form reads no per-chunk operands
+            sum_leaves, found["opened"] = open_pullback(sums)
+            found["sums"] = found["opened"].primal_tree
+        else:
+            sum_leaves, found["sums"] = jax.tree.flatten(sums.value() if isinstance(sums, Pullback) else sums)
+        m_leaves, found["maps"] = jax.tree.flatten(maps)
+        k_leaves, found["slots"] = jax.tree.flatten(rest[0] if rest else ())
+        return Outputs(tuple(sum_leaves), tuple(m_leaves), tuple(k_leaves))
+
+    body, hoisted = hoist(call, avals, jax.ShapeDtypeStruct((size,), jnp.bool_))
+    pullback = None
+    if "opened" in found:
+        pre = pullback_jaxprs(body, found["opened"])
+        body = pullback_body(pre)
+        pullback = pre if writable(pre, hoisted=bool(hoisted)) else None
+    return body, hoisted, pullback, found
 
 
 def _flatten(trees: Sequence[Any]) -> tuple[list, list]:

@@ -132,6 +132,46 @@ def QGTOnTheFly(
         netket.errors.IllegalHolomorphicDeclarationForRealParametersError: ``holomorphic=True``
             with real parameters (as NetKet).
     """
+    chunk_size, memory_budget, mode, diag_shift = _checked(
+        vstate, chunk_size, diag_shift, diag_scale, holomorphic, mode, design, memory_budget
+    )
+    params = vstate.parameters
+    if mode is None and holomorphic is None and nkjax.tree_leaf_iscomplex(params):
+        warnings.warn(HolomorphicUndeclaredWarning(), UserWarning, stacklevel=3)  # past the wrapper too
+    apply_fun = nkp.apply_fun(vstate)
+    if mode == "real":  # NetKet's QGTJacobian mode='real' takes Re log psi (drops Im of a complex output)
+        apply_fun = HashablePartial(_real_apply, apply_fun)  # equal across calls: compiled once
+    logpsi, samples = log_psi(apply_fun, vstate.model_state), _flat_samples(vstate.samples)
+    if holomorphic and not _holomorphic_as_declared(logpsi, params, samples):
+        holomorphic = False
+    qgt = vmcgrad.QGT(
+        logpsi,
+        params,
+        samples,
+        chunk_size=chunk_size,
+        diag_shift=0.0,  # the shift is added by QGTOnTheFlyT (scalar or per parameter)
+        diag_scale=diag_scale,
+        mode=mode,
+        holomorphic=holomorphic,
+        design=design,
+        memory_budget=memory_budget,
+    )
+    return QGTOnTheFlyT(diag_shift=diag_shift, qgt=qgt)
+
+
+def _checked(
+    vstate: Any,
+    chunk_size: Any,
+    diag_shift: Any,
+    diag_scale: Any,
+    holomorphic: Any,
+    mode: Any,
+    design: Any,
+    memory_budget: Any,
+) -> tuple[Any, Any, str | None, Any]:
+    """:func:`QGTOnTheFly`'s arguments checked before anything is traced, and resolved: ``(chunk_size,
+    memory_budget, mode, diag_shift)``, the first two from the state where not given, NetKet's mode
+    'auto' as None."""
     if not isinstance(vstate, nkp.NetKetMCState):
         raise TypeError(
             f"{NAME}: `vstate` must be a netket.vqs.MCState; got {type(vstate).__name__}. "
@@ -152,45 +192,30 @@ def QGTOnTheFly(
         )
     if holomorphic and nkjax.tree_leaf_isreal(params):
         raise IllegalHolomorphicDeclarationForRealParametersError()
-    if mode == "auto":  # NetKet's QGTJacobian name for "choose"
-        mode = None
     diag_shift = check.check_diag_shift(NAME, diag_shift, params)
     if diag_scale is not None:
         check.check_nonnegative_scalar(NAME, "diag_scale", diag_scale)
-    if mode is None and holomorphic is None and nkjax.tree_leaf_iscomplex(params):
-        warnings.warn(HolomorphicUndeclaredWarning(), UserWarning, stacklevel=2)
-    apply_fun = nkp.apply_fun(vstate)
-    if mode == "real":  # NetKet's QGTJacobian mode='real' takes Re log psi (drops Im of a complex output)
-        apply_fun = HashablePartial(_real_apply, apply_fun)  # equal across calls: compiled once
-    logpsi, samples = log_psi(apply_fun, vstate.model_state), _flat_samples(vstate.samples)
-    if holomorphic:
-        why = holomorphic_violation(logpsi, params, samples)
-        if why is not None:
-            # NetKet's QGTOnTheFly(holomorphic=True) applies the 'complex' matrix here (its products
-            # and iterative solves are exact whatever the declaration); so does this adapter
-            warnings.warn(
-                f"{NAME}: holomorphic=True, but the model is not holomorphic in its parameters: "
-                f"{why}. Using mode='complex' (real and imaginary parts as separate real parameters), "
-                "whose products and solves equal those of NetKet's QGTOnTheFly(holomorphic=True) on "
-                "this model; to_dense() is then the (2P x 2P)-like real matrix of that mode. "
-                "Fix: pass holomorphic=False to silence this warning.",
-                VmcgradWarning,
-                stacklevel=2,
-            )
-            holomorphic = False
-    qgt = vmcgrad.QGT(
-        logpsi,
-        params,
-        samples,
-        chunk_size=chunk_size,
-        diag_shift=0.0,  # the shift is added by QGTOnTheFlyT (scalar or per parameter)
-        diag_scale=diag_scale,
-        mode=mode,
-        holomorphic=holomorphic,
-        design=design,
-        memory_budget=memory_budget,
+    return chunk_size, memory_budget, None if mode == "auto" else mode, diag_shift
+
+
+def _holomorphic_as_declared(logpsi: Any, params: Any, samples: Any) -> bool:
+    """Whether a model declared holomorphic is (:func:`vmcgrad._checks.holomorphy.holomorphic_violation`);
+    if not, a warning at :func:`QGTOnTheFly`'s caller says the 'complex' matrix is used instead."""
+    why = holomorphic_violation(logpsi, params, samples)
+    if why is None:
+        return True
+    # NetKet's QGTOnTheFly(holomorphic=True) applies the 'complex' matrix here (its products and
+    # iterative solves are exact whatever the declaration); so does this adapter
+    warnings.warn(
+        f"{NAME}: holomorphic=True, but the model is not holomorphic in its parameters: "
+        f"{why}. Using mode='complex' (real and imaginary parts as separate real parameters), "
+        "whose products and solves equal those of NetKet's QGTOnTheFly(holomorphic=True) on "
+        "this model; to_dense() is then the (2P x 2P)-like real matrix of that mode. "
+        "Fix: pass holomorphic=False to silence this warning.",
+        VmcgradWarning,
+        stacklevel=4,  # past this function, QGTOnTheFly and NetKet's partial_from_kwargs wrapper
     )
-    return QGTOnTheFlyT(diag_shift=diag_shift, qgt=qgt)
+    return False
 
 
 def _real_apply(apply_fun: Any, variables: Any, x: jax.Array) -> jax.Array:

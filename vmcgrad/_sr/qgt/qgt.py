@@ -181,12 +181,11 @@ def kept_solve_chunk(op: QGTOperator) -> int | None:
 
     Where it fits, the kept route is taken: a solve of :math:`k` products costs one forward pass and
     :math:`2k` linear passes instead of :math:`3k` (fused design; NetKet's unchunked ``QGTOnTheFly``
-    keeps its ``jax.linearize`` too), and a conjugate-gradient solve runs at least two products. On
-    CPU (NetKet's GCNN, P = 16 536, N = 1024, 30 iterations; docs/performance.md) the kept solve took
-    0.79-0.82x the recomputing one at the same chunk (128-512), and its fastest chunk beat the
-    recomputing solve at one chunk of all samples, where XLA hoists the loop-invariant forward pass
-    out of the solver's loop by itself (5.89 s against 6.60 s). Compile only, cached
-    (:func:`vmcgrad._problem.problem.auto_knob`).
+    keeps its ``jax.linearize`` too), and a conjugate-gradient solve runs at least two products. At
+    one chunk of all samples XLA hoists the loop-invariant forward pass out of the solver's loop by
+    itself, which it cannot do across a loop over several chunks, so the kept route gains where the
+    budget holds the residuals but not a whole-batch product (measured: docs/performance.md, the
+    kept solve per chunk). Compile only, cached (:func:`vmcgrad._problem.problem.auto_knob`).
     """
     args = (op, op.params, None, 1e-5, 0.0, 1, "tree", True)  # the solve, linearisations kept
     candidates = [2**k for k in range(op.problem.n_local.bit_length())]
