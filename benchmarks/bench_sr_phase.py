@@ -76,13 +76,14 @@ def chunk_scan(n: int, args: argparse.Namespace) -> list[dict]:
     import jax
     import jax.numpy as jnp
     import netket as nk
+    from benchlib import log_psi
 
     import vmcgrad
 
     _, model, sampler, kw = problem(n, args)
     vs = nk.vqs.MCState(sampler, model, **kw)
     x, params = vs.samples.reshape(-1, vs.samples.shape[-1]), vs.parameters
-    logpsi = jax.tree_util.Partial(lambda ms, w, s: model.apply({"params": w, **ms}, s), vs.model_state)
+    logpsi = log_psi(model.apply, vs.model_state)
     b = jax.tree.map(lambda a: jnp.cos(jnp.arange(a.size, dtype=a.dtype)).reshape(a.shape), params)
     options = dict(tol=0.0, maxiter=args.cg_iters)
     solves = {

@@ -259,16 +259,13 @@ def build_driver(args, name, seed, hi, g, H, model):
 
 
 def log_psi(vs):
-    """``logpsi(params, x) = vs.model.apply({"params": params, **vs.model_state}, x)``: the state's
-    log-amplitude as vmcgrad takes it (a ``jax.tree_util.Partial``, as ``vmcgrad vmc`` builds it).
-
-    For the flax models here ``vs.model`` is the module NetKet applies: on a batch of samples this is
+    """The state's log-amplitude as vmcgrad takes it (:func:`benchlib.log_psi`, vmcgrad.netket's own)
+    of ``vs.model.apply``: for the flax models here the module NetKet applies, on a batch of samples
     the function NetKet's kernels call (``MCState``'s apply function adds only the scalar output of a
     single sample)."""
-    import jax
+    import benchlib
 
-    apply = vs.model.apply
-    return jax.tree_util.Partial(lambda ms, w, x: apply({"params": w, **ms}, x), vs.model_state)
+    return benchlib.log_psi(vs.model.apply, vs.model_state)
 
 
 def kernel_bytes(args, name, driver, vs, H):

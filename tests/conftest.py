@@ -14,12 +14,15 @@ import os
 #   2026-12-02). Both emitters are XLA:CPU's own, and a second rounding: no tolerance may rest on one
 #   compiler's. VMCGRAD_TEST_XLA=default keeps XLA's defaults (the compiler users' programs get):
 #   .ci/run runs the compiled-program checks so, and the notebooks.
-# - XLA's CPU collectives abort the process ("Fatal Python error") when a device's thread waits over
-#   40 s at a rendezvous. Four fake devices share two cores with the other test process, so a loaded
-#   machine can stall a rendezvous for a while: at 120 s a TDVP test's worker still aborted once while
-#   other jobs loaded the machine (load average ~4 on two cores); 300 s still ends a real deadlock well
-#   within CI's limit.
-_STALL = {"--xla_cpu_collective_call_terminate_timeout_seconds": "300"}
+# - XLA's CPU collectives warn when a device's thread has waited 20 s at a rendezvous ("may be stuck":
+#   how tests/test_netket_tdvp.py tells a stalled child from a slow one) and abort the process
+#   ("Fatal Python error") after 40 s by default. A stall is not load: one device's part of a
+#   program never arrives (tests/test_netket_tdvp.py's in_own_process). 300 s leaves a slow rendezvous
+#   on a loaded machine its time and still ends a real deadlock well within CI's limit.
+_STALL = {
+    "--xla_cpu_collective_call_warn_stuck_timeout_seconds": "20",
+    "--xla_cpu_collective_call_terminate_timeout_seconds": "300",
+}
 _FAST_COMPILE = {
     "--xla_backend_optimization_level": "0",
     "--xla_cpu_use_fusion_emitters": "false",
@@ -42,27 +45,16 @@ os.environ["XLA_FLAGS"] = xla_flags(
 )
 
 
-def child_env() -> dict[str, str]:
-    """The environment for a JAX process a test starts (multi-process runs): this one's, less its
-    JAX_* and NETKET_* settings (the child sets its own devices and precision) and XLA's variables
-    other than XLA_FLAGS, whose compile settings it keeps (less a host device count)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_", "NETKET_"))}
-    flags = os.environ.get("XLA_FLAGS", "").split()
-    kept = [f for f in flags if not f.startswith("--xla_force_host_platform_device_count")]
-    env["XLA_FLAGS"] = " ".join(kept)
-    return env
-
-
 import jax
 import pytest
+from helpers import N_DEVICES, auto_mesh  # N_DEVICES: VMCGRAD_TEST_DEVICES, 4 if unset
 
-N_DEVICES = int(os.environ.get("VMCGRAD_TEST_DEVICES", "4"))
 jax.config.update("jax_num_cpu_devices", N_DEVICES)
 jax.config.update("jax_enable_x64", True)
-# In NetKet's TDVP driver on 4 fake CPU devices an all-reduce once waited for ever for its fourth
-# device (XLA's log: "Expected 4 threads to join the rendezvous, but not all of them arrived"), and XLA
-# aborted the process. The suspect, not proven, is programs overlapping under asynchronous dispatch:
-# the suite runs each program to its end before the next starts (what vmcgrad computes is unchanged).
+# Without asynchronous dispatch a call on one device returns when its program has run. It does not
+# serialise programs on several devices: on 4 fake CPU devices a call returned at once and its program
+# ran on for 0.58 s (jax 0.10.2, issue 46), so it is no guard against overlapping 4-device programs
+# (the TDVP stall, tests/test_netket_tdvp.py, is met with it set). What vmcgrad computes is unchanged.
 jax.config.update("jax_cpu_enable_async_dispatch", False)
 # NetKet fakes its own CPU devices from this variable at import; keep it in step.
 os.environ.setdefault("NETKET_EXPERIMENTAL_SHARDING_CPU", str(N_DEVICES))
@@ -97,6 +89,15 @@ def _no_mesh_left_behind(request):
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty:
         pytest.fail(f"{request.node.nodeid} left a context mesh set: {mesh}")
+
+
+@pytest.fixture
+def netket_mesh():
+    """NetKet's mesh (one Auto axis "S" over all devices), as after a plain ``import netket``, set as
+    the context mesh for the test. A module whose every test runs under it names it in its
+    ``pytestmark`` (``pytest.mark.usefixtures("netket_mesh")``)."""
+    with jax.set_mesh(auto_mesh()):
+        yield
 
 
 # --- tiers ---------------------------------------------------------------------------------------

@@ -1,9 +1,20 @@
-"""Shared test helpers: a tree comparison that really compares, models, sharding set-ups."""
+"""Shared test helpers: a tree comparison that really compares, models, sharding set-ups, and the
+child processes tests start (the command line as a user runs it).
+
+Every helper two test modules share lives here (tests/test_package.py checks that no test module
+imports another); fixtures every module gets are in tests/conftest.py.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -108,6 +119,83 @@ def random_like(key, shape, dtype):
     return _c(key, shape, dtype) * 2
 
 
+# --- NetKet-style models: apply(variables, x), the parameters under variables["params"] ---------
+
+NK_L, NK_H = 5, 4
+
+
+def _apply_real(v, x):
+    p = v["params"]
+    return jnp.sum(jnp.tanh(x @ p["w"] + p["b"]), -1) + x @ p["a"]
+
+
+def _apply_r2c(v, x):
+    p = v["params"]
+    return jnp.sum(jnp.log(jnp.cosh(x @ p["w"] + p["b"])), -1) + 1j * jnp.tanh(x @ p["a"])
+
+
+def _apply_holo(v, x):
+    p = v["params"]
+    return jnp.sum(jnp.log(jnp.cosh(x @ p["w"] + p["b"])), -1) + x @ p["a"]
+
+
+def _apply_nonholo(v, x):
+    p = v["params"]
+    return _apply_holo(v, x) + 0.3 * jnp.conj(x @ p["a"]) ** 2
+
+
+#: name -> (apply, complex parameters): real, real-to-complex, holomorphic, non-holomorphic.
+NK_MODELS = {
+    "real": (_apply_real, False),
+    "r2c": (_apply_r2c, False),
+    "holo": (_apply_holo, True),
+    "nonholo": (_apply_nonholo, True),
+}
+
+
+def nk_params(complex_params, dtype=jnp.float64):
+    """Parameters for :data:`NK_MODELS` (``w``: (L, H), ``b``: (H,), ``a``: (L,)), complex if asked."""
+    k = jax.random.split(jax.random.key(1), 6)
+    p = {
+        "w": 0.3 * jax.random.normal(k[0], (NK_L, NK_H)),
+        "b": 0.1 * jax.random.normal(k[1], (NK_H,)),
+        "a": 0.2 * jax.random.normal(k[2], (NK_L,)),
+    }
+    if complex_params:
+        p = {n: v + 0.2j * jax.random.normal(kk, v.shape) for (n, v), kk in zip(p.items(), k[3:])}
+    return jax.tree.map(lambda v: v.astype(jnp.result_type(dtype, v.dtype)), p)
+
+
+def nk_data(n, seed=2):
+    """``(x, e)``: n spin configurations of ±1 (length L) and complex local energies."""
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    x = jnp.where(jax.random.bernoulli(k1, 0.5, (n, NK_L)), 1.0, -1.0)
+    e = jax.random.normal(k2, (n,)) + 1j * jax.random.normal(k3, (n,))
+    return x, e
+
+
+def nk_logpsi(apply):
+    """``logpsi(params, x)`` of a NetKet-style ``apply(variables, x)``."""
+    return lambda p, x: apply({"params": p}, x)
+
+
+def close(a, b, dtype, scale=1.0):
+    """:func:`assert_tree_allclose` at :func:`tols` of ``dtype``, the absolute tolerance times ``scale``."""
+    rtol, atol = tols(dtype)
+    assert_tree_allclose(a, b, rtol=rtol, atol=atol * scale)
+
+
+def qgt_bytes(S, design, chunk):
+    """Compiled bytes (temporaries, arguments, outputs) of ``S @ v`` for one product design and chunk."""
+    import dataclasses
+
+    from vmcgrad._chunks.budget import program_bytes
+    from vmcgrad._sr.qgt.apply import matmul_program
+
+    op = dataclasses.replace(S, design=design)
+    return program_bytes(matmul_program.lower(S.problem.at_chunk(chunk), op, S.params, "tree").compile())
+
+
 # --- sharding set-ups ---------------------------------------------------------------------------
 
 
@@ -178,3 +266,171 @@ def module_name(path, root) -> str:
     is ``a.b``)."""
     parts = list(path.relative_to(root.parent).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+# --- child processes: the command line as a user starts it --------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+#: The suite's fake CPU device count (tests/conftest.py sets JAX's from it).
+N_DEVICES = int(os.environ.get("VMCGRAD_TEST_DEVICES", "4"))
+#: The variables a cluster launcher (SLURM's ``srun``, Open MPI's ``mpirun``, Kubernetes, JAX's own)
+#: gives a task: a child sees only those its test sets, never the ones this process runs under.
+LAUNCHER_VARS = (
+    "SLURM_",
+    "OMPI_",
+    "PMIX_",
+    "KUBERNETES_SERVICE_HOST",
+    "JAX_COORDINATOR",
+    "JAX_LOCAL_DEVICE_IDS",
+)
+
+
+def child_env(launcher_env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for a JAX process a test starts: this one's, less its JAX_* and NETKET_*
+    settings (the child sets its own devices and precision), XLA's variables other than XLA_FLAGS,
+    whose compile settings it keeps (less a host device count), and any launcher's variables, plus
+    ``launcher_env`` (a cluster launcher's, for ``--distributed auto``)."""
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_", "NETKET_", *LAUNCHER_VARS))
+    }
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    kept = [f for f in flags if not f.startswith("--xla_force_host_platform_device_count")]
+    env["XLA_FLAGS"] = " ".join(kept)
+    env.update(launcher_env or {})
+    return env
+
+
+def start(argv: list[str], cwd: Path, launcher_env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``python *argv`` started as a user starts it, with this checkout first on ``PYTHONPATH``,
+    in its own process group (:func:`kill_all` ends it and its children as a whole), text pipes."""
+    env = child_env(launcher_env)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return subprocess.Popen(
+        [sys.executable, *argv],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def start_vmcgrad(args: list[str], cwd: Path, launcher_env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``python -m vmcgrad *args`` (:func:`start`)."""
+    return start(["-m", "vmcgrad", *args], cwd, launcher_env)
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str, str]:
+    """``(returncode, stdout, stderr)`` of ``proc``; past ``timeout`` seconds its process group is
+    killed and the test fails with the ends of both streams."""
+    import pytest
+
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        command = " ".join(map(str, proc.args[1:]))[:300]
+        pytest.fail(f"`python {command}` did not finish within {timeout} s:\n{out[-2000:]}\n{err[-4000:]}")
+    return proc.returncode, out, err
+
+
+def run_vmcgrad(args: list[str], cwd: Path, timeout: float = 90) -> tuple[int, str, str]:
+    """``python -m vmcgrad *args`` to its end (:func:`finish`)."""
+    return finish(start_vmcgrad(args, cwd), timeout)
+
+
+def kill_all(procs: list[subprocess.Popen]) -> None:
+    """Kills every child still running, with its process group (its JAX children die with it)."""
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+
+
+#: ``vmcgrad vmc``'s options for a tiny run on the suite's devices (Heisenberg chain of 8 spins).
+TINY = ["--L", "8", "--samples", "128", "--chunk-size", "24", "--devices", str(N_DEVICES)]
+#: The lists a ``vmcgrad vmc`` log holds, one entry a step.
+LOG_KEYS = {"energy_mean", "energy_error", "energy_variance", "step_time", "exact_energy", "relative_error"}
+
+
+def check_log(log: dict, n_steps: int | None = None) -> int:
+    """Checks a ``vmcgrad vmc`` log's per-step lists (equal lengths, finite energies, positive
+    errors and times); returns the number of steps."""
+    assert LOG_KEYS <= set(log)
+    lengths = {len(log[k]) for k in ("energy_mean", "energy_error", "energy_variance", "step_time")}
+    assert len(lengths) == 1, f"lists of different lengths {lengths}"
+    n = lengths.pop()
+    if n_steps is not None:
+        assert n == n_steps
+    assert all(np.isfinite(log["energy_mean"])) and all(e >= 0 for e in log["energy_error"])
+    assert all(t > 0 for t in log["step_time"])
+    return n
+
+
+def steps_in(log_path: Path) -> int:
+    """The steps a run's ``log.json`` holds so far (0 while it is missing or half written)."""
+    try:
+        return len(json.loads(log_path.read_text())["energy_mean"])
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def is_png(path: Path) -> bool:
+    """Asserts ``path`` is a PNG of a plot (more than 100 x 100 pixels, colour)."""
+    import matplotlib.image
+
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    image = matplotlib.image.imread(path)
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+    return True
+
+
+# --- a synthetic checkpoint (tests/test_cli_resume.py, test_cli_messages.py) ----------------------
+
+SYNTHETIC_CONFIG = {
+    "command": "vmc",
+    "system": "heisenberg1d",
+    "L": 8,
+    "model": "rbm",
+    "samples": 128,
+    "chunk_size": 24,
+    "steps": 6,
+    "lr": 0.05,
+    "diag_shift": 0.01,
+    "seed": 3,
+    "devices": None,
+    "out": "x",
+    "checkpoint_every": 10,
+    "resume": None,
+    "coordinator": None,
+    "num_processes": None,
+    "process_id": None,
+    "distributed_timeout": 60,
+}
+
+
+def synthetic_checkpoint(folder: Path, *, step=4, version=None, **config) -> Path:
+    """A checkpoint file with ``SYNTHETIC_CONFIG`` (updated by ``config``) and an empty state, in
+    ``folder``."""
+    import vmcgrad
+    from vmcgrad.cli import _checkpoint
+
+    folder.mkdir(parents=True, exist_ok=True)
+    snap = {
+        "format": _checkpoint.FORMAT,
+        "versions": {"vmcgrad": version or vmcgrad.__version__},
+        "step": step,
+        "config": json.dumps({**SYNTHETIC_CONFIG, "out": str(folder), **config}),
+        "info": json.dumps({"versions": {}}),
+        "records": json.dumps([[-1.0, 0.1, 1.0, 0.5, 0.01]] * step),
+        "variables": {},
+        "sampler_state": {},
+        "optimizer_state": {},
+        "driver": {},
+    }
+    path = folder / _checkpoint.CHECKPOINT
+    path.write_bytes(_checkpoint.encode(snap))
+    (folder / "log.json").write_text('{"kept": true}\n')
+    return path

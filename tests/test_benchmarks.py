@@ -18,8 +18,8 @@ import jax
 import numpy as np
 import pytest
 from benchlib import suite
-from conftest import child_env
-from test_cli import N_DEVICES, _env, _is_png
+from helpers import N_DEVICES, child_env, start
+from helpers import is_png as _is_png
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -249,15 +249,7 @@ def test_run_py_stopped_by_sigterm_keeps_the_summary_and_the_plot(tmp_path):
     out = tmp_path / "bench"
     sizes = ["--L", "6", "--samples", "8", "16", "32", "--chunk-sizes", "4", "--repeats", "1"]
     sizes += ["--devices", str(N_DEVICES)]
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--only", "grad", *sizes, "--out", str(out)],
-        cwd=tmp_path,
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # its own process group: killed as a whole on a failure
-    )
+    proc = start([str(ROOT / "benchmarks" / "run.py"), "--only", "grad", *sizes, "--out", str(out)], tmp_path)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
     try:

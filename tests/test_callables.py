@@ -215,14 +215,6 @@ def test_collected_callable_does_not_alias_a_new_one():
 # --- the NetKet adapter over several VMC steps ----------------------------------------------------
 
 
-@pytest.fixture
-def netket_mesh():
-    """NetKet's mesh (one Auto axis "S" over all devices), as after a plain ``import netket``."""
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("S",), axis_types=(jax.sharding.AxisType.Auto,))
-    with jax.set_mesh(mesh):
-        yield
-
-
 class StatefulRBM(nn.Module):
     """An RBM scaled by a model-state variable: NetKet's ``log_psi`` is then a ``Partial``."""
 

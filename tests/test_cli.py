@@ -8,77 +8,21 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import N_DEVICES, TINY
+from helpers import check_log as _check_log
+from helpers import finish as _finish
+from helpers import is_png as _is_png
+from helpers import run_vmcgrad as _vmcgrad
+from helpers import start_vmcgrad as _start
 
 from vmcgrad.cli import _systems, main
 
-N_DEVICES = int(os.environ.get("VMCGRAD_TEST_DEVICES", "4"))  # as tests/conftest.py
-
-ROOT = Path(__file__).resolve().parents[1]
-LOG_KEYS = {"energy_mean", "energy_error", "energy_variance", "step_time", "exact_energy", "relative_error"}
 #: NetKet's ``nk.exact.lanczos_ed`` on ``Heisenberg(Spin(0.5, 8, total_sz=0), Chain(8))`` (measured).
 HEISENBERG_CHAIN_8 = -14.604373635748708
-TINY = ["--L", "8", "--samples", "128", "--chunk-size", "24", "--devices", str(N_DEVICES)]
-
-
-def _env():
-    env = dict(os.environ)
-    env.pop("NETKET_EXPERIMENTAL_SHARDING_CPU", None)  # --devices sets it
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return env
-
-
-def _start(args, cwd):
-    return subprocess.Popen(
-        [sys.executable, "-m", "vmcgrad", *args],
-        cwd=cwd,
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # its own process group: killed as a whole on a timeout
-    )
-
-
-def _finish(proc, timeout):
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"vmcgrad did not finish within {timeout} s:\n{out[-2000:]}\n{err[-4000:]}")
-    return proc.returncode, out, err
-
-
-def _vmcgrad(args, cwd, timeout=90):
-    return _finish(_start(args, cwd), timeout)
-
-
-def _check_log(log, n_steps=None):
-    assert LOG_KEYS <= set(log)
-    lengths = {len(log[k]) for k in ("energy_mean", "energy_error", "energy_variance", "step_time")}
-    assert len(lengths) == 1, f"lists of different lengths {lengths}"
-    n = lengths.pop()
-    if n_steps is not None:
-        assert n == n_steps
-    assert all(np.isfinite(log["energy_mean"])) and all(e >= 0 for e in log["energy_error"])
-    assert all(t > 0 for t in log["step_time"])
-    return n
-
-
-def _is_png(path):
-    import matplotlib.image
-
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    image = matplotlib.image.imread(path)
-    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
-    return True
 
 
 @pytest.mark.slow

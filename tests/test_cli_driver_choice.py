@@ -5,7 +5,8 @@ instead of NetKet's 16-line warning; a MinSR run names the route its steps actua
 """
 
 import pytest
-from test_cli import N_DEVICES, _vmcgrad
+from helpers import N_DEVICES
+from helpers import run_vmcgrad as _vmcgrad
 
 from vmcgrad.cli import main, vmc
 

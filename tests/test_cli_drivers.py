@@ -14,7 +14,8 @@ import json
 
 import numpy as np
 import pytest
-from test_cli import N_DEVICES, _vmcgrad
+from helpers import N_DEVICES
+from helpers import run_vmcgrad as _vmcgrad
 
 from vmcgrad.cli import _args, main
 

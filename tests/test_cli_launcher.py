@@ -13,31 +13,21 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
-from conftest import child_env
-from test_cli_multiprocess import _kill_all, _steps_in
+from helpers import LAUNCHER_VARS, N_DEVICES
+from helpers import kill_all as _kill_all
+from helpers import start_vmcgrad as _start
+from helpers import steps_in as _steps_in
 
 from vmcgrad.cli import _supervise, build_parser
 
-ROOT = Path(__file__).resolve().parents[1]
-N_DEVICES = int(os.environ.get("VMCGRAD_TEST_DEVICES", "4"))  # as tests/conftest.py
 PER_PROCESS = max(1, N_DEVICES // 2)
 TIMEOUT = 240
 TINY = ["vmc", "--L", "8", "--samples", "128", "--chunk-size", "24", "--seed", "3"]
 #: JAX 0.10.2's SLURM and Open MPI ports: job id mod 2^12 above 65535 - 2^12 (jax/_src/clusters).
 PORT_BASE = 65535 - 2**12 + 1
-LAUNCHER_VARS = (
-    "SLURM_",
-    "OMPI_",
-    "PMIX_",
-    "KUBERNETES_SERVICE_HOST",
-    "JAX_COORDINATOR",
-    "JAX_LOCAL_DEVICE_IDS",
-)
 
 
 def _slurm(job_id, n, i):
@@ -153,21 +143,6 @@ def _free_job_id() -> int:
                 continue
         return 4096 * random.randrange(1, 100) + port - PORT_BASE
     raise RuntimeError(f"no free port in {PORT_BASE}..65535")
-
-
-def _start(args, cwd, launcher_env):
-    env = {k: v for k, v in child_env().items() if not k.startswith(LAUNCHER_VARS)}
-    env.update(launcher_env)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return subprocess.Popen(
-        [sys.executable, "-m", "vmcgrad", *args],
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # its own process group: killed as a whole
-    )
 
 
 @pytest.mark.slow

@@ -20,8 +20,9 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from helpers import N_DEVICES
+from helpers import run_vmcgrad as _vmcgrad
 from jax.sharding import AxisType, Mesh
-from test_cli import N_DEVICES, _vmcgrad
 
 from vmcgrad.cli import Run, RunFolderError, load_run
 

@@ -9,7 +9,7 @@ import json
 
 import numpy as np
 import pytest
-from test_cli_resume import _synthetic
+from helpers import synthetic_checkpoint as _synthetic
 
 from vmcgrad.cli import _checkpoint, _lock, _report, _supervise, _vmc_options, main, vmc
 

@@ -18,18 +18,17 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
-from conftest import child_env
+from helpers import N_DEVICES
+from helpers import kill_all as _kill_all
+from helpers import start_vmcgrad as _start
+from helpers import steps_in as _steps_in
 
 #: .ci/run runs this module after the others, on its own: its processes' distributed timeouts and
 #: heartbeats are timed, and must not compete with another pytest worker for the CPUs.
 pytestmark = pytest.mark.solo
-ROOT = Path(__file__).resolve().parents[1]
-N_DEVICES = int(os.environ.get("VMCGRAD_TEST_DEVICES", "4"))  # as tests/conftest.py
 PER_PROCESS = max(1, N_DEVICES // 2)
 TIMEOUT = 240
 TINY = ["vmc", "--L", "8", "--samples", "128", "--chunk-size", "24", "--steps", "3", "--seed", "3"]
@@ -39,20 +38,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _start(args, cwd):
-    env = child_env()  # the suite's compile settings, not its devices
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return subprocess.Popen(
-        [sys.executable, "-m", "vmcgrad", *args],
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # its own process group: killed as a whole
-    )
 
 
 def _run_all(commands, cwd):
@@ -145,20 +130,6 @@ def _distributed_args(port, out, process_id, steps="3"):
     args = [*TINY, "--devices", str(PER_PROCESS), "--out", str(out), "--coordinator", f"127.0.0.1:{port}"]
     args[args.index("--steps") + 1] = steps
     return [*args, "--num-processes", "2", "--process-id", str(process_id), "--distributed-timeout"]
-
-
-def _kill_all(procs):
-    for p in procs:  # every child, whatever happened (their JAX children die with them)
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.communicate()
-
-
-def _steps_in(log_path):
-    try:
-        return len(json.loads(log_path.read_text())["energy_mean"])
-    except (OSError, ValueError, KeyError):
-        return 0
 
 
 @pytest.mark.slow

@@ -19,52 +19,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_cli import N_DEVICES, _start, _vmcgrad
+from helpers import N_DEVICES
+from helpers import run_vmcgrad as _vmcgrad
+from helpers import start_vmcgrad as _start
+from helpers import synthetic_checkpoint as _synthetic
 
 import vmcgrad
 from vmcgrad.cli import _checkpoint, main
-
-CONFIG = {
-    "command": "vmc",
-    "system": "heisenberg1d",
-    "L": 8,
-    "model": "rbm",
-    "samples": 128,
-    "chunk_size": 24,
-    "steps": 6,
-    "lr": 0.05,
-    "diag_shift": 0.01,
-    "seed": 3,
-    "devices": None,
-    "out": "x",
-    "checkpoint_every": 10,
-    "resume": None,
-    "coordinator": None,
-    "num_processes": None,
-    "process_id": None,
-    "distributed_timeout": 60,
-}
-
-
-def _synthetic(folder: Path, *, step=4, version=None, **config) -> Path:
-    """A checkpoint file with ``CONFIG`` (updated by ``config``) and an empty state, in ``folder``."""
-    folder.mkdir(parents=True, exist_ok=True)
-    snap = {
-        "format": _checkpoint.FORMAT,
-        "versions": {"vmcgrad": version or vmcgrad.__version__},
-        "step": step,
-        "config": json.dumps({**CONFIG, "out": str(folder), **config}),
-        "info": json.dumps({"versions": {}}),
-        "records": json.dumps([[-1.0, 0.1, 1.0, 0.5, 0.01]] * step),
-        "variables": {},
-        "sampler_state": {},
-        "optimizer_state": {},
-        "driver": {},
-    }
-    path = folder / _checkpoint.CHECKPOINT
-    path.write_bytes(_checkpoint.encode(snap))
-    (folder / "log.json").write_text('{"kept": true}\n')
-    return path
 
 
 def _refused(argv, capsys) -> str:

@@ -20,7 +20,11 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from test_cli import N_DEVICES, TINY, _check_log, _finish, _start, _vmcgrad
+from helpers import N_DEVICES, TINY
+from helpers import check_log as _check_log
+from helpers import finish as _finish
+from helpers import run_vmcgrad as _vmcgrad
+from helpers import start_vmcgrad as _start
 
 from vmcgrad.cli import _lock, _output, _report, main, vmc
 

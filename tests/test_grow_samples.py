@@ -58,16 +58,6 @@ def test_bad_arguments_are_refused_with_the_name(kwargs, match):
 # --- in vmcgrad.netket.VMC_SR ---------------------------------------------------------------------
 
 
-@pytest.fixture
-def netket_mesh():
-    import jax
-    from jax.sharding import AxisType, Mesh
-
-    mesh = Mesh(np.array(jax.devices()), ("S",), axis_types=(AxisType.Auto,))
-    with jax.set_mesh(mesh):
-        yield
-
-
 def _driver(rule, **kw):
     import jax
     import netket as nk

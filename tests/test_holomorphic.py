@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 from helpers import assert_tree_allclose, traced_without_mesh
 from jax.flatten_util import ravel_pytree
-from jax.sharding import AxisType, Mesh
 
 import vmcgrad
 from vmcgrad._checks import holomorphy as _qgt_modes
@@ -120,12 +119,6 @@ class ConjModel(nn.Module):
         return jnp.log(jnp.cosh(y)) + 0.3 * jnp.conj(y) * b[0] + b[1] * y**2
 
 
-@pytest.fixture
-def netket_mesh():
-    with jax.set_mesh(Mesh(np.array(jax.devices()), ("S",), axis_types=(AxisType.Auto,))):
-        yield
-
-
 def _vstate(model):
     hi = nk.hilbert.Spin(0.5, 6)
     vs = nk.vqs.MCState(
@@ -152,9 +145,10 @@ def test_adapter_non_holomorphic_matches_netket_onthefly(netket_mesh):
     v = _tree(vs, 0)
     theirs = nkqgt.QGTOnTheFly(vs, holomorphic=True, diag_shift=1e-3)
     reference = nkqgt.QGTJacobianDense(vs, holomorphic=False, diag_shift=1e-3)
-    with pytest.warns(UserWarning, match="not holomorphic.*mode='complex'"):
+    with pytest.warns(UserWarning, match="not holomorphic.*mode='complex'") as record:
         ours = vnk.QGTOnTheFly(vs, holomorphic=True, diag_shift=1e-3, chunk_size=5)
     assert ours.mode == "complex"
+    assert [w.filename for w in record if "not holomorphic" in str(w.message)] == [__file__]  # the caller's
     assert_tree_allclose(ours @ v, theirs @ v, rtol=1e-11, atol=1e-13)
     assert_tree_allclose(ours @ v, reference @ v, rtol=1e-11, atol=1e-13)
     np.testing.assert_allclose(ours.to_dense(), reference.to_dense(), rtol=1e-11, atol=1e-13)

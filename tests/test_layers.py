@@ -269,6 +269,46 @@ def test_the_reason_check_sees_a_bare_local_import(tmp_path):
     assert local_imports_without_reason(pkg) == ["vmcgrad/_a.py:7: from vmcgrad import _b"]
 
 
+# --- the test suite: shared code in tests/helpers.py, no test module importing another ------------
+
+TESTS = ROOT / "tests"
+#: The modules of tests/ that may import conftest, each with its reason (shared code is in helpers.py).
+CONFTEST_IMPORTERS = {"test_tiers": "it tests conftest's own tier selection and XLA flags"}
+
+
+def imports_of_test_modules(tests: Path = TESTS) -> list[str]:
+    """Where a module of ``tests`` imports a test module (``test_*``), or conftest outside
+    :data:`CONFTEST_IMPORTERS`: a newcomer reads a test module alone, and shared code lives in
+    tests/helpers.py (fixtures in tests/conftest.py), where pytest's own import of conftest does not
+    run it twice. Function-level imports count."""
+    found = []
+    for path in sorted(tests.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                if top.startswith("test_") or (top == "conftest" and path.stem not in CONFTEST_IMPORTERS):
+                    found.append(f"{path.name}:{node.lineno}: {name}")
+    return found
+
+
+def test_no_test_module_imports_another():
+    assert imports_of_test_modules() == []
+
+
+def test_the_test_import_check_sees_a_test_module_imported(tmp_path):
+    (tmp_path / "helpers.py").write_text("X = 1\n")
+    (tmp_path / "test_a.py").write_text("from helpers import X\n\n\ndef _y():\n    return X\n")
+    (tmp_path / "test_b.py").write_text("import os\n\n\ndef test_b():\n    from test_a import _y\n")
+    (tmp_path / "test_c.py").write_text("from conftest import child_env\n")
+    assert imports_of_test_modules(tmp_path) == ["test_b.py:5: test_a", "test_c.py:1: conftest"]
+
+
 def drawn_order(root: Path = PACKAGE) -> str:
     """The rooms in the order the imports draw them (each below every room that imports it), with
     the number of arrows that point up; ``python tests/test_layers.py`` prints it."""

@@ -12,8 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import NK_MODELS as MODELS
 from helpers import assert_tree_allclose
-from test_ntk import MODELS, _data, _logpsi, _params, netket_mesh  # noqa: F401  (the autouse mesh)
+from helpers import nk_data as _data
+from helpers import nk_logpsi as _logpsi
+from helpers import nk_params as _params
 
 import vmcgrad
 from vmcgrad._sr.ntk import minsr, nystrom
@@ -21,6 +24,7 @@ from vmcgrad._sr.ntk import minsr, nystrom
 DIAG = 1e-3
 N = 18
 slow = pytest.mark.slow
+pytestmark = pytest.mark.usefixtures("netket_mesh")
 
 
 def _tree_norm(t):

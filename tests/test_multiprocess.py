@@ -8,8 +8,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from conftest import child_env
-from helpers import auto_mesh
+from helpers import auto_mesh, child_env
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from mp_cases import RTOL, computations

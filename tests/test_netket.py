@@ -15,10 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_tree_allclose, compile_count
-from jax.sharding import AxisType, Mesh
 
 # The README command's 1-device pass runs this module's first instances (tests/conftest.py).
-pytestmark = pytest.mark.one_device_smoke
+pytestmark = [pytest.mark.one_device_smoke, pytest.mark.usefixtures("netket_mesh")]
 
 with jax.set_mesh(None):
     import netket as nk
@@ -40,13 +39,6 @@ def test_netket_sees_the_test_devices():
     vs = nk.vqs.MCState(*system("heisenberg_chain")[1:2], nk.models.RBM(), n_samples=N_SAMPLES, seed=0)
     assert vs.samples.sharding.mesh.shape == {"S": N_DEV}
     assert vs.samples.shape[0] == N_CHAINS
-
-
-@pytest.fixture(autouse=True)
-def netket_mesh():
-    mesh = Mesh(np.array(jax.devices()), ("S",), axis_types=(AxisType.Auto,))
-    with jax.set_mesh(mesh):
-        yield
 
 
 # --- systems and models -----------------------------------------------------------------------

@@ -10,25 +10,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_tree_allclose
-from jax.sharding import AxisType, Mesh
 
 with jax.set_mesh(None):
     import netket as nk
 
     import vmcgrad.netket as vnk
 
+pytestmark = pytest.mark.usefixtures("netket_mesh")
+
 N_DEV = jax.device_count()
 N_CHAINS = 4 * N_DEV
 N_SAMPLES = 24 * N_CHAINS
 CHUNK = 5  # divides neither 96 nor 24
 RTOL, ATOL = 1e-10, 1e-12
-
-
-@pytest.fixture(autouse=True)
-def netket_mesh():
-    mesh = Mesh(np.array(jax.devices()), ("S",), axis_types=(AxisType.Auto,))
-    with jax.set_mesh(mesh):
-        yield
 
 
 def spin_chain():

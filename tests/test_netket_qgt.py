@@ -17,10 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_tree_allclose, compile_count
+from helpers import assert_tree_allclose, compile_count, qgt_bytes
 from jax.flatten_util import ravel_pytree
 from jax.nn.initializers import normal
-from jax.sharding import AxisType, Mesh
 
 with jax.set_mesh(None):
     import netket as nk
@@ -37,14 +36,10 @@ N_SAMPLES = 63 * N_CHAINS  # 252 per device on 4 devices, 1008 on 1: 37 divides 
 # test_vjp_jvp.py's chunk 1000 covers)
 CHUNKS = [None, 37]
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # HolomorphicUndeclaredWarning
-
-
-@pytest.fixture(autouse=True)
-def netket_mesh():
-    mesh = Mesh(np.array(jax.devices()), ("S",), axis_types=(AxisType.Auto,))
-    with jax.set_mesh(mesh):
-        yield
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning"),  # HolomorphicUndeclaredWarning
+    pytest.mark.usefixtures("netket_mesh"),
+]
 
 
 RBM = functools.partial(nk.models.RBM, hidden_bias_init=normal(), visible_bias_init=normal())
@@ -662,8 +657,6 @@ def test_memory_budget_changes_the_pick():
     chunk_size="auto", memory_budget=...)`` picks on the same inputs; priced for a TPU (costly ops)
     the jvp-then-vjp design at all rows, one chunk. Without
     the argument the state's ``memory_budget`` is used; an explicit one overrides it."""
-    from test_qgt_design import _bytes
-
     from vmcgrad.netket import _nk_private as nkp
     from vmcgrad.netket._expect_grad import log_psi
 
@@ -680,8 +673,8 @@ def test_memory_budget_changes_the_pick():
 
     probe = vnk.QGTOnTheFly(vs, chunk_size=64).qgt
     n = probe.problem.n_local
-    budget = _bytes(probe, "jvp_vjp", n)
-    assert _bytes(probe, "fused", n) > budget, "jvp then vjp should hold less at all rows"
+    budget = qgt_bytes(probe, "jvp_vjp", n)
+    assert qgt_bytes(probe, "fused", n) > budget, "jvp then vjp should hold less at all rows"
     assert pick(vnk.QGTOnTheFly(vs, memory_budget=2**34)) == ("fused", n)
     tight = pick(vnk.QGTOnTheFly(vs, memory_budget=budget))
     assert tight == core_pick(budget) != ("fused", n)

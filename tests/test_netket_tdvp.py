@@ -12,11 +12,19 @@ The chunking check records, with ``jax.debug.callback``, the batch sizes the mod
 (host callbacks are safe on one CPU device only: on several it runs in a subprocess on one).
 """
 
+import faulthandler
 import functools
 import math
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -24,7 +32,6 @@ import numpy as np
 import pytest
 from helpers import assert_tree_allclose
 from jax.nn.initializers import normal
-from jax.sharding import AxisType, Mesh
 
 with jax.set_mesh(None):
     import netket as nk
@@ -38,14 +45,7 @@ N_SAMPLES = 512
 CHUNK = 37  # divides no per-device sample count (512, 128)
 DT, N_STEPS = 0.01, 10
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-
-
-@pytest.fixture(autouse=True)
-def netket_mesh():
-    mesh = Mesh(np.array(jax.devices()), ("S",), axis_types=(AxisType.Auto,))
-    with jax.set_mesh(mesh):
-        yield
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.usefixtures("netket_mesh")]
 
 
 def ising():
@@ -114,6 +114,8 @@ def assert_same_history(ours, ref):
 
 
 _ISOLATED = "VMCGRAD_TEST_TDVP_ISOLATED"  # set in the child process of each 4-device case
+if os.environ.get(_ISOLATED):  # a child: its Python stacks on SIGUSR1 where no gdb takes native ones
+    faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
 
 CASES = [  # (propagation, model, solver, holomorphic): each solver once, both propagations
     ("real", "RBMModPhase[float64]", "pinv_smooth", None),
@@ -145,55 +147,125 @@ def test_tdvp_matches_jacobian_dense(propagation_type, model_name, solver_name, 
         assert ours[-1][2].real < ours[0][2].real - 1e-3
 
 
-#: Seconds before a child TDVP run is taken for hung and killed. A whole child (start-up, NetKet's
+#: Seconds a child TDVP run may take when XLA reports no stall. A whole child (start-up, NetKet's
 #: import, compiling, both runs) takes about 10 s in CI (the parent test's duration: 10.5 s for the
-#: slowest, .ci/run's --durations), so 180 s leaves it 18x for a slow or loaded host, and a hang costs
-#: 180 s, before XLA would abort a stalled collective (300 s, tests/conftest.py); a hang outside a
-#: collective was only ended by this timeout (450 s before).
-CHILD_TIMEOUT = 180
-#: Runs of a child before its test fails: in a CI run of 2026-12-06 one child
-#: (test_tdvp_matches_jacobian_dense[real-RBMModPhase[float64]-pinv_smooth-None]) and its retry both
-#: stalled in XLA's all-reduce until XLA aborted them, on an otherwise idle machine: one retry was not
-#: enough.
+#: slowest, .ci/run's --durations); a child that has not ended by then without a stall warning is
+#: slow (a loaded host), not stalled, and fails as such, without a retry.
+CHILD_TIMEOUT = 300
+#: What XLA's CPU collectives print when a device's thread has waited at a rendezvous for
+#: ``--xla_cpu_collective_call_warn_stuck_seconds`` (20 s, tests/conftest.py): the mark of a stall.
+STALL_MARK = "may be stuck"
+#: Runs of a child before its test fails: a child that stalls is killed and run again. In a CI run of
+#: 2026-12-06 one child and its retry both stalled: one retry was not enough.
 ATTEMPTS = 3
+#: XLA's CPU thread pools have max(cores, devices) threads (4 here: no thread to spare for the
+#: device whose part of a program is late); NPROC sets the count XLA reads (a larger pool for the
+#: children, unless the caller set one).
+CHILD_NPROC = str(max(8, 2 * N_DEV))
+
+
+class ChildStalled(Warning):
+    """A 4-device TDVP child stalled in XLA's collectives and was run again (the test still passes);
+    the message names the file holding the first stall's native stacks."""
+
+
+def _native_stacks(pid: int) -> str:
+    """Every thread's native stack of process ``pid`` (gdb; XLA's pool threads are ``tf_XLAEigen``),
+    or, without gdb, its Python stacks (faulthandler on SIGUSR1, into the child's stderr)."""
+    if shutil.which("gdb"):
+        command = ["gdb", "-p", str(pid), "-batch", "-ex", "thread apply all bt"]
+        try:
+            return subprocess.run(command, capture_output=True, text=True, timeout=180).stdout
+        except subprocess.TimeoutExpired:
+            return "gdb did not finish within 180 s"
+    os.kill(pid, signal.SIGUSR1)
+    time.sleep(2)
+    return "no gdb: the Python stacks are in the child's stderr (faulthandler)"
+
+
+def watch(
+    command: list[str], env: dict, cwd: str, log, timeout: float
+) -> tuple[str, subprocess.Popen, float]:
+    """Starts ``command`` (its stdout and stderr into the file ``log``) and watches it: returns
+    ``(outcome, proc, seconds)``, outcome "ended"; "stalled" as soon as XLA's stall warning
+    (:data:`STALL_MARK`) appears (the process left running, for :func:`_native_stacks`); or "slow"
+    past ``timeout`` seconds without it (the process group killed)."""
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        command, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    outcome = "ended"
+    while proc.poll() is None:
+        if STALL_MARK in Path(log.name).read_text(errors="replace"):
+            outcome = "stalled"
+            break
+        if time.monotonic() - start > timeout:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            outcome = "slow"
+            break
+        time.sleep(0.5)
+    return outcome, proc, time.monotonic() - start
+
+
+def _run_child(test_id: str, log) -> tuple[str, Any, float]:
+    """:func:`watch` of ``test_id`` run in a child pytest, with a larger XLA thread pool."""
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--capture=sys"]
+    env = {**os.environ, _ISOLATED: "1"}
+    env.setdefault("NPROC", CHILD_NPROC)
+    command = [*command, "--tier=all", f"{__file__}::{test_id}"]
+    return watch(command, env, os.path.dirname(__file__), log, CHILD_TIMEOUT)
 
 
 def in_own_process(test_id):
     """Runs ``test_id`` (this module's) in a process of its own on the same devices, run again
-    (``ATTEMPTS`` in all) when a signal ends it or it hangs.
+    (``ATTEMPTS`` in all) when it stalls in XLA's collectives or a signal ends it.
 
-    On 4 fake CPU devices a TDVP run has aborted the whole process (SIGABRT inside XLA's CPU runtime,
-    ``xla::cpu::InProcessCommunicator::AllReduce`` waiting for a device that never joined, in NetKet's
-    reference run and in ours, in different cases; never alone or on one device), and hung, idle: in an
-    eager op of NetKet's integrator (2026-12-06), and on an unloaded machine (load average 0.03) with
-    its main thread in ``PjRtCpuLoadedExecutable::Execute`` waiting for the execution and XLA's pool
-    threads idle or in the all-reduce (gdb, 2026-12-06; XLA aborted it at 300 s): one device's part
-    of the program never ran, a fault of XLA's CPU runtime, not a slow run. Each 4-device TDVP run
-    is a process of its own, so that an abort is not the end of the suite;
-    the child's native log reaches its stderr (--capture=sys), and an abort (a signal, not a failed
-    assertion) or a hang (killed after ``CHILD_TIMEOUT`` s) is run again, with the failed attempt's
-    log printed here. A failed assertion fails at once."""
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--capture=sys"]
+    On 4 fake CPU devices a TDVP run has stalled in an all-reduce: one device's part of a program
+    never joined the rendezvous (``xla::cpu::InProcessCommunicator::AllReduce`` waiting; gdb showed
+    the main thread in ``PjRtCpuLoadedExecutable::Execute`` and XLA's pool threads idle or in the
+    all-reduce, 2026-12-06), in NetKet's reference run and in ours, in different cases, about once a
+    CI run, never alone or on one device; XLA then aborted the process. A stall and a slow run are
+    told apart by XLA's own warning: a thread that has waited 20 s at a rendezvous prints ``may be
+    stuck``. A child that prints it is stalled: the native stacks of its threads are kept (the first
+    stall of this process, in a file the :class:`ChildStalled` warning names), it is killed and run
+    again. A child that runs past ``CHILD_TIMEOUT`` without it is slow, and fails; a failed
+    assertion fails at once. The children get a larger XLA thread pool (``NPROC``)."""
+    global _STACKS_KEPT
     for attempt in range(1, ATTEMPTS + 1):
-        last = attempt == ATTEMPTS
-        try:
-            out = subprocess.run(
-                [*command, "--tier=all", f"{__file__}::{test_id}"],
-                env={**os.environ, _ISOLATED: "1"},
-                cwd=os.path.dirname(__file__),
-                capture_output=True,
-                text=True,
-                timeout=CHILD_TIMEOUT,
-            )
-        except subprocess.TimeoutExpired as err:  # killed by subprocess.run: a hang, run again
-            if last:
-                raise
-            print(f"attempt {attempt} killed after {err.timeout} s:\n{(err.stderr or b'')[-4000:]!r}")
-            continue
-        if out.returncode >= 0 or last:
+        with tempfile.NamedTemporaryFile("w+", suffix=".log", prefix="tdvp-child-") as log:
+            outcome, proc, seconds = _run_child(test_id, log)
+            print(f"{test_id}: attempt {attempt} {outcome} after {seconds:.0f} s")
+            output = Path(log.name).read_text(errors="replace")
+            if outcome == "stalled":
+                if not _STACKS_KEPT:
+                    kept = Path(tempfile.gettempdir()) / f"vmcgrad-tdvp-stall-{os.getpid()}.txt"
+                    kept.write_text(
+                        f"{test_id}, attempt {attempt}\n{output[-8000:]}\n{_native_stacks(proc.pid)}"
+                    )
+                    _STACKS_KEPT = str(kept)
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                message = f"{test_id}: attempt {attempt} stalled in XLA's collectives ({_STACKS_KEPT})"
+                warnings.warn(ChildStalled(message), stacklevel=2)
+                if attempt == ATTEMPTS:
+                    pytest.fail(f"{test_id}: all {ATTEMPTS} attempts stalled; stacks in {_STACKS_KEPT}")
+                continue
+            if outcome == "slow":
+                load = os.getloadavg()[0]
+                pytest.fail(
+                    f"{test_id}: slow, not stalled (no XLA stall warning) and not done in {CHILD_TIMEOUT} s "
+                    f"(load average {load:.1f}):\n{output[-4000:]}"
+                )
+            if proc.returncode < 0 and attempt < ATTEMPTS:  # ended by a signal (an abort): again
+                print(f"attempt {attempt} ended by signal {-proc.returncode}:\n{output[-4000:]}")
+                continue
             break
-        print(f"attempt {attempt} ended by signal {-out.returncode}:\n{out.stderr[-4000:]}")
-    assert out.returncode == 0 and " passed" in out.stdout, out.stdout[-4000:] + out.stderr[-4000:]
+    assert proc.returncode == 0 and " passed" in output, output[-8000:]
+
+
+#: The file holding the first stall's native stacks in this process ("" before any stall).
+_STACKS_KEPT = ""
 
 
 def test_tdvp_adaptive_rk23_with_the_qgt_norm():
@@ -208,6 +280,24 @@ def test_tdvp_adaptive_rk23_with_the_qgt_norm():
     assert_same_history(ours, ref)
     dts = np.diff([t for t, _, _ in ours])
     assert not np.allclose(dts, DT), dts  # the controller did change the step
+
+
+def test_the_watch_tells_a_stalled_child_from_a_slow_one(tmp_path):
+    """A child that prints XLA's stall warning is "stalled" at once (and left running for its
+    stacks); one that prints nothing past the timeout is "slow" (and killed); one that ends, "ended"."""
+    child = "import sys, time; print({!r}, file=sys.stderr, flush=True); time.sleep({})"
+    xla = "[id=3] This thread has been waiting for `all-reduce` for 20 seconds and may be stuck."
+    cases = {"stalled": (xla, 60), "slow": ("compiling", 60), "ended": ("1 passed", 0)}
+    for expected, (text, sleep) in cases.items():
+        with open(tmp_path / f"{expected}.log", "w+") as log:
+            command = [sys.executable, "-c", child.format(text, sleep)]
+            outcome, proc, seconds = watch(command, dict(os.environ), str(tmp_path), log, timeout=5)
+        assert outcome == expected and seconds < 30, (outcome, seconds)
+        if outcome == "stalled":
+            assert proc.poll() is None  # still there for gdb
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        assert proc.poll() is not None
 
 
 # --- chunking, seen by a spy -------------------------------------------------------------------

@@ -14,7 +14,6 @@ import numpy as np
 import optax
 import pytest
 from helpers import assert_tree_allclose
-from jax.sharding import AxisType, Mesh
 from netket_spy import vmcgrad_passes
 
 with jax.set_mesh(None):
@@ -29,14 +28,11 @@ CHUNK = 7  # divides neither the 30 samples per device nor N
 
 # NetKet's divisor notice and holomorphic checks are expected; the README command's 1-device pass
 # runs this module's first instances (tests/conftest.py).
-pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.one_device_smoke]
-
-
-@pytest.fixture(autouse=True)
-def netket_mesh():
-    mesh = Mesh(np.array(jax.devices()), ("S",), axis_types=(AxisType.Auto,))
-    with jax.set_mesh(mesh):
-        yield
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.one_device_smoke,
+    pytest.mark.usefixtures("netket_mesh"),
+]
 
 
 def _states(dtype):

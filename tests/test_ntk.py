@@ -15,83 +15,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import NK_L as L
+from helpers import NK_MODELS as MODELS
 from helpers import assert_tree_allclose
+from helpers import nk_data as _data
+from helpers import nk_logpsi as _logpsi
+from helpers import nk_params as _params
 from jax.sharding import AxisType, Mesh
 
 import vmcgrad
 
 # The README command's 1-device pass runs this module's first instances (tests/conftest.py).
-pytestmark = pytest.mark.one_device_smoke
+pytestmark = [pytest.mark.one_device_smoke, pytest.mark.usefixtures("netket_mesh")]
 
 with jax.set_mesh(None):
     import netket as nk  # noqa: F401  (sets NetKet's sharding up before its ngd modules)
     from netket._src.ngd.sr_srt_common import srt
     from netket._src.ngd.srt_onthefly import srt_onthefly
 
-L, H = 5, 4
 DIAG = 1e-3
-
-
-def _apply_real(v, x):
-    p = v["params"]
-    return jnp.sum(jnp.tanh(x @ p["w"] + p["b"]), -1) + x @ p["a"]
-
-
-def _apply_r2c(v, x):
-    p = v["params"]
-    return jnp.sum(jnp.log(jnp.cosh(x @ p["w"] + p["b"])), -1) + 1j * jnp.tanh(x @ p["a"])
-
-
-def _apply_holo(v, x):
-    p = v["params"]
-    return jnp.sum(jnp.log(jnp.cosh(x @ p["w"] + p["b"])), -1) + x @ p["a"]
-
-
-def _apply_nonholo(v, x):
-    p = v["params"]
-    return _apply_holo(v, x) + 0.3 * jnp.conj(x @ p["a"]) ** 2
-
-
-MODELS = {
-    "real": (_apply_real, False),
-    "r2c": (_apply_r2c, False),
-    "holo": (_apply_holo, True),
-    "nonholo": (_apply_nonholo, True),
-}
-
-
-def _params(complex_params, dtype=jnp.float64):
-    k = jax.random.split(jax.random.key(1), 6)
-    p = {
-        "w": 0.3 * jax.random.normal(k[0], (L, H)),
-        "b": 0.1 * jax.random.normal(k[1], (H,)),
-        "a": 0.2 * jax.random.normal(k[2], (L,)),
-    }
-    if complex_params:
-        p = {n: v + 0.2j * jax.random.normal(kk, v.shape) for (n, v), kk in zip(p.items(), k[3:])}
-    return jax.tree.map(lambda v: v.astype(jnp.result_type(dtype, v.dtype)), p)
-
-
-def _data(n, seed=2):
-    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
-    x = jnp.where(jax.random.bernoulli(k1, 0.5, (n, L)), 1.0, -1.0)
-    e = jax.random.normal(k2, (n,)) + 1j * jax.random.normal(k3, (n,))
-    return x, e
-
-
-def _logpsi(apply):
-    return lambda p, x: apply({"params": p}, x)
 
 
 def solve(a, b):
     return jnp.linalg.solve(a, b)
-
-
-@pytest.fixture(autouse=True)
-def netket_mesh():
-    mesh = Mesh(np.array(jax.devices()), ("S",), axis_types=(AxisType.Auto,))
-    with jax.set_mesh(mesh):
-        yield
 
 
 def _dense_reference(apply, params, x, mode):

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_tree_allclose, compile_count, make_case, random_like, setup, tols
+from helpers import assert_tree_allclose, close, compile_count, make_case, random_like, setup
 from jax.flatten_util import ravel_pytree
 
 import vmcgrad
@@ -97,11 +97,6 @@ def tree_like(params, seed):
     leaves, tdef = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
     return jax.tree.unflatten(tdef, [random_like(k, p.shape, p.dtype) for k, p in zip(keys, leaves)])
-
-
-def close(a, b, dtype, scale=1.0):
-    rtol, atol = tols(dtype)
-    assert_tree_allclose(a, b, rtol=rtol, atol=atol * scale)
 
 
 # --- S @ v, to_dense, diagonal in every mode -----------------------------------------------------

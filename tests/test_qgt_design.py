@@ -6,8 +6,7 @@ reference: ``test_qgt.py::test_against_dense_reference``; under transformations:
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import setup
-from test_qgt import close
+from helpers import close, qgt_bytes, setup
 
 import vmcgrad
 from vmcgrad._chunks.budget import program_bytes
@@ -34,14 +33,6 @@ def _rbm(L=16, alpha=1, per_device=512):
     return fun, params, x
 
 
-def _bytes(S, design, chunk):
-    """Compiled bytes (temporaries, arguments, outputs) of ``S @ v`` for one design and chunk."""
-    import dataclasses
-
-    op = dataclasses.replace(S, design=design)
-    return program_bytes(matmul_program.lower(S.problem.at_chunk(chunk), op, S.params, "tree").compile())
-
-
 def _cheapest(S, fits, platform):
     """The design of least modelled time at its chunk, from ``program_cost`` of each compiled product
     (the fused one on a tie); on the CPU, of least P_d (n + r ceil(n / c_d)) (the
@@ -66,7 +57,7 @@ def _largest_fit(S, design, budget):
     search in vmcgrad._chunks.budget)."""
     best, c = None, 1
     while c <= S.problem.n_local:
-        if _bytes(S, design, c) <= budget:
+        if qgt_bytes(S, design, c) <= budget:
             best = c
         c *= 2
     return best
@@ -86,8 +77,8 @@ def test_auto_chooses_design_and_chunk_from_the_budget_and_the_platform():
         x = place(x)
         probe = vmcgrad.QGT(fun, params, x, chunk_size=64)
         c = 64
-        budget = _bytes(probe, "jvp_vjp", 2 * c)
-        assert _bytes(probe, "fused", 2 * c) > budget, "jvp then vjp should hold less"
+        budget = qgt_bytes(probe, "jvp_vjp", 2 * c)
+        assert qgt_bytes(probe, "fused", 2 * c) > budget, "jvp then vjp should hold less"
         fits = {d: _largest_fit(probe, d, budget) for d in ("fused", "jvp_vjp")}
         assert fits["fused"] <= c < 2 * c == fits["jvp_vjp"], fits
         picked = {}
@@ -97,7 +88,7 @@ def test_auto_chooses_design_and_chunk_from_the_budget_and_the_platform():
             picked[platform] = (S.design, S.chunk_size)
             expected = _cheapest(probe, fits, platform)
             assert (S.design, S.chunk_size) == (expected, fits[expected]), platform
-            assert _bytes(S, S.design, S.chunk_size) <= budget < _bytes(S, S.design, 2 * S.chunk_size)
+            assert qgt_bytes(S, S.design, S.chunk_size) <= budget < qgt_bytes(S, S.design, 2 * S.chunk_size)
             with vmcgrad.cost_platform(platform):
                 record = S.choice
                 assert choose_design(S) == (S.design, S.chunk_size) == record.value

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import child_env
+from helpers import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -4,7 +4,8 @@ subset, the 1-device smoke pass, and the rest tier as the exact complement."""
 from types import SimpleNamespace
 
 import pytest
-from conftest import child_env, tier_items, xla_flags
+from conftest import tier_items, xla_flags
+from helpers import child_env
 
 
 class Item:
@@ -76,7 +77,10 @@ def test_the_suite_compiles_fast_unless_told_and_keeps_the_users_xla_flags():
     fast = xla_flags("", "fast").split()
     assert "--xla_backend_optimization_level=0" in fast and "--xla_cpu_use_fusion_emitters=false" in fast
     default = xla_flags("", "default").split()
-    assert default == ["--xla_cpu_collective_call_terminate_timeout_seconds=300"]
+    assert default == [
+        "--xla_cpu_collective_call_warn_stuck_timeout_seconds=20",
+        "--xla_cpu_collective_call_terminate_timeout_seconds=300",
+    ]
     # a flag the user set is theirs, whatever its value; the others are added after it
     mine = xla_flags("--xla_backend_optimization_level=2 --xla_dump_to=/tmp/x", "fast").split()
     assert mine[:2] == ["--xla_backend_optimization_level=2", "--xla_dump_to=/tmp/x"]

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import child_env
+from helpers import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 

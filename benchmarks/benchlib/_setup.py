@@ -74,12 +74,10 @@ def init_model(model: Any, L: int, n_samples: int, seed: int = 0) -> dict[str, A
 
 def log_psi(apply: Any, model_state: Any) -> Any:
     """``logpsi(params, x) = apply({"params": params, **model_state}, x)``, the model state traced
-    data (a ``Partial``), as :mod:`vmcgrad.netket` passes it."""
-    return jax.tree_util.Partial(_apply_with_state, apply, model_state)
+    data (a ``Partial``): :mod:`vmcgrad.netket`'s own, as it passes it to the core."""
+    from vmcgrad.netket._expect_grad import log_psi  # NetKet is imported where it is needed
 
-
-def _apply_with_state(apply, model_state, params, x):
-    return apply({"params": params, **model_state}, x)
+    return log_psi(apply, model_state)
 
 
 def centred(local_values: jax.Array) -> jax.Array:

@@ -64,6 +64,12 @@ def default_memory_budget(device: Any = None) -> int:
     return DEFAULT_MEMORY_BUDGET
 
 
+def budget_or_default(budget: int | float | None) -> int | float:
+    """``budget`` (bytes per device, as the user gave it), or :func:`default_memory_budget` where it
+    is None: every entry point's ``memory_budget=None`` means this."""
+    return default_memory_budget() if budget is None else budget
+
+
 def program_bytes(compiled: Any) -> int:
     """Per-device bytes a compiled program needs: temporaries plus its arguments and outputs."""
     return _measure(compiled)[0]

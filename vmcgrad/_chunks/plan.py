@@ -22,7 +22,7 @@ value where ``w = 0``. Nothing else decides which rows count.
 row whose derivative is infinite would turn ``inf`` into NaN. Where the plan has such rows at all
 (known statically), a chunk that holds some is walked with each of them replaced by a copy of a
 counted row of the same chunk whose derivative is finite, and a chunk with no counted row is
-skipped (:func:`vmcgrad._runner.primitive._finite_stand_ins`; for the pullbacks of untransformed estimators,
+skipped (:func:`vmcgrad._runner.refs._finite_stand_ins`; for the pullbacks of untransformed estimators,
 where the sums are pullbacks: ``batched_vjp``, ``expect_grad``, the QGT passes).
 
 **The precision of the sums over chunks.** Chunk results are added at :func:`acc_dtype`, the leaf's
@@ -75,6 +75,11 @@ class Space(NamedTuple):
     n: int
     n_local: int
     chunk_size: int | None
+
+    @property
+    def plan(self) -> ChunkPlan:
+        """How each device walks its ``n_local`` rows (:func:`plan_chunks`)."""
+        return plan_chunks(self.n_local, self.chunk_size)
 
 
 class Chunks(NamedTuple):

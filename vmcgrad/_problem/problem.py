@@ -31,14 +31,14 @@ import numpy as np
 from vmcgrad._cache import Cache
 from vmcgrad._chunks.budget import (
     Choice,
+    budget_or_default,
     choose_chunk,
-    default_memory_budget,
     recorded,
     remember,
     run_with_oom_retry,
     signature,
 )
-from vmcgrad._chunks.plan import Space
+from vmcgrad._chunks.plan import ChunkPlan, Space
 from vmcgrad._function import cache_key, join_fun, on_chunks, split_fun, weak_structure
 from vmcgrad._hlo.cost import Platform
 from vmcgrad._hlo.platform import resolve_platform
@@ -92,6 +92,11 @@ class Problem:
     def space(self) -> Space:
         """The rows and how each device walks them (:class:`vmcgrad._chunks.plan.Space`)."""
         return Space(self.where, self.n, self.n_local, self.chunk_size)
+
+    @property
+    def plan(self) -> ChunkPlan:
+        """How each device walks its rows at the (resolved) chunk size (:attr:`Space.plan`)."""
+        return self.space.plan
 
     def user_fun(self, fun_data: tuple) -> Callable:
         """The user's function inside the program, from its static part and traced data; an
@@ -308,7 +313,7 @@ def cost_platform_of(prob: Problem) -> Platform:
 def budget_of(prob: Problem) -> int:
     """The memory budget of ``prob``'s automatic choices, bytes per device: its own, else the default
     (:func:`vmcgrad._chunks.budget.default_memory_budget`)."""
-    return prob.memory_budget if prob.memory_budget is not None else default_memory_budget()
+    return budget_or_default(prob.memory_budget)
 
 
 def _key(program: Any, prob: Problem, args: tuple) -> Any:

@@ -17,12 +17,12 @@ outputs of those rows are dropped.
 **Per-chunk values.** ``g`` may also read *per-chunk* operands ``c`` (leading axis: every device's
 chunks, ``devices * chunks``, split like the devices; chunk ``k`` reads slot ``k``) and write
 per-chunk outputs (chunk ``k`` writes slot ``k``; nothing is reduced, nothing leaves its device).
-This is how :class:`vmcgrad.LinearizedQGT` keeps each chunk's ``jax.linearize`` residuals in one
-pass and reads them back in every product, inside the same one loop. Per-chunk values are batched
-like the rest (batch axis 1, the chunk axis stays first) but never differentiated: they are
-residuals of one parameter point, and a nonzero tangent into or out of them is refused by the jvp
-and transpose rules with a TypeError, which holds under ``jax.jit`` as well (the rules run wherever
-the equation is transformed).
+So a caller can keep each chunk's ``jax.linearize`` residuals in one pass and read them back in
+every product, inside the same one loop. Per-chunk values are batched like the rest (batch axis 1,
+the chunk axis stays first) but never differentiated: they are residuals of one point, and a nonzero
+tangent into or out of them is refused by the jvp and transpose rules with a TypeError in the
+caller's words (``kept_note``), which holds under ``jax.jit`` as well (the rules run wherever the
+equation is transformed).
 
 It is a :class:`jax.extend.core.Primitive`, ``vmcgrad_chunked_map_reduce``, whose lowering is the
 one runner (:func:`vmcgrad._runner.runner.run_on`: padding to the device count, ``shard_map`` with
@@ -73,7 +73,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from vmcgrad._chunks.plan import Space, acc_dtype, plan_chunks
+from vmcgrad._chunks.plan import Space, acc_dtype
 from vmcgrad._jax_private import Primitive, mlir
 from vmcgrad._runner.body import Body, Operands, Outputs, hoist
 from vmcgrad._runner.refs import Pullback, open_pullback, pullback_body, pullback_jaxprs, writable
@@ -97,6 +97,8 @@ class Params:
             (:class:`~vmcgrad._runner.refs.PullbackJaxprs`); rules ignore it (they see ``body``).
         jvp_split: None, or how a combined primal-and-tangent pass splits into its two parts
             (:class:`~vmcgrad._runner.rules.JvpSplit`).
+        kept_note: the caller's words for its per-chunk values, the TypeError a derivative in
+            them raises (:func:`~vmcgrad._runner.rules.kept_refused`; "": the runner's own).
     """
 
     body: Body
@@ -105,6 +107,7 @@ class Params:
     space: Space
     pullback: Any = None
     jvp_split: Any = None
+    kept_note: str = ""
 
     def replace(self, **changes: Any) -> Params:
         return dataclasses.replace(self, **changes)
@@ -127,7 +130,7 @@ def _slots(space: Space) -> int:
     """The length of a per-chunk operand's or output's leading axis: every device's chunks, in
     device order."""
     devices = 1 if space.where is None else space.where.size
-    return devices * plan_chunks(space.n_local, space.chunk_size).count
+    return devices * space.plan.count
 
 
 def _explicit(space: Space) -> bool:
@@ -229,6 +232,7 @@ def map_reduce(
     *,
     per_chunk: Sequence[Any] = (),
     sum_layout: tuple | None = None,
+    kept_note: str = "",
 ) -> tuple:
     r"""Runs ``chunk_fun`` over the rows chunk by chunk: sums one part, concatenates another, and
     keeps a third per chunk.
@@ -244,8 +248,8 @@ def map_reduce(
     Differentiable (forward and reverse, any order), vmappable and checkpointable in the replicated
     and per-sample inputs; each transformed computation is again one chunked pass with one reduction
     (module docstring). Per-chunk values are batched by ``jax.vmap`` but not differentiated: a pass
-    that reads or writes them refuses a nonzero tangent with a TypeError (they are
-    :class:`vmcgrad.LinearizedQGT`'s kept linearisations, constants of one parameter point).
+    that reads or writes them refuses a nonzero tangent with a TypeError (they are constants of
+    one point: a caller's kept linearisations, say), in the caller's words ``kept_note``.
     ``chunk_fun`` is traced once; sums given as a :class:`~vmcgrad._runner.refs.Pullback` are
     written through ``with_refs`` by the untransformed primitive (:mod:`vmcgrad._runner.refs`).
 
@@ -263,6 +267,8 @@ def map_reduce(
             ``k`` of each leaf for chunk ``k``.
         sum_layout: per leaf of the summed outputs, the split dimension or None (default: all
             replicated).
+        kept_note: what the per-chunk values are, and how to differentiate instead, in the caller's
+            terms: the text of the TypeError a derivative in them raises ("": a generic one).
 
     Returns:
         ``(sums, maps)``, or ``(sums, maps, slots)`` where ``chunk_fun`` returns three: the sums
@@ -274,18 +280,47 @@ def map_reduce(
     ps_leaves, ps_trees = _flatten(per_sample)
     pc_leaves, pc_trees = _flatten(per_chunk)
     rep_layout = tuple(d for _, layout in replicated for d in layout)
-    size = plan_chunks(space.n_local, space.chunk_size).size
+    size = space.plan.size
     slots = _slots(space)
     if any(x.ndim == 0 or x.shape[0] != slots for x in pc_leaves):
         raise ValueError(
             f"vmcgrad: per-chunk values must have leading axis {slots} (devices x chunks of this pass); "
             f"got shapes {sorted({tuple(x.shape) for x in pc_leaves})}. They were kept at another chunk "
-            "plan. Fix: keep them (S.linearize()) and use them with the same operator."
+            "plan. Fix: read them with a pass over the rows, devices and chunk size that wrote them."
         )
-    found = {}
+    avals = Operands(
+        tuple(jax.typeof(x) for x in rep_leaves),
+        tuple(jax.ShapeDtypeStruct((size, *x.shape[1:]), x.dtype) for x in ps_leaves),
+        tuple(jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in pc_leaves),
+    )
+    body, hoisted, pullback, found = _trace_chunk_fun(chunk_fun, (rep_trees, ps_trees, pc_trees), avals, size)
+    n_sum = body.n_out[0]
+    params = Params(
+        body=body,
+        rep_layout=(None,) * len(hoisted) + rep_layout,
+        sum_layout=(None,) * n_sum if sum_layout is None else tuple(sum_layout),
+        space=space,
+        pullback=pullback,
+        kept_note=kept_note,
+    )
+    out = bind(params, Operands((*hoisted, *rep_leaves), tuple(ps_leaves), tuple(pc_leaves)))
+    sums = jax.tree.unflatten(found["sums"], out.sums)
+    maps = jax.tree.unflatten(found["maps"], out.maps)
+    if not found["three"]:
+        return sums, maps
+    return sums, maps, jax.tree.unflatten(found["slots"], out.slots)
 
-    def call(ops: Operands, w) -> Outputs:  # the one trace of chunk_fun
-        args = [_unflatten(trees, group) for trees, group in zip((rep_trees, ps_trees, pc_trees), ops)]
+
+def _trace_chunk_fun(chunk_fun: Callable, trees: tuple, avals: Operands, size: int) -> tuple:
+    """The one trace of ``chunk_fun`` on a chunk of ``size`` rows: ``(body, hoisted, pullback,
+    found)``, the :class:`~vmcgrad._runner.body.Body` (its loop-invariant constants ``hoisted`` out,
+    :func:`~vmcgrad._runner.body.hoist`), the sums' pullback for the lowering where they are
+    written through ``with_refs`` (or None), and ``found``: the output trees, and whether
+    ``chunk_fun`` returned slots (``"three"``)."""
+    found: dict[str, Any] = {}
+
+    def call(ops: Operands, w) -> Outputs:
+        args = [_unflatten(t, group) for t, group in zip(trees, ops)]
         sums, maps, *rest = chunk_fun(*args[0], *args[1], *args[2], w)
         found["three"] = bool(rest)
         if isinstance(sums, Pullback) and not ops.chunks:  # the pullback form reads no per-chunk operands
@@ -297,31 +332,13 @@ def map_reduce(
         k_leaves, found["slots"] = jax.tree.flatten(rest[0] if rest else ())
         return Outputs(tuple(sum_leaves), tuple(m_leaves), tuple(k_leaves))
 
-    avals = Operands(
-        tuple(jax.typeof(x) for x in rep_leaves),
-        tuple(jax.ShapeDtypeStruct((size, *x.shape[1:]), x.dtype) for x in ps_leaves),
-        tuple(jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in pc_leaves),
-    )
     body, hoisted = hoist(call, avals, jax.ShapeDtypeStruct((size,), jnp.bool_))
     pullback = None
     if "opened" in found:
         pre = pullback_jaxprs(body, found["opened"])
         body = pullback_body(pre)
         pullback = pre if writable(pre, hoisted=bool(hoisted)) else None
-    n_sum = body.n_out[0]
-    params = Params(
-        body=body,
-        rep_layout=(None,) * len(hoisted) + rep_layout,
-        sum_layout=(None,) * n_sum if sum_layout is None else tuple(sum_layout),
-        space=space,
-        pullback=pullback,
-    )
-    out = bind(params, Operands((*hoisted, *rep_leaves), tuple(ps_leaves), tuple(pc_leaves)))
-    sums = jax.tree.unflatten(found["sums"], out.sums)
-    maps = jax.tree.unflatten(found["maps"], out.maps)
-    if not found["three"]:
-        return sums, maps
-    return sums, maps, jax.tree.unflatten(found["slots"], out.slots)
+    return body, hoisted, pullback, found
 
 
 def _flatten(trees: Sequence[Any]) -> tuple[list, list]:
@@ -340,6 +357,7 @@ def map_reduce_problem(
     chunk_fun: Callable[..., tuple],
     *extra: tuple[Any, Any],
     sum_layout=None,
+    kept_note: str = "",
 ) -> tuple:
     """:func:`map_reduce` over a problem's rows: ``chunk_fun(fun, params, x, w, *extra) -> (sums, maps)``
     (or ``(sums, maps, slots)``).
@@ -349,7 +367,7 @@ def map_reduce_problem(
     ``extra`` are ``(value, placement)`` pairs, placement :data:`~vmcgrad._runner.runner.SAMPLES`,
     :data:`~vmcgrad._runner.runner.CHUNKS` (one slot per chunk), :data:`~vmcgrad._runner.runner.REPLICATED`
     or a layout tuple, passed to ``chunk_fun`` in order (per-sample ones chunked, per-chunk ones at the
-    chunk's slot).
+    chunk's slot). ``kept_note`` as for :func:`map_reduce`.
     """
     rep = [(inputs.fun_data, (None,) * len(inputs.fun_data)), (inputs.params, prob.layout)]
     where_rep, where_ps, where_pc, per_sample, per_chunk = [], [], [], [inputs.samples], []
@@ -373,4 +391,6 @@ def map_reduce_problem(
             values[i] = v
         return chunk_fun(prob.user_fun(fun_data), params, x, w, *values)
 
-    return map_reduce(prob.space, g, rep, per_sample, per_chunk=per_chunk, sum_layout=sum_layout)
+    return map_reduce(
+        prob.space, g, rep, per_sample, per_chunk=per_chunk, sum_layout=sum_layout, kept_note=kept_note
+    )

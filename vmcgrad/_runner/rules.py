@@ -40,16 +40,19 @@ def _where(flags: Sequence[bool], want: bool = True) -> list[int]:
 # --- jvp: tangent = CMR of the chunk's jvp, tangents as extra (replicated / per-sample) operands ---
 
 
+#: The refusal of a derivative in per-chunk values where the caller named them in no words of its own.
 KEPT_NOT_DIFFERENTIABLE = (
-    "vmcgrad.LinearizedQGT cannot be differentiated in its kept linearisations (jax.grad / jax.jvp / "
-    "jax.jacfwd of S.linearize() in the parameters, or of a product or solve in the kept maps, with or "
-    "without jax.jit): the kept linear maps are constants of one parameter point. Products and solves "
-    "of a LinearizedQGT are differentiable in their vector, and jax.vmap works. Fix: differentiate the "
-    "operator that recomputes the forward pass, vmcgrad.QGT(...) @ v or vmcgrad.QGT(...).solve(b) "
-    "(every transformation works there), or wrap the parameters in jax.lax.stop_gradient. "
-    "vmcgrad.netket.QGTOnTheFly's solves at chunk_size='auto' keep them too where the budget holds them "
-    "(its qgt.kept_solve): give the state an integer chunk_size to differentiate through NetKet's solver."
+    "vmcgrad: a chunked pass that keeps values per chunk, or reads kept ones, cannot be differentiated "
+    "in them (jax.grad / jax.jvp / jax.jacfwd / jax.linearize, with or without jax.jit): they are "
+    "constants of one point. Fix: differentiate the computation that recomputes them, or stop the "
+    "gradient of its inputs (jax.lax.stop_gradient)."
 )
+
+
+def kept_refused(params: Any) -> TypeError:
+    """The TypeError of a derivative in per-chunk values: the caller's words for them
+    (``params.kept_note``), else :data:`KEPT_NOT_DIFFERENTIABLE`."""
+    return TypeError(params.kept_note or KEPT_NOT_DIFFERENTIABLE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +99,7 @@ def _jvp_rule(primals, tangents, *, params: Params):
     # one that reads them, is not differentiated in them (its derivative would need the derivative of
     # JAX's linearisation residuals). Refused here, inside the rule, so that it holds under jax.jit.
     if body.out_avals.slots or any(nz.chunks):
-        raise TypeError(KEPT_NOT_DIFFERENTIABLE)
+        raise kept_refused(params)
     moving_rep, moving_ps = _where(nz.rep), _where(nz.samples)
     n_rep, n_ps = body.n_in
 
@@ -118,6 +121,7 @@ def _jvp_rule(primals, tangents, *, params: Params):
         rep_layout=params.rep_layout + _pick(params.rep_layout, moving_rep),
         sum_layout=params.sum_layout,
         space=params.space,
+        kept_note=params.kept_note,
     )
     # One bind for primal and tangent where the primal outputs are real. jax.checkpoint's partial
     # evaluation saves them (_partial_eval_custom_rule), and jax 0.10.2 cannot save a complex value
@@ -136,6 +140,7 @@ def _jvp_rule(primals, tangents, *, params: Params):
         rep_layout=tangent.rep_layout,
         sum_layout=params.sum_layout * 2,
         space=params.space,
+        kept_note=params.kept_note,
         jvp_split=split,
     )
     primal_out, tangent_out = split.parts(bind(combined, t_ops))
@@ -219,7 +224,7 @@ def _transpose_rule(cts, *args, params: Params):
     ops, lin = body.operands(args), body.operands(args).map(ad.is_undefined_primal)
     ct_nz = body.outputs(cts).map(lambda c: type(c) is not ad.Zero)
     if body.out_avals.slots or any(lin.chunks):  # per-chunk values are never linear (see the jvp rule)
-        raise TypeError(KEPT_NOT_DIFFERENTIABLE)
+        raise kept_refused(params)
     cts = body.outputs(cts)
     lin_rep, lin_ps = _where(lin.rep), _where(lin.samples)
     const_rep, const_ps = _where(lin.rep, False), _where(lin.samples, False)
@@ -264,6 +269,7 @@ def _transpose_rule(cts, *args, params: Params):
         rep_layout=_pick(params.rep_layout, const_rep) + _pick(params.sum_layout, ct_sum),
         sum_layout=_pick(params.rep_layout, lin_rep),
         space=params.space,
+        kept_note=params.kept_note,
     )
     res = bind(
         transposed,
@@ -325,6 +331,7 @@ def _batch_rule(args, dims, *, params: Params):
             rep_layout=tuple(map(shift, params.rep_layout, in_axes.rep)),
             sum_layout=tuple(d if d is None else d + 1 for d in params.sum_layout),
             space=params.space,
+            kept_note=params.kept_note,
         ),
         moved,
     )

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from vmcgrad._chunks.plan import Chunks, Space, acc_dtype, plan_chunks
+from vmcgrad._chunks.plan import Chunks, Space, acc_dtype
 from vmcgrad._problem.sharding import gather, pad_to_devices, reduce, specs, unsplit_explicit
 from vmcgrad._runner.body import Body, Operands, Outputs
 from vmcgrad._runner.refs import PullbackJaxprs, pull_chunk
@@ -74,7 +74,7 @@ def run_on(space: Space, body: Any, *args: tuple[Any, Any], out: tuple) -> tuple
         values = [_enter(v, k, where) for v, k in zip(values, kinds)]
         first = 0 if where is None else jax.lax.axis_index(where.axis) * space.n_local
         devices = 1 if where is None else where.size
-        chunks = Chunks(plan_chunks(space.n_local, space.chunk_size), first, space.n, devices)
+        chunks = Chunks(space.plan, first, space.n, devices)
         return tuple(_leave(r, o, where) for r, o in zip(body(chunks, *values), out))
 
     if where is None:

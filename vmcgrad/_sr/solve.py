@@ -177,7 +177,3 @@ def differentiable_cg(
 
 def _conj(tree: Any) -> Any:
     return jax.tree.map(jnp.conj, tree)
-
-
-def _conj(tree: Any) -> Any:
-    return jax.tree.map(jnp.conj, tree)

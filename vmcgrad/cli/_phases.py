@@ -21,11 +21,12 @@ SR_ROUTE = "qgt-cg"
 
 
 def log_psi(vstate: Any) -> Any:
-    """``logpsi(params, samples)`` of ``vstate``'s model, its model state closed over as data."""
-    import jax
+    """``logpsi(params, samples)`` of ``vstate``'s model, its model state closed over as data
+    (:func:`vmcgrad.netket._expect_grad.state_log_psi`: one compiled program per model)."""
+    # imported here: `vmcgrad vmc --help` imports this module, and must import neither JAX nor NetKet
+    from vmcgrad.netket._expect_grad import state_log_psi
 
-    apply, model_state = vstate.model.apply, vstate.model_state
-    return jax.tree_util.Partial(lambda ms, w, x: apply({"params": w, **ms}, x), model_state)
+    return state_log_psi(vstate)
 
 
 def abstract_samples(vstate: Any, n: int) -> Any:

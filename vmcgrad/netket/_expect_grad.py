@@ -99,7 +99,7 @@ def auto_chunk_size(vstate: Any, sigma: Any) -> int:
     The same chunk then bounds the local-value kernels (their memory also grows with the chunk).
     """
     flat = sigma.reshape(-1, sigma.shape[-1]) if sigma.ndim >= 3 else sigma
-    logpsi = log_psi(nkp.apply_fun(vstate), vstate.model_state)
+    logpsi = state_log_psi(vstate)
     budget = getattr(vstate, "vmcgrad_memory_budget", None)
     try:
         return vmcgrad.auto_chunk_size(logpsi, vstate.parameters, flat, memory_budget=budget)
@@ -160,6 +160,11 @@ def log_psi(apply_fun: Any, model_state: Any) -> Any:
     (:func:`_first_equal`).
     """
     return jax.tree_util.Partial(_log_psi, _first_equal(apply_fun), model_state)
+
+
+def state_log_psi(vstate: Any) -> Any:
+    """:func:`log_psi` of ``vstate``'s apply function and model state (the state's log-amplitude)."""
+    return log_psi(nkp.apply_fun(vstate), vstate.model_state)
 
 
 #: Weak references to NetKet apply functions, each to itself: equal (and so found) by the value of

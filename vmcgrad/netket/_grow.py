@@ -20,9 +20,9 @@ mostly average noise, and a larger N lowers the noise floor. After a raise the w
 A raise costs compilations: the sampler, the local energies and the update at the new N (with
 ``chunk_size="auto"``, its chunk search). Where the budget holds less than ``factor`` × N, the raise is
 made only if it reaches :math:`\sqrt{\text{factor}}` × N (:meth:`GrowSamples.worth`: half the
-noise reduction of a full raise, in the exponent); below that N stays, and is not raised again. On
-the 12-site chain at 8 MiB, a raise from 256 to 272 samples (3 % less noise) had cost 234 s of
-compilation in a 6-minute run.
+noise reduction of a full raise, in the exponent); below that N stays, and is not raised again: a
+raise that lowers the noise by a few percent does not repay its compilations (measured:
+docs/performance.md, the 12-site chain at 8 MiB).
 """
 
 from __future__ import annotations

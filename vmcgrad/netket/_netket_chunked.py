@@ -55,8 +55,10 @@ def divisor_at_most(n: int, chunk_size: int) -> int:
     return 1
 
 
-def warn_once(key: Any, message: str) -> None:
-    """A :class:`vmcgrad.VmcgradWarning`, once per ``key`` (hashable values) in this process."""
+def warn_once(key: Any, message: str, *, stacklevel: int = 2) -> None:
+    """A :class:`vmcgrad.VmcgradWarning`, once per ``key`` (hashable values) in this process: the one
+    once-only notice of :mod:`vmcgrad.netket`. ``stacklevel`` counts from the caller (2: the line
+    that called the caller)."""
     if key not in _warned:
         _warned[key] = True
-        warnings.warn(message, VmcgradWarning, stacklevel=3)
+        warnings.warn(message, VmcgradWarning, stacklevel=stacklevel + 1)

@@ -132,6 +132,46 @@ def QGTOnTheFly(
         netket.errors.IllegalHolomorphicDeclarationForRealParametersError: ``holomorphic=True``
             with real parameters (as NetKet).
     """
+    chunk_size, memory_budget, mode, diag_shift = _checked(
+        vstate, chunk_size, diag_shift, diag_scale, holomorphic, mode, design, memory_budget
+    )
+    params = vstate.parameters
+    if mode is None and holomorphic is None and nkjax.tree_leaf_iscomplex(params):
+        warnings.warn(HolomorphicUndeclaredWarning(), UserWarning, stacklevel=3)  # past the wrapper too
+    apply_fun = nkp.apply_fun(vstate)
+    if mode == "real":  # NetKet's QGTJacobian mode='real' takes Re log psi (drops Im of a complex output)
+        apply_fun = HashablePartial(_real_apply, apply_fun)  # equal across calls: compiled once
+    logpsi, samples = log_psi(apply_fun, vstate.model_state), _flat_samples(vstate.samples)
+    if holomorphic and not _holomorphic_as_declared(logpsi, params, samples):
+        holomorphic = False
+    qgt = vmcgrad.QGT(
+        logpsi,
+        params,
+        samples,
+        chunk_size=chunk_size,
+        diag_shift=0.0,  # the shift is added by QGTOnTheFlyT (scalar or per parameter)
+        diag_scale=diag_scale,
+        mode=mode,
+        holomorphic=holomorphic,
+        design=design,
+        memory_budget=memory_budget,
+    )
+    return QGTOnTheFlyT(diag_shift=diag_shift, qgt=qgt)
+
+
+def _checked(
+    vstate: Any,
+    chunk_size: Any,
+    diag_shift: Any,
+    diag_scale: Any,
+    holomorphic: Any,
+    mode: Any,
+    design: Any,
+    memory_budget: Any,
+) -> tuple[Any, Any, str | None, Any]:
+    """:func:`QGTOnTheFly`'s arguments checked before anything is traced, and resolved: ``(chunk_size,
+    memory_budget, mode, diag_shift)``, the first two from the state where not given, NetKet's mode
+    'auto' as None."""
     if not isinstance(vstate, nkp.NetKetMCState):
         raise TypeError(
             f"{NAME}: `vstate` must be a netket.vqs.MCState; got {type(vstate).__name__}. "
@@ -147,50 +187,35 @@ def QGTOnTheFly(
     params = vstate.parameters
     if holomorphic is not None and not isinstance(holomorphic, bool):
         raise TypeError(
-            f"{NAME}: `holomorphic` must be True, False or None; got {_short(holomorphic)}. "
+            f"{NAME}: `holomorphic` must be True, False or None; got {check.describe(holomorphic)}. "
             "Fix: pass holomorphic=True for a holomorphic model of complex parameters."
         )
     if holomorphic and nkjax.tree_leaf_isreal(params):
         raise IllegalHolomorphicDeclarationForRealParametersError()
-    if mode == "auto":  # NetKet's QGTJacobian name for "choose"
-        mode = None
     diag_shift = check.check_diag_shift(NAME, diag_shift, params)
     if diag_scale is not None:
         check.check_nonnegative_scalar(NAME, "diag_scale", diag_scale)
-    if mode is None and holomorphic is None and nkjax.tree_leaf_iscomplex(params):
-        warnings.warn(HolomorphicUndeclaredWarning(), UserWarning, stacklevel=2)
-    apply_fun = nkp.apply_fun(vstate)
-    if mode == "real":  # NetKet's QGTJacobian mode='real' takes Re log psi (drops Im of a complex output)
-        apply_fun = HashablePartial(_real_apply, apply_fun)  # equal across calls: compiled once
-    logpsi, samples = log_psi(apply_fun, vstate.model_state), _flat_samples(vstate.samples)
-    if holomorphic:
-        why = holomorphic_violation(logpsi, params, samples)
-        if why is not None:
-            # NetKet's QGTOnTheFly(holomorphic=True) applies the 'complex' matrix here (its products
-            # and iterative solves are exact whatever the declaration); so does this adapter
-            warnings.warn(
-                f"{NAME}: holomorphic=True, but the model is not holomorphic in its parameters: "
-                f"{why}. Using mode='complex' (real and imaginary parts as separate real parameters), "
-                "whose products and solves equal those of NetKet's QGTOnTheFly(holomorphic=True) on "
-                "this model; to_dense() is then the (2P x 2P)-like real matrix of that mode. "
-                "Fix: pass holomorphic=False to silence this warning.",
-                VmcgradWarning,
-                stacklevel=2,
-            )
-            holomorphic = False
-    qgt = vmcgrad.QGT(
-        logpsi,
-        params,
-        samples,
-        chunk_size=chunk_size,
-        diag_shift=0.0,  # the shift is added by QGTOnTheFlyT (scalar or per parameter)
-        diag_scale=diag_scale,
-        mode=mode,
-        holomorphic=holomorphic,
-        design=design,
-        memory_budget=memory_budget,
+    return chunk_size, memory_budget, None if mode == "auto" else mode, diag_shift
+
+
+def _holomorphic_as_declared(logpsi: Any, params: Any, samples: Any) -> bool:
+    """Whether a model declared holomorphic is (:func:`vmcgrad._checks.holomorphy.holomorphic_violation`);
+    if not, a warning at :func:`QGTOnTheFly`'s caller says the 'complex' matrix is used instead."""
+    why = holomorphic_violation(logpsi, params, samples)
+    if why is None:
+        return True
+    # NetKet's QGTOnTheFly(holomorphic=True) applies the 'complex' matrix here (its products and
+    # iterative solves are exact whatever the declaration); so does this adapter
+    warnings.warn(
+        f"{NAME}: holomorphic=True, but the model is not holomorphic in its parameters: "
+        f"{why}. Using mode='complex' (real and imaginary parts as separate real parameters), "
+        "whose products and solves equal those of NetKet's QGTOnTheFly(holomorphic=True) on "
+        "this model; to_dense() is then the (2P x 2P)-like real matrix of that mode. "
+        "Fix: pass holomorphic=False to silence this warning.",
+        VmcgradWarning,
+        stacklevel=4,  # past this function, QGTOnTheFly and NetKet's partial_from_kwargs wrapper
     )
-    return QGTOnTheFlyT(diag_shift=diag_shift, qgt=qgt)
+    return False
 
 
 def _real_apply(apply_fun: Any, variables: Any, x: jax.Array) -> jax.Array:
@@ -255,11 +280,6 @@ class QGTOnTheFlyT(LinearOperator):
 # --- input checks (eager) ------------------------------------------------------------------------
 
 
-def _short(x: Any, n: int = 80) -> str:
-    text = repr(x)
-    return text if len(text) <= n else text[: n - 3] + "..."
-
-
 def _is_scalar(x: Any) -> bool:
     if isinstance(x, (dict, list, tuple)):
         return False
@@ -290,7 +310,7 @@ def _as_rep_flat(params: Any, mode: str, v: Any) -> tuple[jax.Array, Any]:
         check_valid_vector_type(params, v)  # NetKet's "PyTree mismatch" ValueError for other trees
         expected = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
         raise ValueError(
-            f"{NAME}: the vector's leaf shapes differ from the parameters' ({_short(expected, 200)}). "
+            f"{NAME}: the vector's leaf shapes differ from the parameters' ({check.describe(expected)}). "
             "Fix: build it with jax.tree.map over vstate.parameters."
         )
     if kind is None:
@@ -315,6 +335,17 @@ def _as_rep_flat(params: Any, mode: str, v: Any) -> tuple[jax.Array, Any]:
         return views.from_rep(views.to_rep(x, "rep"), kind)
 
     return flat, back
+
+
+def _for_solve(qgt: Any) -> Any:
+    """The operator NetKet's solver iterates with (traced): ``qgt`` itself, or, where its
+    ``kept_solve`` is set, ``qgt`` at that chunk with every chunk's linearisation kept
+    (:class:`vmcgrad.LinearizedQGT`), as NetKet's unchunked ``QGTOnTheFly`` keeps its
+    ``jax.linearize``: an iteration then runs no forward pass."""
+    chunk = qgt.kept_solve
+    if chunk is None:
+        return qgt
+    return qgt._at(qgt.problem.at_chunk(chunk)).linearize()
 
 
 def _shift_rep(self: QGTOnTheFlyT) -> jax.Array:
@@ -381,6 +412,6 @@ def _solve(self: QGTOnTheFlyT, solve_fun: Any, y: Any, *, x0: Any) -> tuple[Any,
     x0_rep = jnp.zeros_like(y_rep) if x0 is None else _as_rep_flat(params, mode, x0)[0]
     # with every chunk's linearisation kept where the budget holds it (the operator's kept_solve, as
     # NetKet's unchunked QGTOnTheFly keeps its jax.linearize): then an iteration runs no forward pass
-    kept = self.replace(qgt=self.qgt._for_solve())
+    kept = self.replace(qgt=_for_solve(self.qgt))
     x_rep, info = solve_fun(kept, y_rep, x0=x0_rep)
     return back(x_rep), info

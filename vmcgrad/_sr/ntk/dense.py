@@ -39,7 +39,6 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from vmcgrad._chunks.plan import plan_chunks
 from vmcgrad._problem.problem import Problem, auto_chunk, auto_knob
 from vmcgrad._problem.sharding import explicit_sharding, unsplit_explicit
 from vmcgrad._runner.primitive import map_reduce_problem
@@ -53,7 +52,7 @@ def column_chunk(prob: Problem, batch: int | None = None) -> int:
     columns are derived many at a time anyway, so narrow blocks hold the model's intermediates of a
     wide one and leave the rows most of the budget (fewer row chunks: fewer recomputed column
     Jacobians)."""
-    c = plan_chunks(prob.n_local, prob.chunk_size).size
+    c = prob.plan.size
     return prob.n if c >= prob.n else jacobian_batch(c, batch)
 
 
@@ -79,7 +78,7 @@ def choose_dense(program: Any, prob: Problem, op: Any, *args: Any) -> tuple[int,
     operator whose batch is already fixed, or a single chunk, is left as the powers of two chose.
     """
     chunk = auto_chunk(program, prob, op, *args)
-    plan = plan_chunks(prob.n_local, chunk)
+    plan = prob.at_chunk(chunk).plan
     if plan.count == 1 or op.jacobian_batch is not None:
         return chunk, (op, *args)
     batch = jacobian_batch(plan.size)
@@ -97,7 +96,7 @@ def choose_dense(program: Any, prob: Problem, op: Any, *args: Any) -> tuple[int,
 
 def row_chunk(prob: Problem) -> int:
     """Rows per chunk (at most N)."""
-    return min(plan_chunks(prob.n_local, prob.chunk_size).size, prob.n)
+    return min(prob.plan.size, prob.n)
 
 
 def dense_chunk(

@@ -31,8 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
-from vmcgrad._chunks.budget import default_memory_budget
-from vmcgrad._chunks.plan import plan_chunks
+from vmcgrad._chunks.budget import budget_or_default
 from vmcgrad._problem import validation as check
 from vmcgrad._problem.problem import Problem, call, problem
 from vmcgrad._problem.sharding import unsplit_explicit
@@ -207,7 +206,7 @@ def resolve_route(
     if route is not None:
         return route
     nk, p, itemsize = system_sizes(mode, n, params)
-    return choose_route(nk, p, itemsize, budget if budget is not None else default_memory_budget())
+    return choose_route(nk, p, itemsize, budget_or_default(budget))
 
 
 def _check_rank(where: str, rank: Any, route: str, mode: str, prob: Problem, params: Any) -> int:
@@ -215,7 +214,7 @@ def _check_rank(where: str, rank: Any, route: str, mode: str, prob: Problem, par
         return 0
     if isinstance(rank, str) and rank == "auto":
         _, p, itemsize = system_sizes(mode, prob.n, params)
-        budget = prob.memory_budget if prob.memory_budget is not None else default_memory_budget()
+        budget = budget_or_default(prob.memory_budget)
         return nystrom.nystrom_rank(prob.n, k_of(mode), p, itemsize, budget)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank <= prob.n:
         raise ValueError(
@@ -258,7 +257,7 @@ def passes(op: NTKOperator) -> NTKOperator:
     prob = op.problem
     if prob.chunk_size is None:  # unchunked: every pass over all samples at once
         return op
-    batch = jacobian_batch(plan_chunks(prob.n_local, prob.chunk_size).size, op.jacobian_batch)
+    batch = jacobian_batch(prob.plan.size, op.jacobian_batch)
     return op._at(prob.at_chunk(batch))
 
 
@@ -299,7 +298,7 @@ def _with_momentum(updates, info, momentum, old_updates):
 
 def holds_every_row(prob: Problem) -> bool:
     """Whether one chunk holds every sample's Jacobian: one device's rows are all N, in one chunk."""
-    return prob.n_local == prob.n and plan_chunks(prob.n_local, prob.chunk_size).count == 1
+    return prob.n_local == prob.n and prob.plan.count == 1
 
 
 def jacobian_rows(fun, params, x, w, *, mode: str, batch: int | None) -> tuple[tuple, jax.Array]:
@@ -354,7 +353,7 @@ def _cg(op: NTKOperator, dv: jax.Array, proj_reg, rank: int, cg_opts):
         apply = partial(_product, op)
     else:
         apply = lambda v: _product(op, v) + proj_reg / n * jnp.sum(v)
-    cols = min(plan_chunks(op.problem.n_local, op.problem.chunk_size).size, n)
+    cols = min(op.problem.plan.size, n)
     precondition = nystrom.build(op, rank, cols) if rank > 0 else None
     return cg(apply, dv, None, tol=tol, atol=atol, maxiter=maxiter, M=precondition)
 
@@ -380,7 +379,7 @@ def _parameter_space(op: NTKOperator, once: NTKOperator, x: jax.Array, solver: A
     n = prob.n
     f = rows_fun(op._fun(), mode, op.params)
     theta = theta_of(mode, op.params)
-    cols = min(plan_chunks(prob.n_local, prob.chunk_size).size, n)
+    cols = min(prob.plan.size, n)
     shift = mean_jacobian(f, theta, unsplit_explicit(op.samples), n, mode, cols)
     (gram, total), _ = map_reduce_problem(
         prob, op.inputs, partial(gram_chunk, mode=mode), (shift, REPLICATED)

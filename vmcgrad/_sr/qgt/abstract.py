@@ -159,11 +159,6 @@ class AbstractQGT(AbstractOperator):
         own products)."""
         return None
 
-    def _for_solve(self) -> AbstractQGT:
-        """The operator a NetKet solver iterates with (traced): itself, or, where :attr:`kept_solve`
-        is set, one that keeps every chunk's linearisation (:class:`vmcgrad.LinearizedQGT`)."""
-        return self
-
     @property
     def _real_dtype(self) -> Any:
         return self.views.real_dtype

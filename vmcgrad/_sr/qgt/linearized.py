@@ -30,6 +30,18 @@ from vmcgrad._runner.primitive import map_reduce
 from vmcgrad._sr.qgt.abstract import AbstractQGT
 from vmcgrad._sr.qgt.passes import kept_product_chunk
 
+#: The TypeError of a derivative in the kept linearisations (the runner raises it, in these words).
+KEPT_NOTE = (
+    "vmcgrad.LinearizedQGT cannot be differentiated in its kept linearisations (jax.grad / jax.jvp / "
+    "jax.jacfwd of S.linearize() in the parameters, or of a product or solve in the kept maps, with or "
+    "without jax.jit): the kept linear maps are constants of one parameter point. Products and solves "
+    "of a LinearizedQGT are differentiable in their vector, and jax.vmap works. Fix: differentiate the "
+    "operator that recomputes the forward pass, vmcgrad.QGT(...) @ v or vmcgrad.QGT(...).solve(b) "
+    "(every transformation works there), or wrap the parameters in jax.lax.stop_gradient. A solver "
+    "handed the kept operator because the QGT's kept_solve is set (chunk_size='auto') meets the same "
+    "limit: give the QGT an integer chunk_size to differentiate through that solver."
+)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
@@ -75,5 +87,6 @@ class LinearizedQGT(AbstractQGT):
             [],
             per_chunk=[self.linear_maps],
             sum_layout=layout,
+            kept_note=KEPT_NOTE,
         )
         return self._finish(total, rep)

@@ -47,7 +47,7 @@ from vmcgrad._runner.primitive import map_reduce_problem
 from vmcgrad._sr.modes import choose_mode, to_rep
 from vmcgrad._sr.qgt.abstract import AbstractQGT, diag_s_program, diag_scale_leaf
 from vmcgrad._sr.qgt.apply import matmul_program, solve_program
-from vmcgrad._sr.qgt.linearized import LinearizedQGT
+from vmcgrad._sr.qgt.linearized import KEPT_NOTE, LinearizedQGT
 from vmcgrad._sr.qgt.passes import (
     join_mean,
     linearize_chunk,
@@ -135,12 +135,6 @@ class QGTOperator(AbstractQGT):
             return choice
         own = auto_choice(matmul_program, self.problem, self, self.params, "tree")
         return own._replace(value=(self.design, own.value))
-
-    def _for_solve(self) -> AbstractQGT:
-        chunk = self.kept_solve
-        if chunk is None:
-            return self
-        return linearize(self._at(self.problem.at_chunk(chunk)))
 
     def _apply_rep(self, rep: Any) -> Any:
         """:math:`S_\\text{eff} \\tilde v` for a representation pytree: one pass, one reduction."""
@@ -232,12 +226,11 @@ def kept_solve_chunk(op: QGTOperator) -> int | None:
 
     Where it fits, the kept route is taken: a solve of :math:`k` products costs one forward pass and
     :math:`2k` linear passes instead of :math:`3k` (fused design; NetKet's unchunked ``QGTOnTheFly``
-    keeps its ``jax.linearize`` too), and a conjugate-gradient solve runs at least two products. On
-    CPU (NetKet's GCNN, P = 16 536, N = 1024, 30 iterations; docs/performance.md) the kept solve took
-    0.79-0.82x the recomputing one at the same chunk (128-512), and its fastest chunk beat the
-    recomputing solve at one chunk of all samples, where XLA hoists the loop-invariant forward pass
-    out of the solver's loop by itself (5.89 s against 6.60 s). Compile only, cached
-    (:func:`vmcgrad._problem.problem.auto_knob`).
+    keeps its ``jax.linearize`` too), and a conjugate-gradient solve runs at least two products. At
+    one chunk of all samples XLA hoists the loop-invariant forward pass out of the solver's loop by
+    itself, which it cannot do across a loop over several chunks, so the kept route gains where the
+    budget holds the residuals but not a whole-batch product (measured: docs/performance.md, the
+    kept solve per chunk). Compile only, cached (:func:`vmcgrad._problem.problem.auto_knob`).
     """
     args = (op, op.params, None, 1e-5, 0.0, 1, "tree", True)  # the solve, linearisations kept
     candidates = [2**k for k in range(op.problem.n_local.bit_length())]
@@ -406,4 +399,4 @@ def linearize(op: QGTOperator) -> LinearizedQGT:
 @partial(jax.jit, static_argnums=0)
 def _linearize_program(prob: Problem, op: QGTOperator) -> tuple[Any, Any, Any]:
     op = op._at(prob)
-    return map_reduce_problem(prob, op.inputs, partial(linearize_chunk, mode=op.mode))
+    return map_reduce_problem(prob, op.inputs, partial(linearize_chunk, mode=op.mode), kept_note=KEPT_NOTE)
