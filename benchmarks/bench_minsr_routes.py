@@ -124,7 +124,7 @@ def blocks(args):
     import vmcgrad
     from vmcgrad._problem import problem as problem_module
     from vmcgrad._sr.ntk import dense as ntk_dense
-    from vmcgrad._sr.ntk import minsr
+    from vmcgrad._sr.ntk import minsr, routes
     from vmcgrad._sr.ntk import modes as ntk_modes
 
     if args.no_jacobian_batches:
@@ -148,7 +148,7 @@ def blocks(args):
     print("|---|---|---|---|---|---|---|")
     for n in args.sizes:
         lp, params, x, e = setup(n, args.param_dtype, args.model)
-        nk_, p, itemsize = minsr.system_sizes("complex", n, params)
+        nk_, p, itemsize = routes.system_sizes("complex", n, params)
         jac = nk_ * p * itemsize
         kernel = 2 * nk_ * nk_ * itemsize
         budgets = {q: int(jac / q + kernel) for q in args.fractions}
@@ -206,11 +206,11 @@ def cg_part(args):
 
     import vmcgrad
     from vmcgrad._chunks.budget import default_memory_budget
-    from vmcgrad._sr.ntk import minsr, nystrom
+    from vmcgrad._sr.ntk import nystrom, routes
 
     lp, params, x, e = setup(args.n, args.param_dtype, args.model)
     n = args.n
-    _, p, itemsize = minsr.system_sizes("complex", n, params)
+    _, p, itemsize = routes.system_sizes("complex", n, params)
     kw = dict(diag_shift=args.diag_shift, chunk_size=args.chunk)
     calls = {"dense": lambda: vmcgrad.minsr_update(lp, params, x, e, route="dense", **kw)}
     for r in args.ranks:

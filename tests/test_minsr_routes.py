@@ -16,7 +16,7 @@ from helpers import assert_tree_allclose
 from test_ntk import MODELS, _data, _logpsi, _params, netket_mesh  # noqa: F401  (the autouse mesh)
 
 import vmcgrad
-from vmcgrad._sr.ntk import minsr, nystrom
+from vmcgrad._sr.ntk import nystrom, routes
 
 DIAG = 1e-3
 N = 18
@@ -99,9 +99,9 @@ def test_the_rule_chooses_the_route_that_runs(budget, route, sides, loop):
     params = _params(False)
     x, e = _data(N)
     lp = _logpsi(apply)
-    nk, p, itemsize = minsr.system_sizes("complex", N, params)
+    nk, p, itemsize = routes.system_sizes("complex", N, params)
     assert (nk, p, itemsize) == (36, 29, 8)
-    assert minsr.choose_route(nk, p, itemsize, budget) == route
+    assert routes.choose_route(nk, p, itemsize, budget) == route
 
     def update(e, **kw):
         return vmcgrad.minsr_update(lp, params, x, e, diag_shift=DIAG, chunk_size=5, **kw)[0]
@@ -113,11 +113,11 @@ def test_the_rule_chooses_the_route_that_runs(budget, route, sides, loop):
 def test_the_rule_on_sizes():
     """The kernel when it is the smaller system, the parameter-space matrix when that is; CG when the
     smaller does not fit; ties to the kernel."""
-    assert minsr.choose_route(100, 1000, 8, 2**30) == "dense"
-    assert minsr.choose_route(1000, 100, 8, 2**30) == "parameter"
-    assert minsr.choose_route(100, 100, 8, 2 * 100**2 * 8) == "dense"
-    assert minsr.choose_route(100, 100, 8, 2 * 100**2 * 8 - 1) == "cg"
-    assert minsr.choose_route(10**5, 10**6, 8, 2**30) == "cg"
+    assert routes.choose_route(100, 1000, 8, 2**30) == "dense"
+    assert routes.choose_route(1000, 100, 8, 2**30) == "parameter"
+    assert routes.choose_route(100, 100, 8, 2 * 100**2 * 8) == "dense"
+    assert routes.choose_route(100, 100, 8, 2 * 100**2 * 8 - 1) == "cg"
+    assert routes.choose_route(10**5, 10**6, 8, 2**30) == "cg"
 
 
 def test_nystrom_preconditioner():

@@ -39,7 +39,7 @@ from netket.utils import struct, timing
 
 import vmcgrad
 from vmcgrad._problem import validation as check
-from vmcgrad._sr.ntk import minsr
+from vmcgrad._sr.ntk import routes
 from vmcgrad._warnings import VmcgradWarning
 
 from . import _nk_private as nkp
@@ -69,7 +69,7 @@ class VMC_SR(nk.driver.VMC_SR):
         route: the update's route (:func:`vmcgrad.minsr_update`): ``"dense"`` (the N×N kernel in blocks),
             ``"parameter"`` (the P×P matrix: the cheaper dense system when P < N·K), ``"cg"``
             (matrix-free, Nyström-preconditioned), or None: chosen each step from N, P and
-            ``memory_budget`` (:func:`vmcgrad._sr.ntk.minsr.choose_route`: the smaller dense system whose
+            ``memory_budget`` (:func:`vmcgrad._sr.ntk.routes.choose_route`: the smaller dense system whose
             matrix and factor fit the budget, else ``"cg"``). The route taken is logged each step as
             ``minsr_route`` (and CG's iterations as ``cg_iterations``) and kept in :attr:`route`.
         grow_samples: a :class:`GrowSamples` rule: N is multiplied by its ``factor`` (a multiple of
@@ -128,9 +128,9 @@ class VMC_SR(nk.driver.VMC_SR):
                 f"{NAME}: `grow_samples` needs a sampled state (an MCState); got "
                 f"{type(variational_state).__name__}, which has no number of samples to raise."
             )
-        if route is not None and route not in minsr.ROUTES:
+        if route is not None and route not in routes.ROUTES:
             raise ValueError(
-                f"{NAME}: `route` must be one of {minsr.ROUTES} or None; got {route!r}. Fix: leave it None "
+                f"{NAME}: `route` must be one of {routes.ROUTES} or None; got {route!r}. Fix: leave it None "
                 "to choose each step from N, P and the memory budget."
             )
         chunk = check.check_chunk_size(NAME, chunk_size_bwd)
@@ -260,7 +260,7 @@ class VMC_SR(nk.driver.VMC_SR):
             apply_fun=nkp.apply_fun(self.state),
             mode=mode,  # NetKet's JacobianMode
             solver=solver,
-            route=minsr.resolve_route(NAME, self._route, solver, mode, n, self.state.parameters, budget),
+            route=routes.resolve_route(NAME, self._route, solver, mode, n, self.state.parameters, budget),
             chunk_size=self.chunk_size_bwd,
             memory_budget=self._memory_budget,
         )

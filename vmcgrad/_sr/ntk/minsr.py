@@ -8,7 +8,8 @@ r"""``minsr_update``: the sample-space SR (MinSR, SPRING) update of NetKet's ``V
 
 (push-through identity; :math:`\varepsilon` already holds SPRING's
 :math:`-\mu\Delta J\delta_\mathrm{old}/\sqrt N`).
-The routes (:data:`ROUTES`), chosen by :func:`choose_route` unless given:
+The routes (:data:`vmcgrad._sr.ntk.routes.ROUTES`), chosen by
+:func:`~vmcgrad._sr.ntk.routes.choose_route` unless given:
 
 * ``"dense"``: the :math:`NK \times NK` kernel :math:`T` in blocks (:mod:`vmcgrad._sr.ntk.dense`) and a
   dense solve: per-sample Jacobians about :math:`N(1 + (N - c)/2c)`, then :math:`(NK)^3/3` for the factor;
@@ -53,38 +54,10 @@ from vmcgrad._sr.ntk.modes import (
     vector_dtype,
 )
 from vmcgrad._sr.ntk.ntk import NTKOperator, _check_solver, _product
+from vmcgrad._sr.ntk.routes import resolve_route, system_sizes
 from vmcgrad._sr.solve import cg
 
 _UPDATE = "vmcgrad.minsr_update"
-ROUTES = ("dense", "parameter", "cg")
-
-
-def system_sizes(mode: str, n: int, params: Any) -> tuple[int, int, int]:
-    """``(NK, P, itemsize)``: the sides of the two dense systems, in the mode's parametrisation (P
-    counts real entries, a complex leaf twice, except in 'holomorphic' mode), and bytes per entry."""
-    leaves = jax.tree.leaves(params)
-    split = mode != "holomorphic"
-    p = sum(x.size * (2 if split and jnp.iscomplexobj(x) else 1) for x in leaves)
-    itemsize = jnp.dtype(vector_dtype(mode, params)).itemsize
-    return n * k_of(mode), int(p), int(itemsize)
-
-
-def choose_route(nk: int, p: int, itemsize: int, budget: float) -> str:
-    r"""The route of the update, from the sizes of its two dense systems and the budget.
-
-    The smaller of the kernel (side :math:`NK`) and the parameter-space matrix (side :math:`P`) is
-    solved densely when it and its factor, :math:`2 d^2` entries, fit ``budget``: the smaller system
-    costs less to build (:math:`NKd` per sample against the other's larger side) and to factor
-    (:math:`d^3/3`), and both derive each row's Jacobian at most as often. Ties go to ``"dense"`` (the
-    kernel, NetKet's MinSR system). When the smaller does not fit, neither does the larger:
-    ``"cg"``, matrix-free.
-
-    Args:
-        nk: side of the kernel (N·K). p: side of the parameter-space matrix.
-        itemsize: bytes per entry. budget: bytes per device.
-    """
-    route, side = ("parameter", p) if p < nk else ("dense", nk)
-    return route if 2 * side * side * itemsize <= budget else "cg"
 
 
 def minsr_update(
@@ -137,8 +110,8 @@ def minsr_update(
         solver: the dense solver of the ``"dense"`` and ``"parameter"`` routes: None (Cholesky) or a
             NetKet-style ``solver(A, b)``; or ``"cg"``, the same as ``route="cg"``.
         route: ``"dense"`` (the N×N kernel in blocks), ``"parameter"`` (the P×P matrix) or ``"cg"``
-            (matrix-free), or None: :func:`choose_route` on N, P and the budget (``memory_budget``, else
-            the default budget), or ``"cg"`` when ``solver="cg"``.
+            (matrix-free), or None: :func:`~vmcgrad._sr.ntk.routes.choose_route` on N, P and the
+            budget (``memory_budget``, else the default budget), or ``"cg"`` when ``solver="cg"``.
         nystrom_rank: samples of the ``"cg"`` route's Nyström preconditioner: ``"auto"``
             (:func:`vmcgrad._sr.ntk.nystrom.nystrom_rank` of the budget, at most N/2), an int in ``[0, N]``,
             or None / 0 for plain CG.
@@ -185,29 +158,6 @@ def minsr_update(
     choose = choose_dense if route == "dense" else None
     args = (op, local_energies, proj_reg, momentum, old_updates, how, cg_opts)
     return call(_update_program, prob, *args, choose=choose)
-
-
-def resolve_route(
-    where: str, route: Any, solver: Any, mode: str, n: int, params: Any, budget: float | None
-) -> str:
-    """The route the update takes: ``route`` checked, or :func:`choose_route` (``"cg"`` for
-    ``solver="cg"``)."""
-    if route is not None and (not isinstance(route, str) or route not in ROUTES):
-        raise ValueError(
-            f"{where}: `route` must be one of {ROUTES} or None; got {route!r}. Fix: leave it None to "
-            "choose from N, P and the memory budget."
-        )
-    if isinstance(solver, str):  # "cg"
-        if route not in (None, "cg"):
-            raise ValueError(
-                f"{where}: solver='cg' is the matrix-free route; got route={route!r} with it. Fix: pass "
-                "a dense solver (or None) with that route, or drop one of the two."
-            )
-        return "cg"
-    if route is not None:
-        return route
-    nk, p, itemsize = system_sizes(mode, n, params)
-    return choose_route(nk, p, itemsize, budget if budget is not None else default_memory_budget())
 
 
 def _check_rank(where: str, rank: Any, route: str, mode: str, prob: Problem, params: Any) -> int:
