@@ -49,7 +49,7 @@ _CHAINS_PER_DEVICE = 16
 #: The optimisation drivers of ``--driver``.
 DRIVERS = {
     "sr": "nk.driver.VMC with SR in parameter space (vmcgrad's QGTOnTheFly products, CG)",
-    "minsr": "vmcgrad.netket.VMC_SR: sample-space SR (MinSR), its N x N kernel built in chunked blocks",
+    "minsr": "vmcgrad.netket.VMC_SR: sample-space SR (MinSR), by the fastest route that fits the budget",
 }
 #: The modules this command imports beyond vmcgrad's own (the ``[cli]`` extra), checked before it starts.
 REQUIRES = ("netket", "matplotlib", "tqdm")
@@ -284,6 +284,11 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
         sampler_seed=args.seed + 1,
     )
     snap = getattr(args, "_checkpoint", None)
+    driver, route = None, None
+    if args.driver == "minsr":  # its route, before anything is sampled: a budget no route fits stops here
+        kernel = args.chunk_size if snap is None else snap["info"]["chunk_size"]["kernel"]
+        driver = _driver(args, system, vstate, {"kernel": kernel}, "-")
+        route = _phases.route_or_exit(args, driver, n_samples)
     if snap is None:
         chunks, qgt_design = _chunk_sizes(args.chunk_size, vstate, args.memory_budget, args.driver)
     else:  # the chunks the run was started with (auto's pick could differ now, and change the numbers)
@@ -306,6 +311,7 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
         "chunk_size": chunks,
         "qgt_design": qgt_design,
         "driver": DRIVERS[args.driver],
+        "route": route,
         "memory_budget": args.memory_budget,
         "exact_energy_source": exact_source,
         "infinite_temperature_energy": e_inf,
@@ -315,7 +321,8 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
     if main:
         _report.print_header(args, info, exact, exact_source)
 
-    driver = _driver(args, system, vstate, chunks, qgt_design)
+    if driver is None:
+        driver = _driver(args, system, vstate, chunks, qgt_design)
 
     if snap is not None:
         if main:
@@ -413,7 +420,12 @@ def _driver(args, system, vstate, chunks: dict, qgt_design: str):
 
     optimizer = nk.optimizer.Sgd(learning_rate=args.lr)
     if args.driver == "sr":
-        qgt = vnk.QGTOnTheFly(chunk_size=chunks["qgt"], design=qgt_design)
+        # at "auto" the solve keeps every chunk's linearisation where the budget holds them
+        # (QGTOperator.kept_solve); the products run at the chunk chosen for the design
+        auto = {"chunk_size": "auto", "memory_budget": args.memory_budget}
+        qgt = vnk.QGTOnTheFly(
+            **(auto if args.chunk_size == "auto" else {"chunk_size": chunks["qgt"]}), design=qgt_design
+        )
         return nk.driver.VMC(
             system.hamiltonian,
             optimizer,
@@ -459,7 +471,7 @@ def _chunk_sizes(
     if driver == "minsr":  # the kernel's blocks: chosen by vmcgrad.minsr_update at each N, in the budget
         return {"gradient": gradient, "kernel": "auto"}, "-"
     qgt = vmcgrad.QGT(logpsi, vstate.parameters, samples, chunk_size="auto", **budget)  # builds O-bar once
-    return {"gradient": gradient, "qgt": qgt.chunk_size}, qgt.design
+    return {"gradient": gradient, "qgt": qgt.chunk_size, "qgt_solve": qgt.kept_solve}, qgt.design
 
 
 def _version() -> str:

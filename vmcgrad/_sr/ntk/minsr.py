@@ -24,6 +24,7 @@ The routes (:data:`vmcgrad._sr.ntk.routes.ROUTES`), chosen by
 
 from __future__ import annotations
 
+import inspect
 import math
 from functools import partial
 from typing import Any
@@ -39,8 +40,8 @@ from vmcgrad._problem.problem import Problem, call, problem
 from vmcgrad._problem.sharding import unsplit_explicit
 from vmcgrad._runner.primitive import map_reduce_problem
 from vmcgrad._runner.runner import REPLICATED
-from vmcgrad._sr.ntk import nystrom
-from vmcgrad._sr.ntk.dense import choose_dense, dense_program, dense_solve
+from vmcgrad._sr.ntk import nystrom, routes
+from vmcgrad._sr.ntk.dense import dense_program, dense_solve
 from vmcgrad._sr.ntk.modes import (
     choose_ntk_mode,
     components,
@@ -54,7 +55,7 @@ from vmcgrad._sr.ntk.modes import (
     vector_dtype,
 )
 from vmcgrad._sr.ntk.ntk import NTKOperator, _check_solver, _product
-from vmcgrad._sr.ntk.routes import resolve_route, system_sizes
+from vmcgrad._sr.ntk.routes import system_sizes
 from vmcgrad._sr.solve import cg
 
 _UPDATE = "vmcgrad.minsr_update"
@@ -127,17 +128,52 @@ def minsr_update(
         TypeError, ValueError: for bad input, before anything is traced.
         TypeError: when differentiated (see the message for the alternative).
     """
-    name = _UPDATE
-    prob, inputs, _ = problem(
-        name, logpsi, params, samples, chunk_size=chunk_size, memory_budget=memory_budget, arg="logpsi"
+    options = dict(
+        diag_shift=diag_shift,
+        mode=mode,
+        proj_reg=proj_reg,
+        momentum=momentum,
+        old_updates=old_updates,
+        solver=solver,
+        route=route,
+        nystrom_rank=nystrom_rank,
+        chunk_size=chunk_size,
+        memory_budget=memory_budget,
+        tol=tol,
+        maxiter=maxiter,
     )
-    mode = choose_ntk_mode(name, inputs.params, prob.out_dtype, mode)
+    prob, args_at, route = _prepared(logpsi, params, samples, local_energies, options)
+    return call(_update_program, prob, *args_at(route), choose=routes.chooser(route))
+
+
+def update_route(logpsi: Any, params: Any, samples: Any, local_energies: Any, **options: Any) -> str:
+    """The route :func:`vmcgrad.minsr_update` takes on these arguments (its keywords): the one given,
+    or the rule's, the fastest that fits the memory budget (:func:`vmcgrad._sr.ntk.routes.choose`;
+    compile only, cached: the update's own call then searches nothing again).
+
+    Raises:
+        vmcgrad._sr.ntk.routes.NoRouteFits: when no route fits the budget (a MemoryError).
+    """
+    kinds = inspect.signature(minsr_update).parameters.items()
+    defaults = {k: p.default for k, p in kinds if p.kind == p.KEYWORD_ONLY}
+    return _prepared(logpsi, params, samples, local_energies, {**defaults, **options})[2]
+
+
+def _prepared(logpsi: Any, params: Any, samples: Any, local_energies: Any, options: dict) -> tuple:
+    """``(problem, args_at, route)`` of an update: the inputs checked (before anything is traced),
+    ``args_at(route)`` the program's arguments on a route, and the route taken."""
+    name = _UPDATE
+    o = options
+    budget = {"chunk_size": o["chunk_size"], "memory_budget": o["memory_budget"]}
+    prob, inputs, _ = problem(name, logpsi, params, samples, arg="logpsi", **budget)
+    mode = choose_ntk_mode(name, inputs.params, prob.out_dtype, o["mode"])
     real = jnp.finfo(vector_dtype(mode, inputs.params)).dtype
     local_energies = check.as_arrays(name, "local_energies", local_energies)
     if isinstance(local_energies, jax.Array):
         local_energies = local_energies.reshape(-1) if local_energies.size == prob.n else local_energies
     check.check_local_values(name, local_energies, prob.n)
-    diag_shift = check.check_nonnegative_scalar(name, "diag_shift", diag_shift, real)
+    diag_shift = check.check_nonnegative_scalar(name, "diag_shift", o["diag_shift"], real)
+    proj_reg, momentum, old_updates = o["proj_reg"], o["momentum"], o["old_updates"]
     if proj_reg is not None:
         proj_reg = check.check_nonnegative_scalar(name, "proj_reg", proj_reg, real, example="1.0")
     if momentum is not None:
@@ -147,17 +183,22 @@ def minsr_update(
             check.check_tangent(name, old_updates, inputs.params)
     else:
         old_updates = None
-    solver = _check_solver(name, solver)
-    route = resolve_route(name, route, solver, mode, prob.n, inputs.params, prob.memory_budget)
-    rank = _check_rank(name, nystrom_rank, route, mode, prob, inputs.params)
-    tol, atol = check.check_tolerances(name, tol, 0.0)
-    maxiter = check.check_maxiter(name, maxiter, default=10 * prob.n * k_of(mode))
+    solver = _check_solver(name, o["solver"])
+    route = routes.check_route(name, o["route"], solver)
+    rank = _check_rank(name, o["nystrom_rank"], "cg", mode, prob, inputs.params)
+    tol, atol = check.check_tolerances(name, o["tol"], 0.0)
+    maxiter = check.check_maxiter(name, o["maxiter"], default=10 * prob.n * k_of(mode))
     op = NTKOperator(inputs=inputs, diag_shift=diag_shift, problem=prob, mode=mode)
-    how = (route, None if solver == "cg" else solver, rank)
     cg_opts = (tol, atol, maxiter)
-    choose = choose_dense if route == "dense" else None
-    args = (op, local_energies, proj_reg, momentum, old_updates, how, cg_opts)
-    return call(_update_program, prob, *args, choose=choose)
+
+    def args_at(route: str) -> tuple:
+        how = (route, None if solver == "cg" else solver, rank if route == "cg" else 0)
+        return (op, local_energies, proj_reg, momentum, old_updates, how, cg_opts)
+
+    if route is None:
+        sizes = routes.sizes_of(mode, prob, inputs, rank)
+        route = routes.choose(name, _update_program, prob, args_at, sizes)
+    return prob, args_at, route
 
 
 def _check_rank(where: str, rank: Any, route: str, mode: str, prob: Problem, params: Any) -> int:
