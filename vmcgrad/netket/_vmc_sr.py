@@ -65,14 +65,17 @@ class VMC_SR(nk.driver.VMC_SR):
         linear_solver: NetKet's dense solver ``solver(A, b)``, or ``"cg"`` (matrix-free).
         memory_budget: bytes per device for ``chunk_size_bwd="auto"`` (default: the state's
             ``memory_budget``; a budget with no chunk given means ``"auto"``); with ``grow_samples`` and a
-            dense solver, also the cap on N: the N×N kernel and its factor,
-            :math:`2 (kN)^2` numbers (:math:`k = 2` in the 'complex' mode), must fit in it.
+            dense solver, also the cap on N: some route's compiled update must fit it (on
+            ``route="dense"`` the N×N kernel and its factor, :math:`2 (kN)^2` numbers, :math:`k = 2` in
+            the 'complex' mode). Where no route fits, not even matrix-free CG, the step stops before
+            sampling with a MemoryError naming a ``memory_budget=`` and an ``n_samples=`` that fit.
         route: the update's route (:func:`vmcgrad.minsr_update`): ``"dense"`` (the N×N kernel in blocks),
             ``"parameter"`` (the P×P matrix: the cheaper dense system when P < N·K), ``"cg"``
-            (matrix-free, Nyström-preconditioned), or None: chosen each step from N, P and
-            ``memory_budget`` (:func:`vmcgrad._sr.ntk.routes.choose_route`: the smaller dense system whose
-            matrix and factor fit the budget, else ``"cg"``). The route taken is logged each step as
-            ``minsr_route`` (and CG's iterations as ``cg_iterations``) and kept in :attr:`route`.
+            (matrix-free, Nyström-preconditioned), or None: at each N, before sampling, the route of least
+            modelled time whose compiled update fits ``memory_budget`` (:meth:`route_at`,
+            :func:`vmcgrad._sr.ntk.routes.choose`). The route taken is logged each step as
+            ``minsr_route`` with the update's seconds as ``minsr_update_time`` (and CG's iterations as
+            ``cg_iterations``) and kept in :attr:`route`.
         grow_samples: a :class:`GrowSamples` rule: N is multiplied by its ``factor`` (a multiple of
             the sampler's chains) whenever the energy has settled to its error bar over its
             ``window`` of steps, up to its ``max_samples`` and to what ``memory_budget`` holds (the

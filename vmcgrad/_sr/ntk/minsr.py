@@ -8,8 +8,8 @@ r"""``minsr_update``: the sample-space SR (MinSR, SPRING) update of NetKet's ``V
 
 (push-through identity; :math:`\varepsilon` already holds SPRING's
 :math:`-\mu\Delta J\delta_\mathrm{old}/\sqrt N`).
-The routes (:data:`vmcgrad._sr.ntk.routes.ROUTES`), chosen by
-:func:`~vmcgrad._sr.ntk.routes.choose_route` unless given:
+The routes (:data:`vmcgrad._sr.ntk.routes.ROUTES`); unless one is given, the fastest whose compiled
+update fits the memory budget (:func:`vmcgrad._sr.ntk.routes.choose`):
 
 * ``"dense"``: the :math:`NK \times NK` kernel :math:`T` in blocks (:mod:`vmcgrad._sr.ntk.dense`) and a
   dense solve: per-sample Jacobians about :math:`N(1 + (N - c)/2c)`, then :math:`(NK)^3/3` for the factor;
@@ -19,7 +19,7 @@ The routes (:data:`vmcgrad._sr.ntk.routes.ROUTES`), chosen by
   Jacobians, once each) and a dense solve, then :math:`P^3/3`: the cheaper one when :math:`P < NK`;
 * ``"cg"``: matrix-free conjugate gradient on :math:`T v` (one vjp and one jvp pass per iteration), with
   the Nyström preconditioner of :mod:`vmcgrad._sr.ntk.nystrom` (r samples, r set by the budget): no N×N or
-  P×P matrix, for when neither fits.
+  P×P matrix, for when neither fits (or is slower).
 """
 
 from __future__ import annotations
@@ -111,8 +111,9 @@ def minsr_update(
         solver: the dense solver of the ``"dense"`` and ``"parameter"`` routes: None (Cholesky) or a
             NetKet-style ``solver(A, b)``; or ``"cg"``, the same as ``route="cg"``.
         route: ``"dense"`` (the N×N kernel in blocks), ``"parameter"`` (the P×P matrix) or ``"cg"``
-            (matrix-free), or None: :func:`~vmcgrad._sr.ntk.routes.choose_route` on N, P and the
-            budget (``memory_budget``, else the default budget), or ``"cg"`` when ``solver="cg"``.
+            (matrix-free), or None: the route of least modelled time whose compiled update fits the
+            budget (``memory_budget``, else the default budget; :func:`vmcgrad._sr.ntk.routes.choose`,
+            compile only, cached), or ``"cg"`` when ``solver="cg"``.
         nystrom_rank: samples of the ``"cg"`` route's Nyström preconditioner: ``"auto"``
             (:func:`vmcgrad._sr.ntk.nystrom.nystrom_rank` of the budget, at most N/2), an int in ``[0, N]``,
             or None / 0 for plain CG.
@@ -126,6 +127,8 @@ def minsr_update(
 
     Raises:
         TypeError, ValueError: for bad input, before anything is traced.
+        MemoryError: (:class:`vmcgrad._sr.ntk.routes.NoRouteFits`) when no route fits the budget, not
+            even matrix-free CG, before anything runs; it names a ``memory_budget=`` that holds it.
         TypeError: when differentiated (see the message for the alternative).
     """
     options = dict(
