@@ -144,11 +144,13 @@ def test_the_rule_takes_the_cheapest_route_that_fits(monkeypatch):
     assert choose(10**6) == "parameter" and compiled == ["parameter"]  # the others cannot beat it
     fits["parameter"] = (False, None, 10**7)
     assert choose(10**6) == "cg" and compiled == ["parameter", "cg"]  # dense costs more than cg
-    assert choose(36 * 36 * 8 - 1) == "cg"  # the kernel alone is over: not compiled
+    cost["dense"] = 0.5  # the cheapest, and its stub says it fits, but its kernel alone is over:
+    assert choose(36 * 36 * 8 - 1) == "cg" and "dense" not in compiled  # not compiled, not taken
+    assert choose(36 * 36 * 8) == "dense" and compiled == ["dense"]
     fits.update(dense=(False, None, 5), cg=(False, None, 700))
     with pytest.raises(routes.NoRouteFits, match=r"matrix-free CG, 700 .* memory_budget=1400,") as err:
         choose(10**6)
-    assert (err.value.need, err.value.budget, compiled) == (700, 10**6, ["parameter", "cg", "dense"])
+    assert (err.value.need, err.value.budget, compiled) == (700, 10**6, ["dense", "parameter", "cg"])
 
 
 def _wide(p, x):
