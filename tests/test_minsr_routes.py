@@ -328,3 +328,34 @@ def test_dense_blocks_sized_by_the_budget():
         assert program.memory_analysis().temp_size_in_bytes <= vmcgrad.program_bytes(program) <= budget
         chosen.append(chunk)
     assert chosen == sorted(chosen) and chosen[0] < chosen[-1], chosen
+
+
+@slow
+def test_vmc_sr_stops_before_sampling_where_no_route_fits():
+    """VMC_SR at a budget no route holds, not even matrix-free CG: the first step raises a MemoryError
+    in the driver's words (memory_budget=, n_samples=) before anything is sampled, and the budget it
+    names holds the update (route_at then answers)."""
+    import optax
+
+    with jax.set_mesh(None):
+        import netket as nk
+
+        import vmcgrad.netket as vnk
+
+    hi = nk.hilbert.Spin(0.5, 6)
+    sampler = nk.sampler.MetropolisLocal(hi, n_chains=2 * jax.device_count())
+    H = nk.operator.Ising(hi, nk.graph.Chain(6), h=1.0)
+
+    def driver(budget):
+        vs = vnk.MCState(sampler, nk.models.RBM(alpha=1), n_samples=120, seed=3)
+        kw = dict(diag_shift=1e-3, variational_state=vs, use_ntk=True, memory_budget=budget)
+        return vnk.VMC_SR(H, optax.sgd(0.02), **kw), vs
+
+    drv, vs = driver(2_000)
+    words = r"^vmcgrad\.netket\.VMC_SR: no route .* memory_budget=2000 "
+    with pytest.raises(MemoryError, match=words) as err:
+        drv.run(1, out=None, show_progress=False)
+    assert vs._samples is None  # nothing sampled
+    enough = int(str(err.value).split("Fix: pass memory_budget=")[1].split()[0].rstrip(","))
+    assert enough == 2 * err.value.need
+    assert driver(enough)[0].route_at(120) in routes.ROUTES
