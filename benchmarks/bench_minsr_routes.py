@@ -129,7 +129,7 @@ def blocks(args):
 
     if args.no_jacobian_batches:
         ntk_modes.JACOBIAN_BATCH_MIN = 1 << 40
-    dense_choice, holds_every_row = minsr.choose_dense, minsr.holds_every_row
+    dense_choice, holds_every_row = routes.choose_dense, minsr.holds_every_row
     powers_only = lambda program, prob, *a: (problem_module.auto_chunk(program, prob, *a), a)
 
     def without_one_block(*a):  # choose_dense before it tried one block at a smaller Jacobian batch
@@ -162,7 +162,7 @@ def blocks(args):
             kw["chunk_size"] = None if q is None else "auto"
             seen = []  # what the choice returned: (chunk, (op, *args))
             choose = choices.get(choice, dense_choice)
-            minsr.choose_dense = lambda *a, seen=seen, choose=choose: seen.append(choose(*a)) or seen[-1]
+            routes.choose_dense = lambda *a, seen=seen, choose=choose: seen.append(choose(*a)) or seen[-1]
             if choice == "passes":  # one block as before it kept its Jacobian
                 minsr.holds_every_row = lambda prob: False
             try:
@@ -173,7 +173,7 @@ def blocks(args):
                 f = f.lower(params, x, e).compile()
                 nbytes[q, choice] = vmcgrad.program_bytes(f)
             finally:
-                minsr.choose_dense = dense_choice
+                routes.choose_dense = dense_choice
                 minsr.holds_every_row = holds_every_row
             chunk, (op, *_) = seen[-1] if seen else (n, (None,))
             batch = ntk_modes.jacobian_batch(chunk, op and op.jacobian_batch)
