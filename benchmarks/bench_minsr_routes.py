@@ -124,12 +124,12 @@ def blocks(args):
     import vmcgrad
     from vmcgrad._problem import problem as problem_module
     from vmcgrad._sr.ntk import dense as ntk_dense
-    from vmcgrad._sr.ntk import minsr
+    from vmcgrad._sr.ntk import minsr, routes
     from vmcgrad._sr.ntk import modes as ntk_modes
 
     if args.no_jacobian_batches:
         ntk_modes.JACOBIAN_BATCH_MIN = 1 << 40
-    dense_choice, holds_every_row = minsr.choose_dense, minsr.holds_every_row
+    dense_choice, holds_every_row = routes.choose_dense, minsr.holds_every_row
     powers_only = lambda program, prob, *a: (problem_module.auto_chunk(program, prob, *a), a)
 
     def without_one_block(*a):  # choose_dense before it tried one block at a smaller Jacobian batch
@@ -148,7 +148,7 @@ def blocks(args):
     print("|---|---|---|---|---|---|---|")
     for n in args.sizes:
         lp, params, x, e = setup(n, args.param_dtype, args.model)
-        nk_, p, itemsize = minsr.system_sizes("complex", n, params)
+        nk_, p, itemsize = routes.system_sizes("complex", n, params)
         jac = nk_ * p * itemsize
         kernel = 2 * nk_ * nk_ * itemsize
         budgets = {q: int(jac / q + kernel) for q in args.fractions}
@@ -162,7 +162,7 @@ def blocks(args):
             kw["chunk_size"] = None if q is None else "auto"
             seen = []  # what the choice returned: (chunk, (op, *args))
             choose = choices.get(choice, dense_choice)
-            minsr.choose_dense = lambda *a, seen=seen, choose=choose: seen.append(choose(*a)) or seen[-1]
+            routes.choose_dense = lambda *a, seen=seen, choose=choose: seen.append(choose(*a)) or seen[-1]
             if choice == "passes":  # one block as before it kept its Jacobian
                 minsr.holds_every_row = lambda prob: False
             try:
@@ -173,7 +173,7 @@ def blocks(args):
                 f = f.lower(params, x, e).compile()
                 nbytes[q, choice] = vmcgrad.program_bytes(f)
             finally:
-                minsr.choose_dense = dense_choice
+                routes.choose_dense = dense_choice
                 minsr.holds_every_row = holds_every_row
             chunk, (op, *_) = seen[-1] if seen else (n, (None,))
             batch = ntk_modes.jacobian_batch(chunk, op and op.jacobian_batch)
@@ -206,11 +206,11 @@ def cg_part(args):
 
     import vmcgrad
     from vmcgrad._chunks.budget import default_memory_budget
-    from vmcgrad._sr.ntk import minsr, nystrom
+    from vmcgrad._sr.ntk import nystrom, routes
 
     lp, params, x, e = setup(args.n, args.param_dtype, args.model)
     n = args.n
-    _, p, itemsize = minsr.system_sizes("complex", n, params)
+    _, p, itemsize = routes.system_sizes("complex", n, params)
     kw = dict(diag_shift=args.diag_shift, chunk_size=args.chunk)
     calls = {"dense": lambda: vmcgrad.minsr_update(lp, params, x, e, route="dense", **kw)}
     for r in args.ranks:

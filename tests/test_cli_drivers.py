@@ -105,7 +105,9 @@ def test_minsr_equals_netkets_vmc_sr(tmp_path):
 
 @pytest.mark.slow
 def test_a_budget_alone_chooses_the_chunks_within_it(tmp_path):
-    """At 32 KiB per device the chunks are smaller than at 1 GiB (where they are the whole share)."""
+    """At 32 KiB per device the chunks are smaller than at 1 GiB (where they are the whole share); at
+    1 GiB the SR solve keeps every chunk's linearisation (QGTOperator.kept_solve, issue 48 item 5),
+    at the chunk logged as ``qgt_solve``."""
     chunks = {}
     for budget in ("32KiB", "1GiB"):
         out = tmp_path / budget
@@ -137,18 +139,36 @@ def test_a_budget_alone_chooses_the_chunks_within_it(tmp_path):
         assert set(phases) == {"gradient", "qgt"}, phases
         assert 0 < max(phases.values()) <= _args.byte_size(budget), phases
     per_device = 256 // N_DEVICES
-    assert chunks["1GiB"] == {"gradient": per_device, "qgt": per_device}
+    assert chunks["1GiB"] == {"gradient": per_device, "qgt": per_device, "qgt_solve": per_device}
     assert chunks["32KiB"]["gradient"] < per_device and chunks["32KiB"]["qgt"] < per_device, chunks
 
 
 @pytest.mark.slow
-def test_a_budget_no_chunk_fits_is_one_line_and_exit_1(tmp_path):
-    """A budget below what one sample per chunk needs: vmcgrad's MemoryError with its fix, as one line
-    (no traceback), exit 1, and the log says the run failed."""
+def test_a_budget_no_route_fits_is_one_line_exit_2_before_sampling_with_a_budget_that_fits(tmp_path):
+    """--driver minsr at a budget where no route of the update fits, not even matrix-free CG: one
+    usage line naming --memory-budget with a budget that holds it, exit 2, before anything is sampled
+    or logged; the budget it names then runs."""
     out = tmp_path / "run"
-    rc, _stdout, err = _vmcgrad(
-        [*RUN, "--driver", "minsr", "--memory-budget", "4KiB", "--steps", "2", "--out", str(out)], tmp_path
-    )
+    minsr = [*RUN, "--driver", "minsr", "--steps", "1"]
+    rc, _stdout, err = _vmcgrad([*minsr, "--memory-budget", "4KiB", "--out", str(out)], tmp_path)
+    assert rc == 2, err
+    (line,) = [line for line in err.strip().splitlines() if line]
+    assert line.startswith("vmcgrad vmc: error: argument --memory-budget: no route of the MinSR update fits")
+    assert "Traceback" not in err and not (out / "log.json").exists(), err
+    budget = line.split("Fix: pass --memory-budget ")[1].split()[0].rstrip(",")
+    rc, stdout, err = _vmcgrad([*minsr, "--memory-budget", budget, "--out", str(tmp_path / "ok")], tmp_path)
+    assert rc == 0, err
+    (route,) = _log(tmp_path / "ok")["route"]
+    assert f"\nroute {route}: " in stdout, stdout  # the header names the route the step took
+
+
+@pytest.mark.slow
+def test_a_budget_no_chunk_fits_is_one_line_and_exit_1(tmp_path):
+    """A budget below what one sample per chunk of the gradient needs: vmcgrad's MemoryError with its
+    fix, as one line (no traceback), exit 1, and the log says the run failed."""
+    out = tmp_path / "run"
+    run = [*RUN, "--memory-budget", "4KiB", "--steps", "2", "--out", str(out)]
+    rc, _stdout, err = _vmcgrad(run, tmp_path)
     assert rc == 1, err
     assert "Traceback" not in err and "found no chunk that fits the memory budget of 4096 bytes" in err, err
     lines = [line for line in err.strip().splitlines() if not line.startswith("step ")]  # the bar's

@@ -101,31 +101,67 @@ def test_vmc_sr_raises_n_when_settled_and_logs_it(netket_mesh):
 @pytest.mark.heavy  # a bisection over compiled programs
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_vmc_sr_growth_is_capped_by_what_the_budget_holds(netket_mesh):
-    """With a dense solver the N×N kernel and its factor must fit the budget (2 N² float64 numbers:
-    the bound), and the raise is halved until the compiled update at the new N fits."""
+    """On the dense route (route="dense") the N×N kernel and its factor must fit the budget (2 N²
+    float64 numbers: the bound, below 2 n0 here), and the raise is halved until the compiled update at
+    the new N fits. The compiled dense update needs more than the bound (about 1.1x here), so the
+    budget is what it needs at 1.5 n0 with one sample per chunk: the bound then lies between 1.5 n0
+    and 2 n0. Where the rule chooses the route, there is no such bound
+    (test_growth_follows_the_route_rule)."""
+    from vmcgrad.netket._vmc_sr import _update
+
     n0 = _driver(None).state.n_samples
-    budget = 2 * 8 * (n0 + n0 // 2) ** 2  # holds 1.5 n0, not 2 n0
-    drv = _driver(GrowSamples(max_samples=8 * n0, window=3, tolerance=1e9), memory_budget=budget)
-    assert drv.max_samples_in_budget() == n0 + n0 // 2
+    probe = _driver(None, memory_budget=1, route="dense")  # no chunk fits: the error has the least need
+    probe._loss_stats = probe.state.expect(probe._ham)
+    args, static = probe._update_arguments(*probe._abstract_rows(n0 + n0 // 2), "dense")
+    with pytest.raises(MemoryError) as need:
+        _update.lower(*args, **static).compile()
+    budget = max(need.value.need, 2 * 8 * (n0 + n0 // 2) ** 2)
+    grow = GrowSamples(max_samples=8 * n0, window=3, tolerance=1e9)
+    assert _driver(grow, memory_budget=budget).max_samples_in_budget() is None
+    drv = _driver(grow, memory_budget=budget, route="dense")
+    cap = drv.max_samples_in_budget()
+    assert cap == int((budget / 16) ** 0.5) < 2 * n0
     drv.run(4, out=None, show_progress=False)
     chains = drv.state.sampler.n_chains
     assert len(drv.grown) == 1, drv.grown
     step, old, new = drv.grown[0]
-    assert (step, old) == (2, n0) and n0 < new <= n0 + n0 // 2 and new % chains == 0, drv.grown
+    assert (step, old) == (2, n0) and n0 < new <= cap and new % chains == 0, drv.grown
     assert drv._update_fits(new)  # the compiled update at the raised N fits the budget
     # the smallest budget that holds N = n0 (chunks chosen within it), and so nothing larger: no raise
-    probe = _driver(GrowSamples(max_samples=8 * n0), memory_budget=budget, chunk_size_bwd="auto")
+    probe = _driver(
+        GrowSamples(max_samples=8 * n0), memory_budget=budget, chunk_size_bwd="auto", route="dense"
+    )
     probe._loss_stats = probe.state.expect(probe._ham)
     lo, hi = 1, budget
     while lo < hi:  # bisection on the compiled update at n0
         mid = (lo + hi) // 2
         probe._memory_budget = mid
         lo, hi = (lo, mid) if probe._update_fits(n0) else (mid + 1, hi)
-    tight = _driver(GrowSamples(max_samples=8 * n0, window=3, tolerance=1e9), memory_budget=lo)
+    tight = _driver(GrowSamples(max_samples=8 * n0, window=3, tolerance=1e9), memory_budget=lo, route="dense")
     tight.run(4, out=None, show_progress=False)
     assert tight.grown == [] and tight.state.n_samples == n0
     cg = _driver(GrowSamples(max_samples=8 * n0), memory_budget=budget, linear_solver="cg")
     assert cg.max_samples_in_budget() is None  # matrix-free: no N×N matrix to fit
+
+
+@pytest.mark.heavy  # compiled route choices at two N
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_growth_follows_the_route_rule(netket_mesh):
+    """Issue 48: a growing N follows the route rule, not the dense kernel's cap. At a budget that holds
+    the dense kernel of n0 but not of 2 n0 (2·(2 n0)²·8 bytes are over it), N is raised to 2 n0 and
+    the step there takes a route that fits (not the dense kernel), logged as ``minsr_route``."""
+    import netket as nk
+
+    n0 = _driver(None).state.n_samples
+    budget = 2 * 8 * (n0 + n0 // 2) ** 2
+    drv = _driver(GrowSamples(max_samples=2 * n0, window=3, tolerance=1e9), memory_budget=budget)
+    log = nk.logging.RuntimeLog()
+    drv.run(4, out=log, show_progress=False)
+    assert drv.grown == [(2, n0, 2 * n0)], drv.grown
+    assert [int(n) for _, n in log.data["n_samples"]] == [n0] * 3 + [2 * n0]
+    assert drv.route == drv.route_at(2 * n0) != "dense", drv.route  # (the log keeps 5 characters)
+    assert len(log.data["minsr_route"]["value"]) == 4
+    assert 2 * 8 * (2 * n0) ** 2 > budget
 
 
 def test_vmc_sr_grow_samples_bad_input(netket_mesh):

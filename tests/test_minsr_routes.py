@@ -6,12 +6,14 @@ from ``vmcgrad.NTK(...).to_dense()`` (equal to jax.jacrev's, tests/test_ntk.py).
 divides neither the devices nor the chunk 5.
 """
 
+import dataclasses
 import inspect
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import NK_L as L
 from helpers import NK_MODELS as MODELS
 from helpers import assert_tree_allclose
 from helpers import nk_data as _data
@@ -19,7 +21,8 @@ from helpers import nk_logpsi as _logpsi
 from helpers import nk_params as _params
 
 import vmcgrad
-from vmcgrad._sr.ntk import minsr, nystrom
+from vmcgrad._problem.problem import problem
+from vmcgrad._sr.ntk import minsr, nystrom, routes
 
 DIAG = 1e-3
 N = 18
@@ -90,38 +93,106 @@ def _what_ran(f, *args):
     return sides, any(e.primitive.name == "while" for e in eqns)
 
 
-#: budget (bytes) -> the route and what it runs, for 'complex' mode at N = 18 (NK = 36) and P = 29:
-#: the parameter-space matrix and its factor need 2·29²·8 = 13 456 bytes, the kernel's 2·36²·8 = 20 736.
-BUDGET_ROUTES = [(2**20, "parameter", [29], False), (13_000, "cg", [], True)]
+#: budget (bytes) -> the route and what it runs, for 'complex' mode at N = 18 (NK = 36) and P = 29: at
+#: 1 MiB every route fits and the modelled cost (routes.modelled_flops) is least for the kernel (its
+#: blocks, 36²·29 multiply-adds, and factor against S's 2·36·29² and its factor; the model's passes are
+#: cheap here); at 13 000 bytes no dense program fits (each needs its matrix and its factor, 2·36²·8
+#: and 2·29²·8 = 13 456 bytes, and more), and matrix-free CG does.
+BUDGET_ROUTES = [(2**20, "dense", [36], False), (13_000, "cg", [], True)]
 
 
 @pytest.mark.parametrize("budget,route,sides,loop", BUDGET_ROUTES)
 def test_the_rule_chooses_the_route_that_runs(budget, route, sides, loop):
-    """choose_route picks the smaller dense system that fits the budget, else matrix-free CG; the traced
-    update holds exactly that route's factorisation (or CG's loop and none), and route= overrides."""
+    """The rule's route is the one whose program runs: the traced update holds exactly that route's
+    factorisation (or CG's loop and none), and route= overrides it."""
     apply, _ = MODELS["r2c"]
     params = _params(False)
     x, e = _data(N)
     lp = _logpsi(apply)
-    nk, p, itemsize = minsr.system_sizes("complex", N, params)
-    assert (nk, p, itemsize) == (36, 29, 8)
-    assert minsr.choose_route(nk, p, itemsize, budget) == route
+    assert routes.system_sizes("complex", N, params) == (36, 29, 8)
 
     def update(e, **kw):
         return vmcgrad.minsr_update(lp, params, x, e, diag_shift=DIAG, chunk_size=5, **kw)[0]
 
+    assert minsr.update_route(lp, params, x, e, diag_shift=DIAG, chunk_size=5, memory_budget=budget) == route
     assert _what_ran(lambda e: update(e, memory_budget=budget), e) == (sides, loop)
-    assert _what_ran(lambda e: update(e, memory_budget=budget, route="dense"), e) == ([36], False)
+    assert _what_ran(lambda e: update(e, memory_budget=budget, route="parameter"), e) == ([29], False)
 
 
-def test_the_rule_on_sizes():
-    """The kernel when it is the smaller system, the parameter-space matrix when that is; CG when the
-    smaller does not fit; ties to the kernel."""
-    assert minsr.choose_route(100, 1000, 8, 2**30) == "dense"
-    assert minsr.choose_route(1000, 100, 8, 2**30) == "parameter"
-    assert minsr.choose_route(100, 100, 8, 2 * 100**2 * 8) == "dense"
-    assert minsr.choose_route(100, 100, 8, 2 * 100**2 * 8 - 1) == "cg"
-    assert minsr.choose_route(10**5, 10**6, 8, 2**30) == "cg"
+def test_the_rule_takes_the_cheapest_route_that_fits(monkeypatch):
+    """routes.choose on a stub of the compiled fits: the route of least cost among those that fit; a
+    route whose matrix alone is over the budget is not compiled; a route that cannot beat one found to
+    fit (its cost at its largest chunk is no less) is not compiled either; none fitting is
+    NoRouteFits with the matrix-free route's bytes and a budget that holds it."""
+    apply, _ = MODELS["r2c"]
+    params = _params(False)
+    x, _ = _data(N)
+    prob, _, _ = problem("t", _logpsi(apply), params, x, chunk_size="auto", memory_budget=10**6)
+    compiled, fits = [], {}
+
+    def fake_fit(program, prob, args, route):
+        compiled.append(route)
+        return routes.Fit(*fits[route])
+
+    monkeypatch.setattr(routes, "fit", fake_fit)
+    sizes = routes.Sizes(n=N, k=2, p=29, itemsize=8, forward=100.0, rank=4, complex=False)
+    cost = {"dense": 3.0, "parameter": 1.0, "cg": 2.0}
+    cheap = lambda route, s, chunk: cost[route]
+
+    def choose(budget):
+        compiled.clear()
+        routes._CHOSEN.clear()
+        at = dataclasses.replace(prob, memory_budget=budget)
+        return routes.choose("w", "program", at, lambda r: (r,), sizes, cost=cheap)
+
+    fits.update(dense=(True, 8, 1), parameter=(True, 8, 1), cg=(True, 8, 1))
+    assert choose(10**6) == "parameter" and compiled == ["parameter"]  # the others cannot beat it
+    fits["parameter"] = (False, None, 10**7)
+    assert choose(10**6) == "cg" and compiled == ["parameter", "cg"]  # dense costs more than cg
+    cost["dense"] = 0.5  # the cheapest, and its stub says it fits, but its kernel alone is over:
+    assert choose(36 * 36 * 8 - 1) == "cg" and "dense" not in compiled  # not compiled, not taken
+    assert choose(36 * 36 * 8) == "dense" and compiled == ["dense"]
+    fits.update(dense=(False, None, 5), cg=(False, None, 700))
+    with pytest.raises(routes.NoRouteFits, match=r"matrix-free CG, 700 .* memory_budget=1400,") as err:
+        choose(10**6)
+    assert (err.value.need, err.value.budget, compiled) == (700, 10**6, ["dense", "parameter", "cg"])
+
+
+def _wide(p, x):
+    """A model of P = 5·17 + 17 = 102 real parameters with a complex output (K = 2)."""
+    return jnp.sum(jnp.tanh(x @ p["w"] + p["b"]) * (1.0 + 0.5j), axis=-1)
+
+
+def test_a_budget_the_kernel_estimate_passes_takes_the_route_that_fits():
+    """Issue 48's failure, small: at a budget that holds the kernel and its factor by their sizes,
+    2(NK)² numbers (the rule before: "dense"), the compiled dense update does not fit (the kernel is
+    held whole with its blocks and factor), the P × P matrix alone is over it (P = 102 > NK = 64), and
+    matrix-free CG fits. The update takes CG within the budget and gives the dense route's update
+    within CG's bound ‖δ_cg − δ‖ ≤ √‖T‖ tol ‖b‖/λ (test_routes_equal_the_dense_kernel)."""
+    n, k = 32, 2
+    kw = jax.random.split(jax.random.key(5), 3)
+    params = {"w": 0.3 * jax.random.normal(kw[0], (L, 17)), "b": 0.1 * jax.random.normal(kw[1], (17,))}
+    x, e = _data(n)
+    nk_, p, itemsize = routes.system_sizes("complex", n, params)
+    assert (nk_, p, itemsize) == (n * k, 102, 8)
+    budget = 2 * nk_ * nk_ * itemsize  # what the sizes said the dense route needs
+    opts = dict(diag_shift=DIAG, chunk_size="auto", memory_budget=budget, tol=1e-12)
+    prob, inputs, _ = problem("t", _wide, params, x, chunk_size="auto", memory_budget=budget)
+    dense = routes.fit(minsr._update_program, prob, _args_at(prob, inputs, e), "dense")
+    assert not dense.fits and dense.need > budget, dense
+    assert minsr.update_route(_wide, params, x, e, **opts) == "cg"
+    got, _, info = vmcgrad.minsr_update(_wide, params, x, e, **opts)
+    assert bool(info.converged)
+    ref, _, _ = vmcgrad.minsr_update(_wide, params, x, e, diag_shift=DIAG, route="dense")
+    t_norm = float(jnp.linalg.norm(vmcgrad.NTK(_wide, params, x, mode="complex").to_dense(), 2))
+    b_norm = 2 * float(jnp.linalg.norm(e - e.mean())) / np.sqrt(n)
+    assert _tree_max_diff(got, ref) <= np.sqrt(t_norm) * 1e-12 * b_norm / DIAG + 1e-10
+
+
+def _args_at(prob, inputs, e):
+    """The dense route's program arguments of minsr_update (its defaults) on ``prob``."""
+    op = vmcgrad.NTKOperator(inputs=inputs, diag_shift=jnp.asarray(DIAG), problem=prob, mode="complex")
+    return (op, e, None, None, None, ("dense", None, 0), (1e-12, 0.0, 10 * prob.n * 2))
 
 
 def test_nystrom_preconditioner():
@@ -262,3 +333,34 @@ def test_dense_blocks_sized_by_the_budget():
         assert program.memory_analysis().temp_size_in_bytes <= vmcgrad.program_bytes(program) <= budget
         chosen.append(chunk)
     assert chosen == sorted(chosen) and chosen[0] < chosen[-1], chosen
+
+
+@slow
+def test_vmc_sr_stops_before_sampling_where_no_route_fits():
+    """VMC_SR at a budget no route holds, not even matrix-free CG: the first step raises a MemoryError
+    in the driver's words (memory_budget=, n_samples=) before anything is sampled, and the budget it
+    names holds the update (route_at then answers)."""
+    import optax
+
+    with jax.set_mesh(None):
+        import netket as nk
+
+        import vmcgrad.netket as vnk
+
+    hi = nk.hilbert.Spin(0.5, 6)
+    sampler = nk.sampler.MetropolisLocal(hi, n_chains=2 * jax.device_count())
+    H = nk.operator.Ising(hi, nk.graph.Chain(6), h=1.0)
+
+    def driver(budget):
+        vs = vnk.MCState(sampler, nk.models.RBM(alpha=1), n_samples=120, seed=3)
+        kw = dict(diag_shift=1e-3, variational_state=vs, use_ntk=True, memory_budget=budget)
+        return vnk.VMC_SR(H, optax.sgd(0.02), **kw), vs
+
+    drv, vs = driver(2_000)
+    words = r"^vmcgrad\.netket\.VMC_SR: no route .* memory_budget=2000 "
+    with pytest.raises(MemoryError, match=words) as err:
+        drv.run(1, out=None, show_progress=False)
+    assert vs._samples is None  # nothing sampled
+    enough = int(str(err.value).split("Fix: pass memory_budget=")[1].split()[0].rstrip(","))
+    assert enough == 2 * err.value.need
+    assert driver(enough)[0].route_at(120) in routes.ROUTES

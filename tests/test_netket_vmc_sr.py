@@ -208,8 +208,8 @@ def test_fullsum_state_with_use_ntk_is_refused_in_vmcgrads_words():
 def test_a_budget_alone_chooses_every_chunk_within_it():
     """``vmcgrad.netket.MCState(memory_budget=B)`` with no chunk size runs ``chunk_size="auto"`` within B,
     and ``VMC_SR`` on it takes the same budget for its kernel's blocks: each program it runs (the
-    gradient pass, the sample-space update) compiles to at most B bytes per device, and at this tight B
-    both are chunked below the samples per device."""
+    gradient pass, the sample-space update on the route the rule takes within B) compiles to at most B
+    bytes per device, and at this tight B some pass is chunked below the samples per device."""
     import vmcgrad
     from vmcgrad.netket._expect_grad import log_psi
 
@@ -224,7 +224,7 @@ def test_a_budget_alone_chooses_every_chunk_within_it():
     with vmcgrad_passes() as passes:
         drv.run(1, out=None, show_progress=False)
     chunks = {p.chunk_size for p in passes}
-    assert chunks and all(isinstance(c, int) and c < N_SAMPLES // N_DEV for c in chunks), chunks
+    assert chunks and all(isinstance(c, int) for c in chunks) and min(chunks) < N_SAMPLES // N_DEV, chunks
     logpsi = log_psi(vs._apply_fun, vs.model_state)
     x = jax.lax.collapse(vs.samples, 0, vs.samples.ndim - 1)
     e = vs.local_estimators(H).reshape(-1)

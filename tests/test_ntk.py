@@ -296,7 +296,7 @@ def test_auto_chunk_takes_one_block_at_a_smaller_jacobian_batch(monkeypatch):
     import dataclasses
 
     from vmcgrad._sr.ntk import dense as ntk_dense
-    from vmcgrad._sr.ntk import minsr
+    from vmcgrad._sr.ntk import routes
 
     def apply(v, x):
         h = jnp.tanh(x[:, :, None, None] * v["params"]["w"][None, :, :, None] + v["params"]["u"])
@@ -321,7 +321,7 @@ def test_auto_chunk_takes_one_block_at_a_smaller_jacobian_batch(monkeypatch):
         lowered = program.lower(prob.at_chunk(n), dataclasses.replace(op, jacobian_batch=batch), *args)
         return vmcgrad.program_bytes(lowered.compile())
 
-    monkeypatch.setattr(minsr, "choose_dense", lambda *a: choices.append(a) or ntk_dense.choose_dense(*a))
+    monkeypatch.setattr(routes, "choose_dense", lambda *a: choices.append(a) or ntk_dense.choose_dense(*a))
     one = Mesh(np.array(jax.devices()[:1]), ("S",), axis_types=(AxisType.Auto,))
     with jax.set_mesh(one):
         kw = dict(diag_shift=DIAG, route="dense", solver=solve)
@@ -331,7 +331,7 @@ def test_auto_chunk_takes_one_block_at_a_smaller_jacobian_batch(monkeypatch):
         at_1, at_2 = program_bytes(*sizing, batch=1), program_bytes(*sizing, batch=2)
         assert at_2 > at_1
         budget = (at_1 + at_2) // 2  # one block fits at batch 1, not at 2 (nor at the powers' 4)
-        monkeypatch.setattr(minsr, "choose_dense", choose)
+        monkeypatch.setattr(routes, "choose_dense", choose)
         seen.clear()
         ours, _, _ = vmcgrad.minsr_update(
             _logpsi(counted), params, x, e.real, chunk_size="auto", memory_budget=budget, **kw

@@ -230,7 +230,7 @@ def call(program: Any, prob: Problem, *args: Any, choose: Chooser | None = None)
     chunk, args = choose(program, prob, *args)
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
         return program(prob.at_chunk(chunk), *args)
-    key, budget, platform = _key(program, prob, args), budget_of(prob), cost_platform_of(prob)
+    key, budget, platform = program_key(program, prob, args), budget_of(prob), cost_platform_of(prob)
     return run_with_oom_retry(
         lambda c: program(prob.at_chunk(c), *args),
         chunk,
@@ -257,7 +257,7 @@ def auto_chunk(program: Any, prob: Problem, *args: Any, candidates: Any = None) 
         return program.lower(prob.at_chunk(c), *abstract).compile()
 
     return choose_chunk(
-        _key(program, prob, args),
+        program_key(program, prob, args),
         prob.n_local,
         compile_at,
         budget_of(prob),
@@ -273,7 +273,7 @@ def auto_choice(program: Any, prob: Problem, *args: Any, candidates: Any = None)
     the chunk, its modelled time, the platform, its footprint (:class:`vmcgrad._chunks.budget.Choice`);
     a chunk remembered after an out-of-memory error has ``seconds`` None."""
     auto_chunk(program, prob, *args, candidates=candidates)
-    return recorded(_key(program, prob, args), prob.n_local, budget_of(prob), cost_platform_of(prob))
+    return recorded(program_key(program, prob, args), prob.n_local, budget_of(prob), cost_platform_of(prob))
 
 
 def auto_knob(program: Any, prob: Problem, args: tuple, candidates: Any, at: Callable, *, name: str) -> Any:
@@ -288,7 +288,7 @@ def auto_knob(program: Any, prob: Problem, args: tuple, candidates: Any, at: Cal
         chunk, at_args = at(value)
         return program.lower(prob.at_chunk(chunk), *_abstract(at_args)).compile()
 
-    key = (_key(program, prob, args), name)
+    key = (program_key(program, prob, args), name)
     return choose_chunk(
         key,
         prob.n_local,
@@ -316,7 +316,13 @@ def budget_of(prob: Problem) -> int:
     return budget_or_default(prob.memory_budget)
 
 
-def _key(program: Any, prob: Problem, args: tuple) -> Any:
+def compile_only(program: Any, prob: Problem, *args: Any) -> Any:
+    """``program(prob, *args)`` lowered and compiled, not run (traced arguments as their shapes): what
+    a choice among programs reads ``memory_analysis()`` from."""
+    return program.lower(prob, *_abstract(args)).compile()
+
+
+def program_key(program: Any, prob: Problem, args: tuple) -> Any:
     """The automatic chunk's cache key: the program, the problem and the arguments' signature, the
     user's function in it through :func:`vmcgrad._function.cache_key` only (held weakly where it can
     be), also where a problem is static data of an argument (an operator's: the arguments' tree

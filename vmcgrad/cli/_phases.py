@@ -12,6 +12,7 @@ changes when ``--grow-samples`` raises it, so a run measures once per N (:class:
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import vmcgrad
@@ -44,6 +45,31 @@ def route_of(driver: Any) -> str:
     if not hasattr(driver, "use_ntk"):  # nk.driver.VMC with SR
         return SR_ROUTE
     return str(getattr(driver, "route", None) or "dense")
+
+
+def route_or_exit(args, driver, n: int) -> str:
+    """The route of ``--driver minsr`` at ``n`` samples (compiled, not run: nothing is sampled); where
+    no route fits the budget, a usage error (exit 2) with the budget that fits and the samples this
+    one holds."""
+    try:
+        return driver.route_at(n)
+    except MemoryError as error:
+        need = getattr(error, "need", None)
+        if need is None:
+            raise
+        budget = "the default budget" if args.memory_budget is None else f"{_mib(args.memory_budget)} MiB"
+        fewer = getattr(error, "max_samples", None)
+        fewer = f", or at most --samples {fewer} at this budget" if fewer else ""
+        enough = math.ceil(2 * need / 2**20)  # vmcgrad._sr.ntk.routes.enough
+        args._parser.error(
+            f"argument --memory-budget: no route of the MinSR update fits {budget} per device at "
+            f"{n} samples; the smallest, matrix-free CG, needs {_mib(need)} MiB. Fix: pass "
+            f"--memory-budget {enough}MiB{fewer}"
+        )
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f}"
 
 
 def bytes_of_phases(

@@ -30,6 +30,12 @@ STEP_KEYS = (
     "route",
     "temp_bytes",
 )
+#: What each route of ``--driver minsr`` solves (:mod:`vmcgrad._sr.ntk.routes`), for the header.
+ROUTES = {
+    "dense": "the N x N kernel, built in chunked blocks, and its Cholesky factor",
+    "parameter": "the P x P matrix (fewer parameters than samples) and its Cholesky factor",
+    "cg": "matrix-free conjugate gradient on the N x N kernel, Nystrom-preconditioned",
+}
 
 
 def print_header(args, info: dict, exact: float | None, exact_source: str | None) -> None:
@@ -69,11 +75,19 @@ def print_header(args, info: dict, exact: float | None, exact_source: str | None
         "" if args.grow_samples is None else f"; samples grow up to {args.grow_samples} as the energy settles"
     )
     print(f"driver {taken}: {info['driver_reason']}{budget}{grow}")
+    if info.get("route") is not None:
+        print(f"route {info['route']}: {ROUTES[info['route']]}")
     if taken == "sr" and args.chunk_size == "auto":
+        solve = chunks.get("qgt_solve")
+        solve = (
+            f"; each solve keeps every chunk's linearisation, at chunk {solve}"
+            if solve is not None
+            else "; each solve's products recompute the forward pass (the kept linearisations do not fit)"
+        )
         print(
             f"chunk size auto: picked {chunks['gradient']} for the gradient and {chunks['qgt']} "
             f"({info['qgt_design']} design) for the QGT products (the largest powers of two whose "
-            "compiled programs fit the memory budget; the QGT's design is the faster one within it)"
+            f"compiled programs fit the memory budget; the QGT's design is the faster one within it){solve}"
         )
     if exact is None:
         why = (

@@ -19,7 +19,7 @@ DRIVERS = {
     "chooses: P > N), sr otherwise",
     "sr": "nk.driver.VMC with SR in parameter space (vmcgrad's QGTOnTheFly products, CG)",
     "minsr": "vmcgrad.netket.VMC_SR: sample-space SR (MinSR); its route (the N x N kernel in chunked "
-    "blocks, the P x P matrix, or matrix-free CG) is chosen from N, P and the memory budget",
+    "blocks, the P x P matrix, or matrix-free CG) the fastest that fits the memory budget",
 }
 #: The modules this command imports beyond vmcgrad's own (the ``[cli]`` extra), checked before it starts.
 REQUIRES = ("netket", "matplotlib", "tqdm")

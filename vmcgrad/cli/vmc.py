@@ -142,6 +142,11 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
     )
     if snap is not None:  # the driver the run was started with
         taken = snap["info"].get("driver_taken", taken)
+    driver, route = None, None
+    if taken == "minsr":  # its route, before anything is sampled: a budget no route fits stops here
+        kernel = args.chunk_size if snap is None else snap["info"]["chunk_size"]["kernel"]
+        driver = _driver(args, taken, system, vstate, {"kernel": kernel}, "-")
+        route = _phases.route_or_exit(args, driver, n_samples)
     if snap is None:
         chunks, qgt_design = _chunk_sizes(args.chunk_size, vstate, args.memory_budget, taken)
     else:  # the chunks the run was started with (auto's pick could differ now, and change the numbers)
@@ -167,6 +172,7 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
         "driver": DRIVERS[taken],
         "driver_taken": taken,
         "driver_reason": why,
+        "route": route,
         "memory_budget": args.memory_budget,
         "exact_energy_source": exact_source,
         "infinite_temperature_energy": e_inf,
@@ -181,7 +187,8 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
     if main:
         _report.print_header(args, info, exact, exact_source)
 
-    driver = _driver(args, taken, system, vstate, chunks, qgt_design)
+    if driver is None:
+        driver = _driver(args, taken, system, vstate, chunks, qgt_design)
 
     if snap is not None:
         if main:
@@ -293,7 +300,12 @@ def _driver(args, taken: str, system, vstate, chunks: dict, qgt_design: str):
 
     optimizer = nk.optimizer.Sgd(learning_rate=args.lr)
     if taken == "sr":
-        qgt = vnk.QGTOnTheFly(chunk_size=chunks["qgt"], design=qgt_design)
+        # at "auto" the solve keeps every chunk's linearisation where the budget holds them
+        # (QGTOperator.kept_solve); the products run at the chunk chosen for the design
+        auto = {"chunk_size": "auto", "memory_budget": args.memory_budget}
+        qgt = vnk.QGTOnTheFly(
+            **(auto if args.chunk_size == "auto" else {"chunk_size": chunks["qgt"]}), design=qgt_design
+        )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", nk.errors.InsufficientSamplesForSRWarning)
             return nk.driver.VMC(
@@ -341,7 +353,7 @@ def _chunk_sizes(
     if driver == "minsr":  # the kernel's blocks: chosen by vmcgrad.minsr_update at each N, in the budget
         return {"gradient": gradient, "kernel": "auto"}, "-"
     qgt = vmcgrad.QGT(logpsi, vstate.parameters, samples, chunk_size="auto", **budget)  # builds O-bar once
-    return {"gradient": gradient, "qgt": qgt.chunk_size}, qgt.design
+    return {"gradient": gradient, "qgt": qgt.chunk_size, "qgt_solve": qgt.kept_solve}, qgt.design
 
 
 def _flax_version() -> str:

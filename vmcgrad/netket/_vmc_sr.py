@@ -29,6 +29,7 @@ driver warns once that this step is NetKet's.
 
 from __future__ import annotations
 
+import time
 import warnings
 from functools import partial
 from typing import Any
@@ -39,9 +40,10 @@ from netket.utils import struct, timing
 
 import vmcgrad
 from vmcgrad._problem import validation as check
-from vmcgrad._sr.ntk import minsr
+from vmcgrad._sr.ntk import minsr, routes
 from vmcgrad._warnings import VmcgradWarning
 
+from . import _driver_state
 from . import _nk_private as nkp
 from ._expect_grad import log_psi
 from ._grow import GrowSamples
@@ -64,14 +66,17 @@ class VMC_SR(nk.driver.VMC_SR):
         linear_solver: NetKet's dense solver ``solver(A, b)``, or ``"cg"`` (matrix-free).
         memory_budget: bytes per device for ``chunk_size_bwd="auto"`` (default: the state's
             ``memory_budget``; a budget with no chunk given means ``"auto"``); with ``grow_samples`` and a
-            dense solver, also the cap on N: the N×N kernel and its factor,
-            :math:`2 (kN)^2` numbers (:math:`k = 2` in the 'complex' mode), must fit in it.
+            dense solver, also the cap on N: some route's compiled update must fit it (on
+            ``route="dense"`` the N×N kernel and its factor, :math:`2 (kN)^2` numbers, :math:`k = 2` in
+            the 'complex' mode). Where no route fits, not even matrix-free CG, the step stops before
+            sampling with a MemoryError naming a ``memory_budget=`` and an ``n_samples=`` that fit.
         route: the update's route (:func:`vmcgrad.minsr_update`): ``"dense"`` (the N×N kernel in blocks),
             ``"parameter"`` (the P×P matrix: the cheaper dense system when P < N·K), ``"cg"``
-            (matrix-free, Nyström-preconditioned), or None: chosen each step from N, P and
-            ``memory_budget`` (:func:`vmcgrad._sr.ntk.minsr.choose_route`: the smaller dense system whose
-            matrix and factor fit the budget, else ``"cg"``). The route taken is logged each step as
-            ``minsr_route`` (and CG's iterations as ``cg_iterations``) and kept in :attr:`route`.
+            (matrix-free, Nyström-preconditioned), or None: at each N, before sampling, the route of least
+            modelled time whose compiled update fits ``memory_budget`` (:meth:`route_at`,
+            :func:`vmcgrad._sr.ntk.routes.choose`). The route taken is logged each step as
+            ``minsr_route`` with the update's seconds as ``minsr_update_time`` (and CG's iterations as
+            ``cg_iterations``) and kept in :attr:`route`.
         grow_samples: a :class:`GrowSamples` rule: N is multiplied by its ``factor`` (a multiple of
             the sampler's chains) whenever the energy has settled to its error bar over its
             ``window`` of steps, up to its ``max_samples`` and to what ``memory_budget`` holds (the
@@ -97,6 +102,8 @@ class VMC_SR(nk.driver.VMC_SR):
     _route: Any = struct.field(pytree_node=False, default=None)
     route: Any = struct.field(pytree_node=False, default=None)
     _cg_iterations: Any = struct.field(pytree_node=False, default=None)
+    _routes: Any = struct.field(pytree_node=False, default=None)
+    _update_time: Any = struct.field(pytree_node=False, default=None)
 
     def __init__(
         self,
@@ -128,11 +135,6 @@ class VMC_SR(nk.driver.VMC_SR):
                 f"{NAME}: `grow_samples` needs a sampled state (an MCState); got "
                 f"{type(variational_state).__name__}, which has no number of samples to raise."
             )
-        if route is not None and route not in minsr.ROUTES:
-            raise ValueError(
-                f"{NAME}: `route` must be one of {minsr.ROUTES} or None; got {route!r}. Fix: leave it None "
-                "to choose each step from N, P and the memory budget."
-            )
         chunk = check.check_chunk_size(NAME, chunk_size_bwd)
         budget = check.check_memory_budget(NAME, memory_budget)
         if budget is None:  # one budget: the state's
@@ -146,6 +148,7 @@ class VMC_SR(nk.driver.VMC_SR):
             raise ValueError(
                 f"{NAME}: `linear_solver` must be a dense solver solver(A, b) or 'cg'; got {linear_solver!r}."
             )
+        routes.check_route(NAME, route, "cg" if use_cg else None)
         super().__init__(
             hamiltonian,
             optimizer,
@@ -169,9 +172,9 @@ class VMC_SR(nk.driver.VMC_SR):
             self._old_updates = None
         self._grow, self._grow_history, self.grown = grow_samples, [], []
         self._grow_stopped = False
-        if use_cg and route not in (None, "cg"):
-            raise ValueError(f"{NAME}: linear_solver='cg' is the matrix-free route; got route={route!r}.")
         self._route = route
+        self._routes = {}  # N -> the route the rule chose there
+        self._update_time = None
 
     @timing.timed
     def compute_loss_and_update(self):
@@ -180,6 +183,7 @@ class VMC_SR(nk.driver.VMC_SR):
             if not isinstance(self.state, nk.vqs.FullSumState):  # (there: nothing to chunk)
                 _warn_netket_step()
             return super().compute_loss_and_update()
+        route = self.route_at(self.state.n_samples)  # before sampling: a budget no route fits stops here
         local_energies = self.state.local_estimators(self._ham)
         self._loss_stats = nk.stats.statistics(local_energies)
         decay = self._mcmc_convergence_diagnostics_ema_decay
@@ -192,9 +196,11 @@ class VMC_SR(nk.driver.VMC_SR):
             )
         samples = self.state.samples
         samples = jax.lax.collapse(samples, 0, samples.ndim - 1)  # (chains, per chain, ...) -> rows
-        args, static = self._update_arguments(samples, local_energies.reshape(-1))
-        self.route = static["route"]
-        self._dp, self._old_updates, info = _update(*args, **static)
+        args, static = self._update_arguments(samples, local_energies.reshape(-1), route)
+        self.route = route
+        start = time.perf_counter()
+        self._dp, self._old_updates, info = jax.block_until_ready(_update(*args, **static))
+        self._update_time = time.perf_counter() - start
         self._cg_iterations = int(info.iterations) if isinstance(info, vmcgrad.CGInfo) else None
         self.info = info if isinstance(info, dict) and info else None
         self._n_sampled = self.state.n_samples
@@ -226,59 +232,112 @@ class VMC_SR(nk.driver.VMC_SR):
         self.grown.append((int(self.step_count), int(n), int(new)))
 
     def _update_fits(self, n: int) -> bool:
-        """Whether the update's compiled program at N = ``n`` fits ``memory_budget`` (compiled, not run,
-        on abstract samples sharded like the state's; True without a budget)."""
+        """Whether the update at N = ``n`` fits ``memory_budget`` (True without a budget): some route
+        fits (:meth:`route_at`), and a route the caller fixed has its compiled program (not run, on
+        abstract samples sharded like the state's) within the budget."""
         if self._memory_budget is None:
             return True
-        samples = self.state.samples
-        rows = jax.ShapeDtypeStruct((n, samples.shape[-1]), samples.dtype, sharding=samples.sharding)
-        e = jax.ShapeDtypeStruct(
-            (n,), jax.numpy.asarray(self._loss_stats.mean).dtype, sharding=samples.sharding
-        )
-        args, static = self._update_arguments(rows, e)
+        try:
+            route = self._route_rule(n)
+        except routes.NoRouteFits:
+            return False
+        if self._route is None and not self._cg:
+            return True  # the rule compiled it within the budget
+        args, static = self._update_arguments(*self._abstract_rows(n), route)
         try:
             compiled = _update.lower(*args, **static).compile()
         except MemoryError:  # chunk_size="auto" found no chunk that fits
             return False
         return vmcgrad.program_bytes(compiled) <= self._memory_budget
 
+    def route_at(self, n: int) -> str:
+        """The update's route at N = ``n``: the one given (``route=``, ``linear_solver="cg"``), else
+        the fastest that fits ``memory_budget`` (:func:`vmcgrad._sr.ntk.routes.choose`; compile only,
+        on abstract samples, before anything is sampled; cached per N).
+
+        Raises:
+            MemoryError: when no route fits the budget at this N, in this driver's terms.
+        """
+        try:
+            return self._route_rule(n)
+        except routes.NoRouteFits as err:
+            raise self._no_route(n, err) from None
+
+    def _route_rule(self, n: int) -> str:
+        """:meth:`route_at`, raising :class:`vmcgrad._sr.ntk.routes.NoRouteFits` as the core does."""
+        fixed = routes.check_route(NAME, self._route, "cg" if self._cg else None)
+        if fixed is not None:
+            return fixed
+        if n not in self._routes:
+            args, static = self._update_arguments(*self._abstract_rows(n), None)
+            chosen = []
+            jax.eval_shape(lambda *a: chosen.append(_route(*a, **static)), *args)
+            self._routes[n] = chosen[0]
+        return self._routes[n]
+
+    def _no_route(self, n: int, err: routes.NoRouteFits) -> MemoryError:
+        """The error for a budget no route fits at N = ``n``: the budget that holds it, and the largest
+        N this budget holds (halving N, in multiples of the chains)."""
+        granule = self.state.sampler.n_chains
+        smaller = n // 2 // granule * granule
+        while smaller >= granule and not self._update_fits(smaller):
+            smaller = smaller // 2 // granule * granule
+        fewer = f", or at most n_samples={smaller}" if smaller >= granule else ""
+        out = MemoryError(
+            f"{NAME}: no route of the sample-space SR update fits memory_budget={self._memory_budget} "
+            f"bytes per device at n_samples={n}: the smallest, matrix-free CG, needs {err.need} at one "
+            f"sample per chunk. Fix: pass memory_budget={routes.enough(err.need)}{fewer} at this budget."
+        )
+        out.need, out.budget, out.n, out.max_samples = err.need, err.budget, n, smaller or None
+        return out
+
+    def _abstract_rows(self, n: int) -> tuple[Any, Any]:
+        """Samples and local energies at N = ``n`` as shapes, laid out as the state's (nothing sampled)."""
+        sigma = getattr(self.state.sampler_state, "σ", None)  # the chains' configurations: no sampling
+        samples = self.state.samples if sigma is None else sigma
+        sharding = getattr(samples, "sharding", None)
+        rows = jax.ShapeDtypeStruct((n, samples.shape[-1]), samples.dtype, sharding=sharding)
+        if getattr(self, "_loss_stats", None) is not None:
+            dtype = jax.numpy.asarray(self._loss_stats.mean).dtype
+        else:  # NetKet's local energies: the operator's entries times ratios of the model's outputs
+            out = jax.eval_shape(nkp.apply_fun(self.state), self.state.variables, rows)
+            dtype = jax.numpy.result_type(self._ham.dtype, out.dtype)
+        return rows, jax.ShapeDtypeStruct((n,), dtype, sharding=sharding)
+
     def _solver(self) -> Any:
         return "cg" if self._cg else self._linear_solver
 
-    def _update_arguments(self, samples: Any, local_energies: Any) -> tuple[tuple, dict]:
-        """The arguments of :func:`_update` at these samples (arrays, or their shapes at a raised N):
-        the hyperparameters at this step (schedules evaluated) as arrays, checked here (traced, their
-        values cannot be), so that a step and :meth:`_update_fits` trace the same program."""
+    def _update_arguments(self, samples: Any, local_energies: Any, route: str | None) -> tuple[tuple, dict]:
+        """The arguments of :func:`_update` at these samples (arrays, or their shapes at a raised N)
+        on ``route``: the hyperparameters at this step (schedules evaluated) as arrays, checked here
+        (traced, their values cannot be), so that a step, :meth:`route_at` and :meth:`_update_fits`
+        trace the same program."""
         named = {"diag_shift": self.diag_shift, "proj_reg": self.proj_reg, "momentum": self.momentum}
         named = {k: h(self.step_count) if callable(h) else h for k, h in named.items()}
         hyper = [None if h is None else check.check_nonnegative_scalar(NAME, k, h) for k, h in named.items()]
         momentum = named["momentum"]
         old = self._old_updates if momentum is not None else None
         args = (self.state.model_state, self.state.parameters, samples, local_energies, *hyper, old)
-        mode, solver, n, budget = str(self.mode), self._solver(), samples.shape[0], self._memory_budget
         static = dict(
             apply_fun=nkp.apply_fun(self.state),
-            mode=mode,  # NetKet's JacobianMode
-            solver=solver,
-            route=minsr.resolve_route(NAME, self._route, solver, mode, n, self.state.parameters, budget),
+            mode=str(self.mode),  # NetKet's JacobianMode
+            solver=self._solver(),
+            route=route,
             chunk_size=self.chunk_size_bwd,
             memory_budget=self._memory_budget,
         )
         return args, static
 
     def max_samples_in_budget(self) -> int | None:
-        """An upper bound on the N whose update fits ``memory_budget``: the dense N×N kernel and its
-        factor alone must fit (None: no bound, with no budget or with the matrix-free ``"cg"`` solver,
-        which stores no N×N matrix). A raise is then checked on the compiled program itself."""
-        if self._memory_budget is None or self._cg or self._route == "cg" or not self.use_ntk:
+        """An upper bound on the N whose update fits ``memory_budget`` where the dense kernel is the
+        route (``route="dense"``): the N×N kernel and its factor alone must fit, :math:`2 (NK)^2`
+        numbers (:func:`vmcgrad._sr.ntk.routes.system_sizes`). None otherwise: with no budget, or
+        where the rule may take the matrix-free route, whose floor grows only linearly in N; a raise
+        is then checked on the compiled programs themselves (:meth:`_update_fits`)."""
+        if self._memory_budget is None or self._route != "dense" or not self.use_ntk:
             return None
-        params = jax.tree_util.tree_leaves(self.state.parameters)
-        complex_params = any(jax.numpy.iscomplexobj(p) for p in params)
-        itemsize = jax.numpy.finfo(params[0].dtype).bits // 8 if params else 8
-        k = 2 if str(self.mode) == "complex" else 1
-        if str(self.mode) == "holomorphic" and complex_params:
-            itemsize *= 2
-        return int((self._memory_budget / (2 * itemsize)) ** 0.5) // k
+        nk, _, itemsize = routes.system_sizes(str(self.mode), 1, self.state.parameters)
+        return int((self._memory_budget / (2 * itemsize)) ** 0.5) // nk
 
     def state_dict(self) -> dict:
         """Everything this driver needs to continue a run, beyond its variational state.
@@ -298,20 +357,7 @@ class VMC_SR(nk.driver.VMC_SR):
         attributes. :meth:`load_state_dict` puts the dict back into a driver built with the same
         arguments; with the same variational state the run then continues bit for bit.
         """
-        from flax import serialization
-
-        sampled = isinstance(self.state, nk.vqs.MCState)
-        return {
-            "step_count": int(self.step_count),
-            "optimizer_state": serialization.to_state_dict(self._optimizer_state),
-            "n_samples": int(self.state.n_samples) if sampled else None,
-            "grow": {
-                "history": [[float(e), float(s)] for e, s in self._grow_history],
-                "grown": [[int(x) for x in g] for g in self.grown],
-                "stopped": bool(self._grow_stopped),
-            },
-            "old_updates": self._old_updates if self.use_ntk else None,
-        }
+        return _driver_state.state_dict(self)
 
     def load_state_dict(self, state: dict) -> None:
         """Puts a :meth:`state_dict` back into this driver (in place).
@@ -324,34 +370,13 @@ class VMC_SR(nk.driver.VMC_SR):
             ValueError: naming the entry, when ``state`` lacks one or an array does not fit this
                 driver's (another model or optimizer).
         """
-        from flax import serialization
-
-        missing = [k for k in ("step_count", "optimizer_state", "grow") if k not in state]
-        if missing:
-            raise ValueError(
-                f"{NAME}.load_state_dict: the state lacks {', '.join(map(repr, missing))}; expected a dict "
-                "from VMC_SR.state_dict()."
-            )
-        if state.get("n_samples") is not None and isinstance(self.state, nk.vqs.MCState):
-            self.state.n_samples = int(state["n_samples"])
-        optimizer_state = serialization.to_state_dict(self._optimizer_state)
-        optimizer_state = _placed_like(optimizer_state, state["optimizer_state"], "optimizer_state")
-        self._optimizer_state = serialization.from_state_dict(self._optimizer_state, optimizer_state)
-        self._step_count = int(state["step_count"])
-        grow = state["grow"]
-        self._grow_history = [(float(e), float(s)) for e, s in grow["history"]]
-        self.grown = [tuple(int(x) for x in g) for g in grow["grown"]]
-        self._grow_stopped = bool(grow["stopped"])
-        old = state.get("old_updates")
-        if self.use_ntk:
-            self._old_updates = (
-                None if old is None else _placed_like(self.state.parameters, old, "old_updates")
-            )
+        _driver_state.load_state_dict(self, state)
 
     def _log_additional_data(self, log_dict: dict):
         super()._log_additional_data(log_dict)
         if self.use_ntk and self.route is not None:
             log_dict["minsr_route"] = self.route
+            log_dict["minsr_update_time"] = self._update_time  # seconds of the update, beside its route
             if self._cg_iterations is not None:
                 log_dict["cg_iterations"] = self._cg_iterations
         if self._grow is not None:
@@ -389,31 +414,32 @@ def _update(
     )
 
 
-def _placed_like(target: Any, saved: Any, name: str) -> Any:
-    """``saved`` (a state dict of host or device arrays) as a pytree shaped, typed and sharded like
-    ``target``; a ValueError naming ``name`` when it does not fit."""
-    import numpy as np
-    from flax import serialization
-
-    where = f"{NAME}.load_state_dict: its {name!r}"
-    try:
-        tree = serialization.from_state_dict(target, saved)
-    except (ValueError, KeyError, TypeError) as error:
-        raise ValueError(f"{where} does not fit this driver's ({error})") from None
-    flat_target, treedef = jax.tree_util.tree_flatten(target)
-    out = []
-    for t, s in zip(flat_target, treedef.flatten_up_to(tree)):
-        if not isinstance(t, jax.Array):
-            out.append(s)
-            continue
-        s = np.asarray(s)
-        if s.shape != t.shape or s.dtype != t.dtype:
-            raise ValueError(
-                f"{where} does not fit this driver's: an array of {s.dtype}{list(s.shape)} where this "
-                f"driver has {t.dtype}{list(t.shape)} (another model or optimizer)"
-            )
-        out.append(jax.make_array_from_callback(t.shape, t.sharding, lambda index, s=s: s[index]))
-    return jax.tree_util.tree_unflatten(treedef, out)
+def _route(
+    model_state,
+    params,
+    samples,
+    local_energies,
+    diag_shift,
+    proj_reg,
+    momentum,
+    old_updates,
+    *,
+    apply_fun,
+    **static,
+):
+    """The route :func:`_update` takes on these arguments (traced as :func:`_update` traces them, so
+    that the route's chunk search is the one the step finds in the cache)."""
+    return minsr.update_route(
+        log_psi(apply_fun, model_state),
+        params,
+        samples,
+        local_energies,
+        diag_shift=diag_shift,
+        proj_reg=proj_reg,
+        momentum=momentum,
+        old_updates=old_updates,
+        **static,
+    )
 
 
 _WARNED: list[bool] = []

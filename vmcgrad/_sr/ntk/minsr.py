@@ -8,7 +8,8 @@ r"""``minsr_update``: the sample-space SR (MinSR, SPRING) update of NetKet's ``V
 
 (push-through identity; :math:`\varepsilon` already holds SPRING's
 :math:`-\mu\Delta J\delta_\mathrm{old}/\sqrt N`).
-The routes (:data:`ROUTES`), chosen by :func:`choose_route` unless given:
+The routes (:data:`vmcgrad._sr.ntk.routes.ROUTES`); unless one is given, the fastest whose compiled
+update fits the memory budget (:func:`vmcgrad._sr.ntk.routes.choose`):
 
 * ``"dense"``: the :math:`NK \times NK` kernel :math:`T` in blocks (:mod:`vmcgrad._sr.ntk.dense`) and a
   dense solve: per-sample Jacobians about :math:`N(1 + (N - c)/2c)`, then :math:`(NK)^3/3` for the factor;
@@ -18,11 +19,12 @@ The routes (:data:`ROUTES`), chosen by :func:`choose_route` unless given:
   Jacobians, once each) and a dense solve, then :math:`P^3/3`: the cheaper one when :math:`P < NK`;
 * ``"cg"``: matrix-free conjugate gradient on :math:`T v` (one vjp and one jvp pass per iteration), with
   the Nyström preconditioner of :mod:`vmcgrad._sr.ntk.nystrom` (r samples, r set by the budget): no N×N or
-  P×P matrix, for when neither fits.
+  P×P matrix, for when neither fits (or is slower).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from functools import partial
 from typing import Any
@@ -37,8 +39,8 @@ from vmcgrad._problem.problem import Problem, call, problem
 from vmcgrad._problem.sharding import unsplit_explicit
 from vmcgrad._runner.primitive import map_reduce_problem
 from vmcgrad._runner.runner import REPLICATED
-from vmcgrad._sr.ntk import nystrom
-from vmcgrad._sr.ntk.dense import choose_dense, dense_program, dense_solve
+from vmcgrad._sr.ntk import nystrom, routes
+from vmcgrad._sr.ntk.dense import dense_program, dense_solve
 from vmcgrad._sr.ntk.modes import (
     choose_ntk_mode,
     components,
@@ -52,38 +54,10 @@ from vmcgrad._sr.ntk.modes import (
     vector_dtype,
 )
 from vmcgrad._sr.ntk.ntk import NTKOperator, _check_solver, _product
+from vmcgrad._sr.ntk.routes import system_sizes
 from vmcgrad._sr.solve import cg
 
 _UPDATE = "vmcgrad.minsr_update"
-ROUTES = ("dense", "parameter", "cg")
-
-
-def system_sizes(mode: str, n: int, params: Any) -> tuple[int, int, int]:
-    """``(NK, P, itemsize)``: the sides of the two dense systems, in the mode's parametrisation (P
-    counts real entries, a complex leaf twice, except in 'holomorphic' mode), and bytes per entry."""
-    leaves = jax.tree.leaves(params)
-    split = mode != "holomorphic"
-    p = sum(x.size * (2 if split and jnp.iscomplexobj(x) else 1) for x in leaves)
-    itemsize = jnp.dtype(vector_dtype(mode, params)).itemsize
-    return n * k_of(mode), int(p), int(itemsize)
-
-
-def choose_route(nk: int, p: int, itemsize: int, budget: float) -> str:
-    r"""The route of the update, from the sizes of its two dense systems and the budget.
-
-    The smaller of the kernel (side :math:`NK`) and the parameter-space matrix (side :math:`P`) is
-    solved densely when it and its factor, :math:`2 d^2` entries, fit ``budget``: the smaller system
-    costs less to build (:math:`NKd` per sample against the other's larger side) and to factor
-    (:math:`d^3/3`), and both derive each row's Jacobian at most as often. Ties go to ``"dense"`` (the
-    kernel, NetKet's MinSR system). When the smaller does not fit, neither does the larger:
-    ``"cg"``, matrix-free.
-
-    Args:
-        nk: side of the kernel (N·K). p: side of the parameter-space matrix.
-        itemsize: bytes per entry. budget: bytes per device.
-    """
-    route, side = ("parameter", p) if p < nk else ("dense", nk)
-    return route if 2 * side * side * itemsize <= budget else "cg"
 
 
 def minsr_update(
@@ -136,8 +110,9 @@ def minsr_update(
         solver: the dense solver of the ``"dense"`` and ``"parameter"`` routes: None (Cholesky) or a
             NetKet-style ``solver(A, b)``; or ``"cg"``, the same as ``route="cg"``.
         route: ``"dense"`` (the N×N kernel in blocks), ``"parameter"`` (the P×P matrix) or ``"cg"``
-            (matrix-free), or None: :func:`choose_route` on N, P and the budget (``memory_budget``, else
-            the default budget), or ``"cg"`` when ``solver="cg"``.
+            (matrix-free), or None: the route of least modelled time whose compiled update fits the
+            budget (``memory_budget``, else the default budget; :func:`vmcgrad._sr.ntk.routes.choose`,
+            compile only, cached), or ``"cg"`` when ``solver="cg"``.
         nystrom_rank: samples of the ``"cg"`` route's Nyström preconditioner: ``"auto"``
             (:func:`vmcgrad._sr.ntk.nystrom.nystrom_rank` of the budget, at most N/2), an int in ``[0, N]``,
             or None / 0 for plain CG.
@@ -151,19 +126,56 @@ def minsr_update(
 
     Raises:
         TypeError, ValueError: for bad input, before anything is traced.
+        MemoryError: (:class:`vmcgrad._sr.ntk.routes.NoRouteFits`) when no route fits the budget, not
+            even matrix-free CG, before anything runs; it names a ``memory_budget=`` that holds it.
         TypeError: when differentiated (see the message for the alternative).
     """
-    name = _UPDATE
-    prob, inputs, _ = problem(
-        name, logpsi, params, samples, chunk_size=chunk_size, memory_budget=memory_budget, arg="logpsi"
+    options = dict(
+        diag_shift=diag_shift,
+        mode=mode,
+        proj_reg=proj_reg,
+        momentum=momentum,
+        old_updates=old_updates,
+        solver=solver,
+        route=route,
+        nystrom_rank=nystrom_rank,
+        chunk_size=chunk_size,
+        memory_budget=memory_budget,
+        tol=tol,
+        maxiter=maxiter,
     )
-    mode = choose_ntk_mode(name, inputs.params, prob.out_dtype, mode)
+    prob, args_at, route = _prepared(logpsi, params, samples, local_energies, options)
+    return call(_update_program, prob, *args_at(route), choose=routes.chooser(route))
+
+
+def update_route(logpsi: Any, params: Any, samples: Any, local_energies: Any, **options: Any) -> str:
+    """The route :func:`vmcgrad.minsr_update` takes on these arguments (its keywords): the one given,
+    or the rule's, the fastest that fits the memory budget (:func:`vmcgrad._sr.ntk.routes.choose`;
+    compile only, cached: the update's own call then searches nothing again).
+
+    Raises:
+        vmcgrad._sr.ntk.routes.NoRouteFits: when no route fits the budget (a MemoryError).
+    """
+    kinds = inspect.signature(minsr_update).parameters.items()
+    defaults = {k: p.default for k, p in kinds if p.kind == p.KEYWORD_ONLY}
+    return _prepared(logpsi, params, samples, local_energies, {**defaults, **options})[2]
+
+
+def _prepared(logpsi: Any, params: Any, samples: Any, local_energies: Any, options: dict) -> tuple:
+    """``(problem, args_at, route)`` of an update: the inputs checked (before anything is traced),
+    ``args_at(route)`` the program's arguments on a route, and the route taken."""
+    name = _UPDATE
+    o = options
+    budget = {"chunk_size": o["chunk_size"], "memory_budget": o["memory_budget"]}
+    prob, inputs, _ = problem(name, logpsi, params, samples, arg="logpsi", **budget)
+    mode = choose_ntk_mode(name, inputs.params, prob.out_dtype, o["mode"])
     real = jnp.finfo(vector_dtype(mode, inputs.params)).dtype
     local_energies = check.as_arrays(name, "local_energies", local_energies)
     if isinstance(local_energies, jax.Array):
         local_energies = local_energies.reshape(-1) if local_energies.size == prob.n else local_energies
     check.check_local_values(name, local_energies, prob.n)
-    diag_shift = check.check_nonnegative_scalar(name, "diag_shift", diag_shift, real)
+    diag_shift = check.check_nonnegative_scalar(name, "diag_shift", o["diag_shift"], real)
+    proj_reg, momentum, old_updates = o["proj_reg"], o["momentum"], o["old_updates"]
     if proj_reg is not None:
         proj_reg = check.check_nonnegative_scalar(name, "proj_reg", proj_reg, real, example="1.0")
     if momentum is not None:
@@ -173,40 +185,22 @@ def minsr_update(
             check.check_tangent(name, old_updates, inputs.params)
     else:
         old_updates = None
-    solver = _check_solver(name, solver)
-    route = resolve_route(name, route, solver, mode, prob.n, inputs.params, prob.memory_budget)
-    rank = _check_rank(name, nystrom_rank, route, mode, prob, inputs.params)
-    tol, atol = check.check_tolerances(name, tol, 0.0)
-    maxiter = check.check_maxiter(name, maxiter, default=10 * prob.n * k_of(mode))
+    solver = _check_solver(name, o["solver"])
+    route = routes.check_route(name, o["route"], solver)
+    rank = _check_rank(name, o["nystrom_rank"], "cg", mode, prob, inputs.params)
+    tol, atol = check.check_tolerances(name, o["tol"], 0.0)
+    maxiter = check.check_maxiter(name, o["maxiter"], default=10 * prob.n * k_of(mode))
     op = NTKOperator(inputs=inputs, diag_shift=diag_shift, problem=prob, mode=mode)
-    how = (route, None if solver == "cg" else solver, rank)
     cg_opts = (tol, atol, maxiter)
-    choose = choose_dense if route == "dense" else None
-    args = (op, local_energies, proj_reg, momentum, old_updates, how, cg_opts)
-    return call(_update_program, prob, *args, choose=choose)
 
+    def args_at(route: str) -> tuple:
+        how = (route, None if solver == "cg" else solver, rank if route == "cg" else 0)
+        return (op, local_energies, proj_reg, momentum, old_updates, how, cg_opts)
 
-def resolve_route(
-    where: str, route: Any, solver: Any, mode: str, n: int, params: Any, budget: float | None
-) -> str:
-    """The route the update takes: ``route`` checked, or :func:`choose_route` (``"cg"`` for
-    ``solver="cg"``)."""
-    if route is not None and (not isinstance(route, str) or route not in ROUTES):
-        raise ValueError(
-            f"{where}: `route` must be one of {ROUTES} or None; got {route!r}. Fix: leave it None to "
-            "choose from N, P and the memory budget."
-        )
-    if isinstance(solver, str):  # "cg"
-        if route not in (None, "cg"):
-            raise ValueError(
-                f"{where}: solver='cg' is the matrix-free route; got route={route!r} with it. Fix: pass "
-                "a dense solver (or None) with that route, or drop one of the two."
-            )
-        return "cg"
-    if route is not None:
-        return route
-    nk, p, itemsize = system_sizes(mode, n, params)
-    return choose_route(nk, p, itemsize, budget_or_default(budget))
+    if route is None:
+        sizes = routes.sizes_of(mode, prob, inputs, rank)
+        route = routes.choose(name, _update_program, prob, args_at, sizes)
+    return prob, args_at, route
 
 
 def _check_rank(where: str, rank: Any, route: str, mode: str, prob: Problem, params: Any) -> int:
