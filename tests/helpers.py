@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 
 import jax
@@ -178,3 +179,49 @@ def module_name(path, root) -> str:
     is ``a.b``)."""
     parts = list(path.relative_to(root.parent).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+#: Ops a program runs without a cost of their own (issue 47's counting rule).
+_FREE_OPS = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast"}
+_OP = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?:\(.*?\)|\S+)\s+([a-z][\w\-]*)\(")
+_TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
+
+
+def sequential_ops(text: str) -> tuple[int, list[int]]:
+    """``(ops, trips)`` of an optimized HLO module (``compiled.as_text()``): the ops it runs one after
+    another, each op of a computation 1 (a fusion is one op; parameter, constant, tuple,
+    get-tuple-element and bitcast free), a while loop its ``known_trip_count`` times its body's and
+    condition's ops, recursively, a conditional its largest branch (an upper bound); and the trip
+    counts of every loop. A small counter of its own, so that the structural tests read no more than
+    the rule (``vmcgrad._checks.hlo`` parses the computations)."""
+    from vmcgrad._checks.hlo import _parse
+
+    comps, entry = _parse(text)
+    trips: list[int] = []
+
+    def count(name: str) -> int:
+        ops = 0
+        for line in comps.get(name, ()):
+            m = _OP.match(line)
+            if not m or m.group(1) in _FREE_OPS:
+                continue
+            op = m.group(1)
+            if op == "while":
+                body = re.search(r"body=%?([\w.\-]+)", line).group(1)
+                cond = re.search(r"condition=%?([\w.\-]+)", line).group(1)
+                n = int(_TRIP_COUNT.search(line).group(1))
+                trips.append(n)
+                ops += n * (count(body) + count(cond))
+            elif op == "conditional":
+                names = re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", line)
+                branches = re.search(r"branch_computations=\{([^}]*)\}", line)
+                if branches:
+                    names += [b.strip().lstrip("%") for b in branches.group(1).split(",") if b.strip()]
+                ops += max(count(b) for b in names)
+            elif op == "call":
+                ops += sum(count(c) for c in re.findall(r"to_apply=%?([\w.\-]+)", line))
+            else:
+                ops += 1
+        return ops
+
+    return count(entry), trips
