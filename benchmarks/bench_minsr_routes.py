@@ -127,8 +127,8 @@ def blocks(args):
     from vmcgrad._sr.ntk import minsr, routes
     from vmcgrad._sr.ntk import modes as ntk_modes
 
-    if args.no_jacobian_batches:
-        ntk_modes.JACOBIAN_BATCH_MIN = 1 << 40
+    if args.no_jacobian_batches:  # (the default now, where the chunk is given: kept for old commands)
+        ntk_modes.JACOBIAN_SPLIT = 1
     dense_choice, holds_every_row = routes.choose_dense, minsr.holds_every_row
     powers_only = lambda program, prob, *a: (problem_module.auto_chunk(program, prob, *a), a)
 
@@ -244,6 +244,7 @@ def qgt_part(args):
     from jax.flatten_util import ravel_pytree
 
     import vmcgrad
+    from vmcgrad._sr.jacobian import jacobian
     from vmcgrad._sr.ntk import modes as ntk_modes
     from vmcgrad._sr.solve import cg
 
@@ -263,7 +264,7 @@ def qgt_part(args):
         m = None
         if r:
             xs = x[(jnp.arange(r) * n) // r]
-            js = ntk_modes.jacobian(f, theta, xs, "complex", ntk_modes.jacobian_batch(args.chunk))
+            js = jacobian(f, theta, xs, "complex", ntk_modes.jacobian_batch(args.chunk))
             u = jnp.concatenate([j.reshape(r * 2, -1) for j in jax.tree.leaves(js)], axis=1)
             u = u.reshape(r, 2, -1)
             u = (u - u.mean(0)).reshape(2 * r, -1).T / jnp.sqrt(r)  # P × rK

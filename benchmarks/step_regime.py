@@ -21,9 +21,10 @@ SR kernel of the run lowered and compiled apart (the seconds of each, its Stable
 compiled bytes: how much program the first step compiles for the SR phase).
 
 ``@SPLIT`` after a vmcgrad run sets how many parts a chunk's per-sample Jacobians are derived in
-(``vmcgrad._sr.ntk.modes.JACOBIAN_SPLIT``, 16 by default: a chunk of 64 derives them 4 samples at a
-time, and the dense kernel's column blocks are 4 samples wide). On a CPU the parts cost the same
-time as one; on an accelerator each is a small sequential step, which this measures.
+(``vmcgrad._sr.ntk.modes.JACOBIAN_SPLIT``: ``@16`` derives a chunk of 64 4 samples at a time, and the
+dense kernel's column blocks are 4 samples wide), in place of the platform's (16 on a CPU, 1 on an
+accelerator: ``vmcgrad._sr.ntk.modes.jacobian_split``). On a CPU the parts are the fastest; on an
+accelerator each is a small sequential step, which this measures.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ def main(argv=None):
         chunk_used = getattr(driver, "chunk_size_bwd", None)
         row = {
             "run": f"{name}={n}:{chunk}" + (f"@{split}" if split else ""),
-            "jacobian_split": ntk_modes.JACOBIAN_SPLIT if name.startswith("vmcgrad") else None,
+            "jacobian_split": ntk_modes.jacobian_split() if name.startswith("vmcgrad") else None,
             "device": device,
             "dtype": args.dtype,
             "budget_mib": args.budget_mib,

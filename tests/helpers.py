@@ -434,3 +434,21 @@ def synthetic_checkpoint(folder: Path, *, step=4, version=None, **config) -> Pat
     path.write_bytes(_checkpoint.encode(snap))
     (folder / "log.json").write_text('{"kept": true}\n')
     return path
+
+
+def sequential_ops(text: str) -> tuple[float, list[int | None]]:
+    """``(ops, trips)`` of a compiled program (``compiled.as_text()``): the ops it runs one after
+    another (:func:`vmcgrad.program_cost`: loops by their trip counts, nested) and the trip count of
+    every loop, inner loops included."""
+    import vmcgrad
+
+    cost = vmcgrad.program_cost(text)
+    trips: list[int | None] = []
+
+    def walk(loops):
+        for loop in loops:
+            trips.append(loop.trip_count)
+            walk(loop.loops)
+
+    walk(cost.loops)
+    return cost.ops, trips

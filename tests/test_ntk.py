@@ -185,13 +185,13 @@ def test_dense_blocks_run_no_collective_in_a_loop():
 
 
 def _jacobians_derived(n, devices, chunk, batch=None):
-    """Samples whose Jacobian ``to_dense`` derives: NetKet's mean-Jacobian subset, each row chunk's rows,
-    and, per row chunk, the column blocks (a sixteenth of the chunk wide, or all N for one block) from the
-    one holding its first counted row to the last, except the blocks that are the chunk's own rows, in
-    order and short of the padding (reused); ``batch``: a Jacobian batch fixed by the chunk choice,
-    the column blocks' width. The plan and the row weights follow
-    vmcgrad._chunks.plan: balanced chunks, the last shifted back, padded and re-read rows not counted.
-    Also returns the cost of walking every column block, a chunk wide, for every chunk (before)."""
+    """Samples whose Jacobian ``to_dense`` derives: NetKet's mean-Jacobian subset, each row chunk's rows, and,
+    per row chunk, the column blocks (a sixteenth of the chunk wide on the CPU, or all N for one block)
+    from the one holding its first counted row to the last, except the blocks that are the chunk's own
+    rows, in order and short of the padding (reused); ``batch``: a Jacobian batch fixed by the chunk
+    choice, the column blocks' width. The plan and the row weights follow vmcgrad._chunks.plan:
+    balanced chunks, the last shifted back, padded and re-read rows not counted. Also returns the cost
+    of walking every column block, a chunk wide, for every chunk (before)."""
     n_local = -(-n // devices)
     count = -(-n_local // (chunk or n_local))
     size = -(-n_local // count)
@@ -241,17 +241,21 @@ def test_dense_blocks_derive_each_pair_once(chunk):
 
 
 @pytest.mark.heavy
-def test_auto_chunk_takes_fewer_larger_chunks_at_the_batch_the_budget_bought():
-    """chunk_size="auto" on the dense kernel (ntk_dense.choose_dense): the powers of two fix the
-    Jacobian batch (a sixteenth of the chunk they choose), and with that batch held fewer, larger
-    chunks are searched. At a budget a chunk of 32 fits only at batch 1 (at its own batch, 2, it does
-    not), the powers choose 16 and the dense choice 32, at batch 1: within the budget, fewer Jacobians
-    derived (counted at run time, against the reference count of the chunk and the batch), the
-    kernel equal to jax.jacrev's. 64 samples per device on any device count; the r2c model with 256
-    hidden units (P = 1 541), so that the rows' Jacobians, not the kernel, grow with the chunk."""
+def test_auto_chunk_takes_fewer_larger_chunks_at_the_batch_the_budget_bought(monkeypatch):
+    """chunk_size="auto" on the dense kernel (ntk_dense.choose_dense): one block where every sample's
+    rows are on the device and a batch fits; else the powers of two at the whole chunk fix the
+    Jacobian batch b (b fits, 2b does not), and with b held the fewer, larger chunks are searched
+    (the chosen one fits, the next larger does not). At the budget of a chunk of 32 at batch 1: within
+    it, the Jacobians derived counted at run time equal the reference count of the chunk and the
+    batch, the kernel equal to jax.jacrev's. 64 samples per device on any device count; the r2c model
+    with 256 hidden units (P = 1 541), so that the rows' Jacobians, not the kernel, grow with the
+    chunk. The search as an accelerator runs it (``JACOBIAN_SPLIT = 1``: a batch up to the chunk)."""
     import dataclasses
 
     from vmcgrad._sr.ntk import dense as ntk_dense
+    from vmcgrad._sr.ntk import modes as ntk_modes
+
+    monkeypatch.setattr(ntk_modes, "JACOBIAN_SPLIT", 1)
 
     apply, _ = MODELS["r2c"]
     k = jax.random.split(jax.random.key(8), 3)
@@ -275,13 +279,22 @@ def test_auto_chunk_takes_fewer_larger_chunks_at_the_batch_the_budget_bought():
 
     T = vmcgrad.NTK(_logpsi(counted), params, x, chunk_size=32, mode="complex")
     budget = program_bytes(dataclasses.replace(T, jacobian_batch=1), 32)
-    assert program_bytes(T, 32) > budget  # the powers of two alone stop at 16
     auto = vmcgrad.NTK(_logpsi(counted), params, x, chunk_size="auto", mode="complex", memory_budget=budget)
-    assert auto.chunk_size == 32
+    chunk, (op,) = ntk_dense.choose_dense(*auto._sizing_call())
+    b = op.jacobian_batch
+    assert auto.chunk_size == chunk and program_bytes(op, chunk) <= budget, (chunk, b)
+    at = lambda batch, c: program_bytes(dataclasses.replace(T, jacobian_batch=batch), c)
+    if chunk == n:  # one block: the largest batch that fits (the powers of two, then n)
+        assert b == n or at(min(2 * b, n), n) > budget, (chunk, b)
+    else:
+        assert b == chunk or at(2 * b, 2 * b) > budget, (chunk, b)  # the powers at the whole chunk
+        fewer = sorted({-(-64 // m) for m in range(1, 64 // b + 1)})
+        i = fewer.index(chunk)
+        assert i == len(fewer) - 1 or program_bytes(op, fewer[i + 1]) > budget, (chunk, b)
+    seen.clear()
     dense = jax.block_until_ready(auto.to_dense())
-    derived, _ = _jacobians_derived(n, devices, 32, batch=1)
-    at_16, _ = _jacobians_derived(n, devices, 16)
-    assert sum(seen) == derived < at_16, (sum(seen), derived, at_16)
+    derived, _ = _jacobians_derived(n, devices, chunk, batch=b)
+    assert sum(seen) == derived, (sum(seen), derived, chunk, b)
     np.testing.assert_allclose(dense, _dense_reference(apply, params, x, "complex"), rtol=0, atol=1e-12)
 
 
@@ -381,14 +394,18 @@ def test_one_chunk_of_every_sample_keeps_its_jacobian(model, mode):
             assert_tree_allclose(u, ref, rtol=0, atol=1e-10)
 
 
-def test_one_block_holds_one_copy_of_the_jacobian():
+def test_one_block_holds_one_copy_of_the_jacobian(monkeypatch):
     """The kept Jacobian (one chunk of every sample, one device) is held once: its rows are derived at
     the flat θ (no concatenation of the leaves' rows), the runner returns a single chunk's rows as
-    they are, and ΔJ is centred in J's own buffer (minsr._centred_in_place).
-    A wide model whose intermediates are small next to J (P = 49 152, N = 64: J = 24 MiB): the
-    compiled update holds J and less than half as much again. Red with any of the three copies back
-    (the leaves' rows concatenated, the rows copied into the runner's buffer, or ``j - mean(j)`` as
-    one expression): 2.03 J each."""
+    they are, and ΔJ is centred in J's own buffer (minsr._centred_in_place), in a few blocks.
+    A wide model whose intermediates are small next to J (P = 49 152, N = 64: J = 24 MiB), its
+    Jacobians derived 4 at a time (a batch of all 64 holds its own rows' leaves, a second J, before
+    they are joined: the budget search sees that): the compiled update holds J and less than half as
+    much again. Red with any of the three copies back (the leaves' rows concatenated, the rows copied
+    into the runner's buffer, or ``j - mean(j)`` as one expression): 2.03 J each."""
+    from vmcgrad._sr.ntk import modes as ntk_modes
+
+    monkeypatch.setattr(ntk_modes, "JACOBIAN_SPLIT", 16)
     n, width = 64, 4096
     w = 0.01 * jax.random.normal(jax.random.key(3), (L, width))
     params = {"w": w, "c": jnp.ones((width, 7))}  # "c": P grows, the intermediates do not

@@ -43,7 +43,7 @@ def test_the_operators_share_the_base(build):
     assert not any(leaf is A.problem for leaf in leaves)
 
     name = type(A).__name__
-    # the QGT's static product design; the NTK's Jacobian batch (None: a sixteenth of the chunk)
+    # the QGT's static product design; the NTK's Jacobian batch (None: the whole chunk)
     design = ", design='fused'" if build is vmcgrad.QGT else ", jacobian_batch=None"
     assert re.fullmatch(
         rf"{name}\(mode='real', dim={A.dim}, n_samples={N}, chunk_size=4{design}, diag_shift=0\.1.*\)",

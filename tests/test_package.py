@@ -471,7 +471,6 @@ SAME_NAME_ALLOWED = {
     "ENV": "homonyms: the cost platform's environment variable, and the supervised child's marker",
     "ROUTES": "MinSR's route names, and the command line's words for each (its header)",
     "FORMAT": "homonyms: the layouts of two files, the checkpoint and run.json, each versioned apart",
-    "jacobian_rows": "being merged (issue 46): the per-sample Jacobians of the QGT and of MinSR",
 }
 
 

@@ -3,28 +3,31 @@ r"""The dense centred kernel of :class:`vmcgrad.NTKOperator` in blocks, and its 
 :func:`dense_program` makes one pass over each device's rows, ``c`` at a time. For a chunk of rows the
 chunk's Jacobian :math:`J_{[k]}` (``c K × P``) is taken, then an inner loop walks the N samples
 (gathered once, before the pass) ``b`` columns at a time, ``b`` the chunk's Jacobian batch
-(:func:`~vmcgrad._sr.ntk.modes.jacobian_batch`, a sixteenth of it; all N for one block), taking each
+(:func:`~vmcgrad._sr.ntk.modes.jacobian_batch`: the whole chunk, or the largest batch that fits the
+budget; all N for one block), taking each
 column block's Jacobian and the block :math:`U_{[k][l]} = (J_{[k]} - \mathbf 1 s^T)(J_{[l]} - \mathbf 1
 s^T)^\dagger`, only for the column blocks on or above the diagonal (from the one holding the chunk's
 first counted row). A column block whose samples are rows of the chunk itself, in order, takes their
 Jacobians from the rows instead of deriving them. The uncentred kernel is Hermitian,
 :math:`U_{[l][k]} = U_{[k][l]}^\dagger`, so the blocks below are filled after the pass, by one transpose
 of the rows (an all-to-all over the devices). On one device :math:`N + N(N - c)/2c` per-sample
-Jacobians are derived (rows, then the columns after each chunk's own), as with blocks a chunk wide, but
-narrow column blocks leave the rows most of the memory: the chunk, and so the rows' share of the
-Jacobian held at once, is about twice as large at the same budget. With one block (``c`` ≥ N), N.
+Jacobians are derived (rows, then the columns after each chunk's own). With one block (``c`` ≥ N), N.
+The rows' batches and the column blocks are each one trip of the model's derivative, a sequence of
+ops whose count does not depend on the batch: on an accelerator, where each op in sequence costs a
+fixed time, the fewest, largest batches that fit are the fastest.
 
 Memory: a chunk holds :math:`(c + b) K P` numbers of Jacobians, the model's intermediates for ``b``
 samples (rows and columns are derived ``b`` at a time, the shift :math:`s` taken off per batch), and the
 device's :math:`N_\text{local} K \times NK` rows and the buffer of their transpose (which XLA may reuse,
 see ``benchmarks/bench_minsr.py``). ``chunk_size="auto"`` picks the largest chunk whose compiled program
-fits the budget (:func:`choose_dense`: the powers of two, then fewer larger chunks at the Jacobian batch
-those fixed, or one block at a smaller batch), the N×N kernel and, in :func:`vmcgrad.minsr_update`, its
-factor and pullback included (the pullback runs at the Jacobian batch, :func:`vmcgrad._sr.ntk.minsr.passes`,
-so that it does not bind). No collective runs per block. :math:`s` is NetKet's mean-Jacobian estimate (32
-evenly strided samples): it does not change the centred kernel in exact arithmetic, and keeps its small
-eigenvalues in float32 (taken over at most ``c`` samples, so that no model call exceeds the chunk). The
-centring follows, as row and column means of the blocks.
+fits the budget (:func:`choose_dense`: one block at the largest batch that fits, else the powers of two
+at the whole chunk, then fewer larger chunks at the batch those fixed), the N×N kernel and, in
+:func:`vmcgrad.minsr_update`, its factor and pullback (one vjp pass at the chunk) included. A chunk
+given (the budget is for ``"auto"``) derives its Jacobians at once. No collective runs per block.
+:math:`s` is NetKet's mean-Jacobian estimate (32 evenly strided samples): it does not change the centred
+kernel in exact arithmetic, and keeps its small eigenvalues in float32 (taken over at most ``c``
+samples, so that no model call exceeds the chunk). The centring follows, as row and column means of the
+blocks.
 """
 
 from __future__ import annotations
@@ -39,19 +42,20 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from vmcgrad._chunks.budget import budget_or_default
 from vmcgrad._problem.problem import Problem, auto_chunk, auto_knob
 from vmcgrad._problem.sharding import explicit_sharding, unsplit_explicit
 from vmcgrad._runner.primitive import map_reduce_problem
 from vmcgrad._runner.runner import REPLICATED, SAMPLES
-from vmcgrad._sr.ntk.modes import contract, jacobian, jacobian_batch, k_of, mean_jacobian, rows_fun, theta_of
+from vmcgrad._sr.jacobian import jacobian
+from vmcgrad._sr.ntk.modes import contract, jacobian_batch, k_of, mean_jacobian, rows_fun, theta_of
 
 
 def column_chunk(prob: Problem, batch: int | None = None) -> int:
     """Columns per block: all N for one block (a chunk of at least N rows), else the chunk's Jacobian
-    batch (:func:`~vmcgrad._sr.ntk.modes.jacobian_batch`: ``batch``, or a sixteenth of the chunk): the
-    columns are derived many at a time anyway, so narrow blocks hold the model's intermediates of a
-    wide one and leave the rows most of the budget (fewer row chunks: fewer recomputed column
-    Jacobians)."""
+    batch (:func:`~vmcgrad._sr.ntk.modes.jacobian_batch`: ``batch``, or the whole chunk): a column
+    block's Jacobians are derived at once, so a block as wide as a batch holds the intermediates the
+    rows' batches hold, no more."""
     c = prob.plan.size
     return prob.n if c >= prob.n else jacobian_batch(c, batch)
 
@@ -60,38 +64,50 @@ def choose_dense(program: Any, prob: Problem, op: Any, *args: Any) -> tuple[int,
     r"""``chunk_size="auto"`` for a program built on the dense kernel (the ``choose`` of
     :func:`vmcgrad._problem.problem.call`): ``(chunk, (op, *args))``, the operator's Jacobian batch fixed.
 
-    The chunk sets how often column Jacobians are derived again, :math:`N + N(N - c)/2c`, and the
-    Jacobian batch :math:`b` how many samples' intermediates are held. The powers of two are searched
-    first with :math:`b = c/16` (:func:`~vmcgrad._sr.ntk.modes.jacobian_batch`); the largest that fits,
-    :math:`c^*`, fixes :math:`b^* = c^*/16`. With :math:`b^*` held, a chunk's bytes grow only by its
-    rows' Jacobians, so fewer and larger chunks may still fit: the candidates
-    :math:`\lceil N_\text{local}/m \rceil` for :math:`m` = 1 to the count of :math:`c^*` (:math:`m`
-    balanced chunks derive :math:`N(m + 1)/2` Jacobians on one device) are searched in the same way,
-    and the largest that fits is taken (at worst :math:`c^*` itself). On the race's GCNN at N = 256 and
-    64 MiB this is two chunks of 128 at :math:`b` = 4 where the powers of two alone give four of 64:
-    1.5 N Jacobians against 2.5 N (``docs/performance.md``). Where that still leaves more than one
-    chunk on one device, one block of every sample is tried at the smaller batches
-    :math:`b^*/2, \dots, 1`, and the largest that fits is taken: N Jacobians, and in
-    :func:`vmcgrad.minsr_update` the kept Jacobian (no mean-Jacobian estimate, no pullback pass). A
-    smaller batch holds fewer samples' intermediates: on the race's GCNN at N = 256 (J = 64.6 MiB) the
-    update compiles to 137 MiB at :math:`b` = 16, 85 at 4 and 72 at 1, in the same time on a CPU. An
-    operator whose batch is already fixed, or a single chunk, is left as the powers of two chose.
+    Two knobs, searched apart, each the largest whose compiled program fits the budget: the chunk
+    :math:`c` sets how often column Jacobians are derived again, :math:`N + N(N - c)/2c`, and the
+    Jacobian batch :math:`b` how many samples' intermediates are held, and how many ops in sequence
+    the program runs (each batch of rows and each column block :math:`b` wide is one trip of the
+    model's derivative, whatever :math:`b`): fewer, larger batches and chunks both mean fewer ops.
+
+    1. One block of every sample (one device holding them all, and their Jacobian, :math:`NKP`
+       numbers, within the budget): the largest batch :math:`b` among the powers of two up to the
+       platform's part of the block (:func:`~vmcgrad._sr.ntk.modes.jacobian_batch`: N on an
+       accelerator, N/16 on a CPU) and that part itself. :func:`vmcgrad.minsr_update` then keeps
+       the Jacobian (N per-sample Jacobians, no mean-Jacobian estimate, no pullback pass).
+    2. Else the powers of two for :math:`c` at the platform's batch (:math:`b = c` on an
+       accelerator, the whole chunk at once; :math:`c/16` on a CPU); the largest that fits,
+       :math:`c^*`, fixes its batch :math:`b^*`. With :math:`b^*` held, a chunk's bytes grow only
+       by its rows' Jacobians, so fewer and larger chunks may still fit: the candidates
+       :math:`\lceil N_\text{local}/m \rceil` for :math:`m` = 1 to the count of :math:`c^*` are searched
+       at :math:`b^*`, and the largest that fits is taken (at worst :math:`c^*` itself).
+
+    An operator whose batch is already fixed is left at it, and searched over the powers of two only.
     """
-    chunk = auto_chunk(program, prob, op, *args)
-    plan = prob.at_chunk(chunk).plan
-    if plan.count == 1 or op.jacobian_batch is not None:
-        return chunk, (op, *args)
-    batch = jacobian_batch(plan.size)
-    fixed = dataclasses.replace(op, jacobian_batch=batch)
-    fewer = sorted({-(-prob.n_local // m) for m in range(1, plan.count + 1)})
-    chunk = auto_chunk(program, prob, fixed, *args, candidates=fewer)
-    if chunk < prob.n_local and prob.n_local == prob.n and batch > 1:
-        at = lambda b: (prob.n_local, (dataclasses.replace(op, jacobian_batch=b), *args))
-        smaller = [2**i for i in range(batch.bit_length() - 1)]  # 1, 2, ..., batch / 2
-        one_block = auto_knob(program, prob, (op, *args), smaller, at, name="one block's Jacobian batch")
+    if op.jacobian_batch is not None:
+        return auto_chunk(program, prob, op, *args), (op, *args)
+    budget = budget_or_default(prob.memory_budget)
+    if prob.n_local == prob.n and _jacobian_bytes(prob, op) <= budget:
+        at = lambda b: (prob.n, (dataclasses.replace(op, jacobian_batch=b), *args))
+        most = jacobian_batch(prob.n)  # the whole block, or the platform's part of it
+        batches = sorted({2**i for i in range(most.bit_length())} | {most})
+        one_block = auto_knob(program, prob, (op, *args), batches, at, name="one block's Jacobian batch")
         if one_block is not None:
             return at(one_block)
-    return chunk, (fixed, *args)
+    chunk = auto_chunk(program, prob, op, *args)  # b = c (on an accelerator): the chunk at once
+    plan = prob.at_chunk(chunk).plan
+    fixed = dataclasses.replace(op, jacobian_batch=jacobian_batch(plan.size))
+    if plan.count == 1:
+        return chunk, (fixed, *args)
+    fewer = sorted({-(-prob.n_local // m) for m in range(1, plan.count + 1)})
+    return auto_chunk(program, prob, fixed, *args, candidates=fewer), (fixed, *args)
+
+
+def _jacobian_bytes(prob: Problem, op: Any) -> int:
+    """Bytes of every sample's Jacobian, :math:`NKP` entries: what one block keeps."""
+    split = op.mode != "holomorphic"
+    p = sum(x.size * (2 if split and jnp.iscomplexobj(x) else 1) for x in jax.tree.leaves(op.params))
+    return prob.n * k_of(op.mode) * p * jnp.dtype(op.dtype).itemsize
 
 
 def row_chunk(prob: Problem) -> int:
@@ -130,7 +146,11 @@ def dense_chunk(
     theta = theta_of(mode, params)
     k = k_of(mode)
     c = jax.tree.leaves(x)[0].shape[0]
-    rows = jacobian(f, theta, x, mode, jacobian_batch(c, batch), shift)
+    b = jacobian_batch(c, batch)
+    # one traced function for the rows and the column blocks (the same shapes when b = c): its program
+    # is lowered once and called twice
+    derive = jax.jit(lambda t, s, xs: jacobian(f, t, xs, mode, b, s))
+    rows = derive(theta, shift, x)
     n_pad = jax.tree.leaves(all_x)[0].shape[0]
     blocks = n_pad // cols
     dtype = jax.tree.leaves(rows)[0].dtype
@@ -143,7 +163,7 @@ def dense_chunk(
     def block(i, out):
         def derived():
             xc = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, i * cols, cols), all_x)
-            col = jacobian(f, theta, xc, mode, shift=shift)  # at once: cols is a Jacobian batch
+            col = derive(theta, shift, xc)  # at once: cols is a Jacobian batch
             return contract(rows, col, k)
 
         # Block i's samples are rows o .. o + cols of this chunk when the rows' global indices there

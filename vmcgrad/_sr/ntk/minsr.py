@@ -39,12 +39,11 @@ from vmcgrad._problem.problem import Problem, call, problem
 from vmcgrad._problem.sharding import unsplit_explicit
 from vmcgrad._runner.primitive import map_reduce_problem
 from vmcgrad._runner.runner import REPLICATED
+from vmcgrad._sr.jacobian import components, flat_jacobian, gram
 from vmcgrad._sr.ntk import nystrom, routes
 from vmcgrad._sr.ntk.dense import dense_program, dense_solve
 from vmcgrad._sr.ntk.modes import (
     choose_ntk_mode,
-    components,
-    jacobian,
     jacobian_batch,
     k_of,
     mean_jacobian,
@@ -241,20 +240,6 @@ def _update_program(
     return run(op, e_loc, proj_reg, momentum, old_updates, cg_opts)
 
 
-def passes(op: NTKOperator) -> NTKOperator:
-    r"""``op`` with the chunk of its single jvp and vjp passes (:math:`\Delta J t`, :math:`\Delta
-    J^\dagger x`) on the dense routes: the chunk's Jacobian batch
-    (:func:`~vmcgrad._sr.ntk.modes.jacobian_batch`, the operator's own where the chunk choice fixed it).
-    A pass holds the model's intermediates for all of
-    its chunk's samples, the Jacobians for a batch of them: at the chunk's own size the pass, run once,
-    would bind the budget and shrink the chunk that sets how often the Jacobians are derived."""
-    prob = op.problem
-    if prob.chunk_size is None:  # unchunked: every pass over all samples at once
-        return op
-    batch = jacobian_batch(prob.plan.size, op.jacobian_batch)
-    return op._at(prob.at_chunk(batch))
-
-
 def _update(op: NTKOperator, e_loc, proj_reg, momentum, old_updates, how, cg_opts):
     route, solver, rank = how
     n, k, mode = op.problem.n, k_of(op.mode), op.mode
@@ -263,12 +248,11 @@ def _update(op: NTKOperator, e_loc, proj_reg, momentum, old_updates, how, cg_opt
     if route == "dense" and holds_every_row(op.problem):
         updates, info = _whole_jacobian(op, dv, proj_reg, momentum, old_updates, solver)
         return _with_momentum(updates, info, momentum, old_updates)
-    once = op if route == "cg" else passes(op)  # CG's passes are its iterations: at the chunk
     if momentum is not None and old_updates is not None:
-        dv = dv - momentum * once._j(old_updates) / sqrt_n
+        dv = dv - momentum * op._j(old_updates) / sqrt_n
     info = None
     if route == "parameter":
-        updates, info = _parameter_space(op, once, dv / sqrt_n, solver)
+        updates, info = _parameter_space(op, dv / sqrt_n, solver)
     else:
         dv = dv.reshape(-1)
         if route == "cg":
@@ -278,7 +262,7 @@ def _update(op: NTKOperator, e_loc, proj_reg, momentum, old_updates, how, cg_opt
             if proj_reg is not None:
                 a = a + proj_reg / n
             x, info = dense_solve(solver, a, dv)
-        updates = once._jdagger(x.reshape(n, k) / sqrt_n)  # (centred by _jdagger)
+        updates = op._jdagger(x.reshape(n, k) / sqrt_n)  # one vjp pass at the chunk (centred by _jdagger)
     return _with_momentum(updates, info, momentum, old_updates)
 
 
@@ -299,9 +283,7 @@ def jacobian_rows(fun, params, x, w, *, mode: str, batch: int | None) -> tuple[t
     """One chunk's per-sample Jacobians in the mode's flat parametrisation, ``(c, K, P)``, derived a
     Jacobian batch at a time (:func:`~vmcgrad._sr.ntk.modes.jacobian_batch`)."""
     f = rows_fun(fun, mode, params)
-    theta, unravel = ravel_pytree(theta_of(mode, params))
-    # differentiated at the flat θ, each batch's rows land in the output: no second copy of the rows
-    return (), jacobian(lambda t, x: f(unravel(t), x), theta, x, mode, jacobian_batch(w.shape[0], batch))
+    return (), flat_jacobian(f, theta_of(mode, params), x, mode, jacobian_batch(w.shape[0], batch))
 
 
 def _whole_jacobian(op: NTKOperator, dv: jax.Array, proj_reg, momentum, old_updates, solver):
@@ -317,7 +299,7 @@ def _whole_jacobian(op: NTKOperator, dv: jax.Array, proj_reg, momentum, old_upda
     chunk = partial(jacobian_rows, mode=mode, batch=op.jacobian_batch)
     _, j = map_reduce_problem(prob, op.inputs, chunk)
     j = unsplit_explicit(j)  # (on an Explicit mesh of one device: its rows are all of them)
-    j = _centred_in_place(j).reshape(n * k, -1)  # ΔJ, exactly centred
+    j = _centred_in_place(j.reshape(n, -1)).reshape(n * k, -1)  # ΔJ, exactly centred
     theta, unravel = ravel_pytree(theta_of(mode, op.params))
     if momentum is not None and old_updates is not None:
         old = ravel_pytree(theta_of(mode, old_updates))[0].astype(j.dtype)
@@ -330,14 +312,31 @@ def _whole_jacobian(op: NTKOperator, dv: jax.Array, proj_reg, momentum, old_upda
     return params_of(mode, unravel(delta.astype(theta.dtype)), op.params), info
 
 
+#: Blocks of rows :func:`_centred_in_place` centres one after another (at most).
+CENTRING_BLOCKS = 8
+
+
 def _centred_in_place(j: jax.Array) -> jax.Array:
-    """``j - mean(j, axis=0)``, a row at a time in a loop whose carry is ``j``: XLA writes the rows
-    into ``j``'s own buffer. As one expression it fuses the mean into the subtraction and writes a
-    second copy of the rows (the race's GCNN at N = 256, Jacobian batch 4, J = 64.6 MiB: the update
-    compiles to 129 MiB, against 85 MiB this way)."""
+    """``j - mean(j, axis=0)`` written into ``j``'s own buffer, in at most :data:`CENTRING_BLOCKS`
+    blocks of rows: a loop whose carry is ``j``, each trip one fused subtraction of a block (updated in
+    place), then the rows left over. As one expression XLA fuses the mean into the subtraction (or the
+    subtraction into the products that read ``ΔJ``, keeping ``j`` alive), which writes a second copy
+    of the rows; an optimisation barrier does not stop it on the CPU, whose compiler drops barriers.
+    The block's own copy is the most held besides ``j``: at most ``1/CENTRING_BLOCKS`` of it."""
     mean = jnp.mean(j, axis=0)
-    row = lambda i, j: jax.lax.dynamic_update_index_in_dim(j, j[i] - mean, i, 0)
-    return jax.lax.fori_loop(0, j.shape[0], row, j)
+    rows = j.shape[0]
+    size = -(-rows // CENTRING_BLOCKS)
+    full = rows // size
+
+    def block(i, j):
+        start = i * size
+        part = jax.lax.dynamic_slice_in_dim(j, start, size) - mean
+        return jax.lax.dynamic_update_slice_in_dim(j, part, start, 0)
+
+    j = jax.lax.fori_loop(0, full, block, j)
+    if full * size < rows:  # the rows left over: fewer than a block
+        j = j.at[full * size :].add(-mean)
+    return j
 
 
 def _cg(op: NTKOperator, dv: jax.Array, proj_reg, rank: int, cg_opts):
@@ -355,32 +354,30 @@ def _cg(op: NTKOperator, dv: jax.Array, proj_reg, rank: int, cg_opts):
 def gram_chunk(fun, params, x, w, shift, *, mode: str) -> tuple[tuple, tuple]:
     r"""One chunk's :math:`\sum_i w_i \tilde J_i^\dagger \tilde J_i` (``(P, P)``) and
     :math:`\sum_i w_i \tilde J_i` (``(K, P)``), with :math:`\tilde J = J - s` in the mode's flat
-    parametrisation."""
+    parametrisation (:func:`vmcgrad._sr.jacobian.gram`, the dense QGT's too)."""
     f = rows_fun(fun, mode, params)
-    c, k = w.shape[0], k_of(mode)
-    rows = jacobian(f, theta_of(mode, params), x, mode, jacobian_batch(c), shift)
-    flat = jnp.concatenate([r.reshape(c, k, -1) for r in jax.tree.leaves(rows)], axis=-1)
-    flat = flat * w.astype(jnp.finfo(flat.dtype).dtype)[:, None, None]
-    mat = flat.reshape(c * k, -1)
-    return (jnp.conj(mat).T @ mat, jnp.sum(flat, axis=0)), ()
+    rows = flat_jacobian(f, theta_of(mode, params), x, mode, jacobian_batch(w.shape[0]), shift)
+    return gram(rows, w), ()
 
 
-def _parameter_space(op: NTKOperator, once: NTKOperator, x: jax.Array, solver: Any) -> tuple[Any, Any]:
+def _parameter_space(op: NTKOperator, x: jax.Array, solver: Any) -> tuple[Any, Any]:
     r""":math:`(S + \lambda)^{-1}\Delta J^\dagger x` for ``x`` of shape ``(N, K)``, parameter-shaped: the
     matrix :math:`S` in one pass (each row chunk's Jacobian once), :math:`\Delta J^\dagger x` in one
-    vjp pass (``once``: :func:`passes`), a dense solve of side P."""
+    vjp pass at the chunk, a dense solve of side P."""
     prob, mode = op.problem, op.mode
     n = prob.n
     f = rows_fun(op._fun(), mode, op.params)
     theta = theta_of(mode, op.params)
     cols = min(prob.plan.size, n)
     shift = mean_jacobian(f, theta, unsplit_explicit(op.samples), n, mode, cols)
+    k = k_of(mode)
+    shift = jnp.concatenate([s.reshape(k, -1) for s in jax.tree.leaves(shift)], axis=-1)  # flat, (K, P)
     (gram, total), _ = map_reduce_problem(
         prob, op.inputs, partial(gram_chunk, mode=mode), (shift, REPLICATED)
     )
     mean = total / n
     s = gram / n - jnp.conj(mean).T @ mean
     s = s + op.diag_shift * jnp.eye(s.shape[0], dtype=s.dtype)
-    rhs, unravel = ravel_pytree(theta_of(mode, once._jdagger(x)))
+    rhs, unravel = ravel_pytree(theta_of(mode, op._jdagger(x)))
     delta, info = dense_solve(solver, s.astype(rhs.dtype), rhs)
     return params_of(mode, unravel(delta.astype(rhs.dtype)), op.params), info

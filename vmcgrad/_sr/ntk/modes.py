@@ -9,8 +9,9 @@ respect to which parametrisation :math:`\tilde\theta`:
   split into (re, im);
 * 'holomorphic': :math:`K = 1` complex row, :math:`\log\psi` of the complex parameters themselves.
 
-:func:`components` is that map from a per-sample output to its K components, written once: the
-kernel's rows, the product :math:`\Delta J t` and the right-hand side of the update all use it.
+:func:`vmcgrad._sr.jacobian.components` is that map from a per-sample output to its K components,
+written once: the kernel's rows, the product :math:`\Delta J t` and the right-hand side of the update
+all use it (and the QGT's dense matrix, in the shared base).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from vmcgrad._chunks.plan import cast_like
+from vmcgrad._hlo.platform import resolve_platform
+from vmcgrad._sr.jacobian import components
 from vmcgrad._sr.modes import MODES, from_rep, is_complex, to_rep
 
 #: Samples in NetKet's mean-Jacobian estimate (``srt_onthefly``'s ``n_subset``).
@@ -59,15 +62,6 @@ def k_of(mode: str) -> int:
     return 2 if mode == "complex" else 1
 
 
-def components(mode: str, y: jax.Array) -> jax.Array:
-    """A per-sample output ``(N,)`` as the mode's ``(N, K)`` components (the one mode -> components map)."""
-    if mode == "complex":
-        return jnp.stack([jnp.real(y), jnp.imag(y)], axis=-1)
-    if mode == "real":
-        return jnp.real(y)[:, None]
-    return y[:, None]
-
-
 def vector_dtype(mode: str, params: Any) -> Any:
     """The kernel's dtype: complex in 'holomorphic' mode, else the real dtype of the parameters."""
     dtype = jnp.result_type(*jax.tree.leaves(params))
@@ -90,42 +84,41 @@ def rows_fun(fun: Callable, mode: str, params: Any) -> Callable:
     return lambda theta, x: components(mode, fun(params_of(mode, theta, params), x))
 
 
-#: Rows of a chunk whose Jacobians are derived at once: 1/JACOBIAN_SPLIT of the chunk, at least
-#: :data:`JACOBIAN_BATCH_MIN` (see :func:`jacobian_batch`).
-JACOBIAN_SPLIT = 16
-JACOBIAN_BATCH_MIN = 1
+#: Parts a chunk's per-sample Jacobians are derived in where nothing fixed the batch, or None for the
+#: platform's (:func:`jacobian_split`). A setting for benchmarks and for modelling one platform's
+#: program on another (``benchmarks/step_regime.py``'s ``@SPLIT``), read when a program is traced.
+JACOBIAN_SPLIT: int | None = None
+
+#: The parts of :func:`jacobian_split` per platform: on a CPU a chunk's Jacobians a sixteenth at a time
+#: are the fastest (the model's intermediates of a few samples stay in its caches); on a GPU or a TPU
+#: each batch is a sequence of ops of a fixed cost whatever its size, so the whole chunk at once is.
+PLATFORM_SPLIT = {"cpu": 16}
+
+
+def jacobian_split() -> int:
+    """The parts a chunk's Jacobians are derived in: :data:`JACOBIAN_SPLIT`, else the platform's the
+    choices are made for (:func:`vmcgrad._hlo.platform.resolve_platform`: the devices' own, or
+    :func:`vmcgrad.cost_platform`'s; :data:`PLATFORM_SPLIT`, 1 — the whole chunk — on an
+    accelerator)."""
+    if JACOBIAN_SPLIT is not None:
+        return JACOBIAN_SPLIT
+    return PLATFORM_SPLIT.get(resolve_platform().name, 1)
 
 
 def jacobian_batch(rows: int, fixed: int | None = None) -> int:
-    """Samples whose Jacobians a chunk of ``rows`` derives at once: ``max(1, rows // 16)``, or
-    ``fixed`` (at most ``rows``) where the chunk choice set it (:func:`vmcgrad._sr.ntk.dense.choose_dense`).
+    """Samples whose Jacobians a chunk of ``rows`` derives at once: ``fixed`` (at most ``rows``) where
+    the chunk choice set it (:func:`vmcgrad._sr.ntk.dense.choose_dense`, the largest batch whose
+    program fits the budget), else ``rows / jacobian_split()``, at least 1: the whole chunk on an
+    accelerator.
 
     A per-sample Jacobian's intermediates (a reverse pass per output component) can outweigh the
-    Jacobian itself many times (NetKet's GCNN on 6×6: about 10×), so deriving them a sixteenth at a
-    time keeps a chunk's memory near that of its stored Jacobians, and a budget buys larger chunks:
-    fewer recomputed Jacobians in the dense kernel. On that GCNN at N = 256 a chunk of 128 compiles to
-    34.0 MiB in sixteenths against 44.5 MiB in eighths, in the same time (``docs/performance.md``).
+    Jacobian itself many times, so under a budget a smaller batch buys larger chunks; but each batch
+    is one trip of the model's derivative, a sequence of ops whose count does not depend on its size,
+    so on an accelerator, with the memory to spare, the whole chunk at once runs the fewest.
     """
     if fixed is not None:
         return min(rows, fixed)
-    return min(rows, max(JACOBIAN_BATCH_MIN, rows // JACOBIAN_SPLIT))
-
-
-def jacobian(f: Callable, theta: Any, x: Any, mode: str, batch: int | None = None, shift: Any = None) -> Any:
-    """Per-sample Jacobians of ``f``: leaves of shape ``(rows, K, *leaf)`` (vmap of one-sample jacrev),
-    ``batch`` rows at a time (``lax.map``; None: all at once), so that the model's intermediates are
-    held for ``batch`` samples only, next to the Jacobians of all ``rows``; less ``shift`` (leaves
-    ``(K, *leaf)``), taken per batch so that no second copy of the rows is made."""
-
-    def one(xi):
-        row = lambda t: f(t, jax.tree.map(lambda a: a[None], xi))[0]
-        j = jax.jacrev(row, holomorphic=mode == "holomorphic")(theta)
-        return j if shift is None else jax.tree.map(jnp.subtract, j, shift)
-
-    rows = jax.tree.leaves(x)[0].shape[0]
-    if batch is None or batch >= rows:
-        return jax.vmap(one)(x)
-    return jax.lax.map(one, x, batch_size=batch)
+    return min(rows, max(1, rows // jacobian_split()))
 
 
 def contract(a: Any, b: Any, k: int) -> jax.Array:

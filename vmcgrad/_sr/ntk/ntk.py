@@ -47,14 +47,10 @@ from vmcgrad._problem import validation as check
 from vmcgrad._problem.problem import Problem, call, problem
 from vmcgrad._runner.primitive import map_reduce_problem
 from vmcgrad._sr.base import AbstractOperator
+from vmcgrad._sr.jacobian import components
 from vmcgrad._sr.modes import is_complex
 from vmcgrad._sr.ntk.dense import choose_dense, dense_program, dense_solve
-from vmcgrad._sr.ntk.modes import (
-    choose_ntk_mode,
-    components,
-    k_of,
-    vector_dtype,
-)
+from vmcgrad._sr.ntk.modes import choose_ntk_mode, k_of, vector_dtype
 from vmcgrad._sr.solve import CGInfo, differentiable_cg
 
 _NAME = "vmcgrad.NTK"
@@ -76,7 +72,7 @@ class NTKOperator(AbstractOperator):
     _builder = _NAME
     _described = ("jacobian_batch",)
 
-    #: Samples whose Jacobians the dense kernel derives at once, or None for a sixteenth of the chunk
+    #: Samples whose Jacobians the dense kernel derives at once, or None for the whole chunk
     #: (:func:`~vmcgrad._sr.ntk.modes.jacobian_batch`). Static; ``chunk_size="auto"`` sets it
     #: (:func:`~vmcgrad._sr.ntk.dense.choose_dense`).
     jacobian_batch: int | None = dataclasses.field(default=None, metadata={"static": True})

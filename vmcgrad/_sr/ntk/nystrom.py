@@ -47,7 +47,8 @@ import jax.numpy as jnp
 from vmcgrad._problem.sharding import unsplit_explicit
 from vmcgrad._runner.primitive import map_reduce_problem
 from vmcgrad._runner.runner import REPLICATED
-from vmcgrad._sr.ntk.modes import contract, jacobian, jacobian_batch, k_of, mean_jacobian, rows_fun, theta_of
+from vmcgrad._sr.jacobian import jacobian
+from vmcgrad._sr.ntk.modes import contract, jacobian_batch, k_of, mean_jacobian, rows_fun, theta_of
 
 #: Fraction of the memory budget the preconditioner's own arrays may take (the rest: the CG passes).
 BUDGET_FRACTION = 0.5

@@ -21,8 +21,8 @@ covered).
   :math:`\mathrm{Re}\,O^\dagger w`). As :math:`\sum_i w_i \Delta O_i = 0`,
   :math:`O^\dagger \Delta w = \Delta O^\dagger \Delta O v`.
 - :func:`product_jvp_vjp_chunk`: the same sums by a jvp, then the pullback of a second forward pass.
-- :func:`jacobian_chunk`: per chunk, the chunk's rows of :math:`\Delta O` (one vmapped per-sample
-  pullback) reduced to the diagonal :math:`\sum_i |\Delta O_{ik}|^2` or the full
+- :func:`jacobian_chunk`: per chunk, the chunk's rows of :math:`\Delta O` (the shared per-sample
+  Jacobian, :mod:`vmcgrad._sr.jacobian`) reduced to the diagonal :math:`\sum_i |\Delta O_{ik}|^2` or the full
   :math:`\Delta O^\dagger \Delta O` (for ``to_dense``).
 - :func:`linearize_chunk` / :func:`kept_product_chunk`: every chunk's linearisation kept (a per-chunk
   output of the primitive: one slot per chunk, nothing reduced), and :func:`product_chunk`'s sums
@@ -41,6 +41,7 @@ from jax.flatten_util import ravel_pytree
 
 from vmcgrad._chunks.plan import cast_like, promote
 from vmcgrad._runner.primitive import Pullback
+from vmcgrad._sr.jacobian import components, flat_jacobian, gram
 from vmcgrad._sr.modes import from_rep, to_rep
 
 
@@ -147,36 +148,22 @@ def product_jvp_vjp_chunk(fun, params, x, w, obar, v, *, mode: str) -> tuple[Pul
     return Pullback(lambda p: (g(p, x2), dw), theta), ()
 
 
-def jacobian_rows(g: Callable, theta: Any, x: Any, out_dtype) -> jax.Array:
-    """The chunk's Jacobian as a ``(chunk, D)`` matrix of flat representation rows."""
-    two = split_imag(theta, out_dtype)
-
-    def row(xi):
-        batch = jax.tree.map(lambda a: a[None], xi)
-        out, f_vjp = jax.vjp(lambda p: g(p, batch), theta)
-        one = jnp.ones_like(out)
-        (re,) = f_vjp(one)
-        flat_re = ravel_pytree(re)[0]
-        if not two:
-            return flat_re
-        (im,) = f_vjp(-1j * one)
-        return jax.lax.complex(flat_re, ravel_pytree(im)[0])
-
-    return jax.vmap(row)(x)
-
-
 def jacobian_chunk(fun, params, x, w, obar, *, mode: str, out_dtype, dense: bool) -> tuple[jax.Array, tuple]:
     r"""One chunk's :math:`\sum_i w_i |\Delta O_{ik}|^2` (``dense=False``, shape ``(D,)``) or
     :math:`\sum_i w_i \Delta O_i^\dagger \Delta O_i` (``dense=True``, ``(D, D)``; its real part
-    for a real :math:`\tilde\theta`)."""
+    for a real :math:`\tilde\theta`), from the chunk's per-sample Jacobians (the shared
+    :func:`vmcgrad._sr.jacobian.flat_jacobian` and :func:`~vmcgrad._sr.jacobian.gram`, MinSR's too):
+    over a real :math:`\tilde\theta` a complex :math:`O` is taken as its two real rows
+    :math:`(\mathrm{Re}\,O, \mathrm{Im}\,O)`, whose sum is :math:`\mathrm{Re}(\Delta O^\dagger\Delta O)`."""
     g, theta = _on_rep(fun, params, mode)
+    parts = "complex" if split_imag(theta, out_dtype) else ("real" if _real_theta(theta) else "holomorphic")
     obar_flat = ravel_pytree(obar)[0]
-    real = jnp.finfo(obar_flat.dtype).dtype
-    rows = (jacobian_rows(g, theta, x, out_dtype) - obar_flat) * w.astype(real)[:, None]
-    if not dense:
-        return jnp.sum((rows * rows.conj()).real, axis=0), ()
-    s = rows.conj().T @ rows
-    return (s.real if _real_theta(theta) else s), ()
+    shift = components(parts, obar_flat).T  # (K, D), as the rows
+    rows = flat_jacobian(lambda t, x: components(parts, g(t, x)), theta, x, parts, shift=shift)
+    if dense:
+        return gram(rows, w)[0], ()
+    real = jnp.finfo(rows.dtype).dtype
+    return jnp.einsum("c,ckd->d", w.astype(real), (rows * rows.conj()).real), ()
 
 
 def linearize_chunk(fun, params, x, w, *, mode: str) -> tuple[tuple, tuple, Any]:
