@@ -201,7 +201,7 @@ class Kernels:
             return jax.jit(lambda w, x, e: vmcgrad.expect_grad(logpsi, w, x, e, chunk_size=chunk)).lower(
                 w, samples, e
             )
-        from benchlib._setup import netket_grad
+        from benchlib import netket_grad
 
         return jax.jit(lambda w, x, e: netket_grad(apply, w, ms, x, e, chunk)).lower(w, samples, e)
 
@@ -251,7 +251,7 @@ def label(row) -> str:
     return f"{who} {row['kind']}, N={row['N']}, {chunk}"
 
 
-def table(results) -> str:
+def markdown_table(results) -> str:
     """One markdown table: each comparison's two programs, the ratios on vmcgrad's line."""
     head = ["program", "ops", "GFLOP", "temp MiB", "cpu ms", "gpu ms", "tpu ms", "ratio cpu/gpu/tpu"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -304,7 +304,7 @@ def main(argv=None):
         ratio = {p: pair["vmcgrad"][f"{p}_ms"] / pair["netket"][f"{p}_ms"] for p in PLATFORM_NAMES}
         results.append({"key": key, "label": text, **pair, "ratio": ratio})
         emit({"row": "comparison", "key": key, "label": text, "ratio": ratio})
-    md = table(results)
+    md = markdown_table(results)
     print(md)
     if args.markdown:
         command = "python benchmarks/accelerator_cost.py " + " ".join(map(shlex.quote, sys.argv[1:]))

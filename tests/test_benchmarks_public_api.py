@@ -30,13 +30,17 @@ ALLOWED = {
 #: with a preconditioner (``_sr.solve``): the internals it measures, not public API.
 ALLOWED["bench_minsr_routes.py"] = {
     "vmcgrad._sr",
+    "vmcgrad._sr.ntk",
+    "vmcgrad._sr.jacobian",
     "vmcgrad._problem",
     "vmcgrad._chunks.budget",
     "vmcgrad._sr.solve",
 }
 #: The step-regime probe sets how many parts a chunk's Jacobians are derived in (``_sr.ntk.modes``, as
 #: the routes benchmark toggles them) and so empties vmcgrad's chunk memos (``_cache.registry``).
-ALLOWED["step_regime.py"] = {"vmcgrad._sr", "vmcgrad._cache"}
+ALLOWED["step_regime.py"] = {"vmcgrad._sr", "vmcgrad._sr.ntk", "vmcgrad._cache"}
+#: The calibration prints the cost model's constants beside the ones it measured (``PLATFORMS``).
+ALLOWED["calibrate_op_cost.py"] = {"vmcgrad._hlo.cost"}
 #: The harness's log-amplitude of a model is vmcgrad.netket's own (one definition: its apply functions
 #: de-duplicated so that each model compiles once), which the package does not export.
 ALLOWED["_setup.py"] = {"vmcgrad.netket._expect_grad"}

@@ -87,7 +87,9 @@ def test_few_samples_auto_chunk_and_a_stale_lock_in_a_real_run(tmp_path):
         stdout,
     )
     assert picked, stdout
+    solve = re.search(r"each solve keeps every chunk's linearisation, at chunk (\d+)", stdout)
     chunks = {"gradient": int(picked.group(1)), "qgt": int(picked.group(2))}
+    chunks["qgt_solve"] = int(solve.group(1)) if solve else None  # the kept solve's chunk, as printed
     assert log["info"]["chunk_size"] == chunks and log["info"]["qgt_design"] == picked.group(3)
     per_device = 32 // N_DEVICES
     assert all(c & (c - 1) == 0 and 1 <= c <= per_device for c in chunks.values()), chunks

@@ -24,6 +24,7 @@ from ._io import write_json as write_json
 from ._scripts import rows_for_device_counts as rows_for_device_counts
 from ._setup import init_model as init_model
 from ._setup import log_psi as log_psi
+from ._setup import netket_grad as netket_grad
 from ._setup import place as place
 from ._table import Column as Column
 from ._table import table as table
