@@ -8,13 +8,12 @@ matrix and against a closed form.
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import run_vmcgrad
 
 from vmcgrad.cli import _systems, main
 
@@ -228,25 +227,8 @@ def test_the_docs_example_trains_through_the_command_line(tmp_path):
     out = tmp_path / "run"
     args = ["--system", f"{EXAMPLE}:system", "--model", f"{EXAMPLE}:model", "--steps", "20"]
     args += ["--samples", "256", "--devices", str(int(os.environ.get("VMCGRAD_TEST_DEVICES", "4")))]
-    env = dict(os.environ)
-    env.pop("NETKET_EXPERIMENTAL_SHARDING_CPU", None)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vmcgrad", "vmc", *args, "--out", str(out)],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail("the example did not finish within 180 s")
-    assert proc.returncode == 0, stderr[-4000:]
+    code, stdout, stderr = run_vmcgrad(["vmc", *args, "--out", str(out)], tmp_path, timeout=180)
+    assert code == 0, stderr[-4000:]
     log = json.loads((out / "log.json").read_text())
     energies = log["energy_mean"]
     assert len(energies) == 20 and all(np.isfinite(energies))

@@ -9,6 +9,8 @@ and equality in one test: every program here is small, the cost is compilation);
 the complex on-the-fly driver, ``chunk_size_bwd="auto"`` and the matrix-free CG driver.
 """
 
+import warnings
+
 import jax
 import numpy as np
 import optax
@@ -20,6 +22,7 @@ with jax.set_mesh(None):
     import netket as nk
     from netket._src.driver import vmc_sr as nk_vmc_sr
 
+    import vmcgrad
     import vmcgrad.netket as vnk
 
 N_DEV = jax.device_count()
@@ -239,3 +242,18 @@ def test_a_budget_alone_chooses_every_chunk_within_it():
         )[0]
 
     assert vmcgrad.program_bytes(jax.jit(update).lower(vs.parameters, x, e).compile()) <= budget
+
+
+def test_netkets_own_step_is_said_once():
+    """``use_ntk=False`` runs NetKet's own P×P step: one VmcgradWarning per process (the package's
+    one once-only mechanism, ``_netket_chunked.warn_once``), however many steps run."""
+    from vmcgrad.netket import _netket_chunked
+
+    H, _, ours = _states(np.float64)
+    drv = vnk.VMC_SR(H, optax.sgd(0.02), diag_shift=1e-2, variational_state=ours, use_ntk=False)
+    _netket_chunked._warned.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        drv.run(3, out=None, show_progress=False)
+    said = [w for w in caught if "runs NetKet's own parameter-space SR step" in str(w.message)]
+    assert len(said) == 1 and issubclass(said[0].category, vmcgrad.VmcgradWarning), said

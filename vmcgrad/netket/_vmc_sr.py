@@ -30,7 +30,6 @@ driver warns once that this step is NetKet's.
 from __future__ import annotations
 
 import time
-import warnings
 from functools import partial
 from typing import Any
 
@@ -41,12 +40,12 @@ from netket.utils import struct, timing
 import vmcgrad
 from vmcgrad._problem import validation as check
 from vmcgrad._sr.ntk import minsr, routes
-from vmcgrad._warnings import VmcgradWarning
 
 from . import _driver_state
 from . import _nk_private as nkp
 from ._expect_grad import log_psi
 from ._grow import GrowSamples
+from ._netket_chunked import warn_once
 
 NAME = "vmcgrad.netket.VMC_SR"
 
@@ -442,16 +441,11 @@ def _route(
     )
 
 
-_WARNED: list[bool] = []
-
-
 def _warn_netket_step() -> None:
-    if not _WARNED:
-        _WARNED.append(True)
-        warnings.warn(
-            f"{NAME}(use_ntk=False) runs NetKet's own parameter-space SR step (a P×P matrix). For "
-            "vmcgrad's chunked parameter-space SR use nk.driver.VMC with "
-            "nk.optimizer.SR(qgt=vmcgrad.netket.QGTOnTheFly).",
-            VmcgradWarning,
-            stacklevel=3,
-        )
+    warn_once(
+        (NAME, "use_ntk=False"),
+        f"{NAME}(use_ntk=False) runs NetKet's own parameter-space SR step (a P×P matrix). For "
+        "vmcgrad's chunked parameter-space SR use nk.driver.VMC with "
+        "nk.optimizer.SR(qgt=vmcgrad.netket.QGTOnTheFly).",
+        stacklevel=3,
+    )
