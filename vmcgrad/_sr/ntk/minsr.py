@@ -52,7 +52,7 @@ from vmcgrad._sr.ntk.modes import (
     theta_of,
     vector_dtype,
 )
-from vmcgrad._sr.ntk.ntk import NTKOperator, _check_solver, _product
+from vmcgrad._sr.ntk.ntk import NTKOperator, check_solver, kernel_product
 from vmcgrad._sr.ntk.routes import system_sizes
 from vmcgrad._sr.solve import cg
 
@@ -184,7 +184,7 @@ def _prepared(logpsi: Any, params: Any, samples: Any, local_energies: Any, optio
             check.check_tangent(name, old_updates, inputs.params)
     else:
         old_updates = None
-    solver = _check_solver(name, o["solver"])
+    solver = check_solver(name, o["solver"])
     route = routes.check_route(name, o["route"], solver)
     rank = _check_rank(name, o["nystrom_rank"], "cg", mode, prob, inputs.params)
     tol, atol = check.check_tolerances(name, o["tol"], 0.0)
@@ -343,9 +343,9 @@ def _cg(op: NTKOperator, dv: jax.Array, proj_reg, rank: int, cg_opts):
     tol, atol, maxiter = cg_opts
     n = op.problem.n
     if proj_reg is None:
-        apply = partial(_product, op)
+        apply = partial(kernel_product, op)
     else:
-        apply = lambda v: _product(op, v) + proj_reg / n * jnp.sum(v)
+        apply = lambda v: kernel_product(op, v) + proj_reg / n * jnp.sum(v)
     cols = min(op.problem.plan.size, n)
     precondition = nystrom.build(op, rank, cols) if rank > 0 else None
     return cg(apply, dv, None, tol=tol, atol=atol, maxiter=maxiter, M=precondition)

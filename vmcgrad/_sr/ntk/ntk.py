@@ -136,7 +136,7 @@ class NTKOperator(AbstractOperator):
         """
         where = f"{_NAME}.solve"
         b = self._vector("b", b)
-        solver = _check_solver(where, solver)
+        solver = check_solver(where, solver)
         if solver == "cg":
             x0 = None if x0 is None else self._vector("x0", x0)
             tol, atol = check.check_tolerances(where, tol, atol)
@@ -196,7 +196,9 @@ class NTKOperator(AbstractOperator):
         return (y.reshape(-1) + self.diag_shift * v).astype(v.dtype)
 
 
-def _check_solver(where: str, solver: Any) -> Any:
+def check_solver(where: str, solver: Any) -> Any:
+    """``solver`` checked before anything is traced: None (Cholesky), a NetKet-style ``solver(A, b)``
+    or ``"cg"`` (matrix-free); a TypeError in ``where``'s words otherwise."""
     if solver is None or callable(solver) or (isinstance(solver, str) and solver == "cg"):
         return solver
     raise TypeError(
@@ -289,11 +291,11 @@ def _dense_solve_program(prob: Problem, op: NTKOperator, b: jax.Array, solver: A
 @partial(jax.jit, static_argnums=0)
 def _cg_program(prob: Problem, op: NTKOperator, b, x0, tol, atol, maxiter) -> tuple[jax.Array, CGInfo]:
     op = op._at(prob)
-    return differentiable_cg(partial(_product, op), b, x0, tol=tol, atol=atol, maxiter=maxiter)
+    return differentiable_cg(partial(kernel_product, op), b, x0, tol=tol, atol=atol, maxiter=maxiter)
 
 
 @jax.jit
-def _product(op: NTKOperator, v: jax.Array) -> jax.Array:
+def kernel_product(op: NTKOperator, v: jax.Array) -> jax.Array:
     """``op._apply(v)`` as a function of its own, which JAX traces once per operand shapes: CG's trace
     calls it three times (its loop, ``x0``'s residual, the final residual check), each two passes
     (tests/test_ntk.py::test_cg_solve_traces_the_product_once)."""
