@@ -95,3 +95,11 @@ def test_a_state_dict_of_another_model_is_refused_by_name():
         _driver().load_state_dict(saved)
     with pytest.raises(ValueError, match="lacks 'optimizer_state'"):
         _driver().load_state_dict({"step_count": 0, "grow": {}})
+    driver = _driver()  # the parameters' structure, each array of another shape
+    saved = _to_host(driver.state_dict())
+    wrong = lambda x: np.zeros((*x.shape, 2), x.dtype)
+    saved["old_updates"] = jax.tree.map(wrong, _to_host(driver.state.parameters))
+    with pytest.raises(
+        ValueError, match=r"its 'old_updates' does not fit .*: an array of .* where the target"
+    ):
+        driver.load_state_dict(saved)

@@ -249,27 +249,12 @@ def restore(driver, snap: dict, path: Path):
 
 
 def _fitted(target, saved: Any, what: str, path: Path):
-    """``saved`` (a state dict of host arrays) as a pytree shaped, typed and sharded like ``target``."""
-    import jax
-    import numpy as np
-    from flax import serialization
+    """``saved`` (a state dict of host arrays) as a pytree shaped, typed and sharded like ``target``
+    (:func:`vmcgrad.netket._driver_state.placed_like`); a CheckpointError naming the file otherwise."""
+    # deferred: `vmcgrad vmc --help` imports no JAX or NetKet (tests/test_package.py)
+    from vmcgrad.netket._driver_state import placed_like
 
     try:
-        tree = serialization.from_state_dict(target, saved)
-    except (ValueError, KeyError, TypeError) as error:
+        return placed_like(target, saved)
+    except ValueError as error:
         raise CheckpointError(f"{path}: its {what} do not fit this run's model ({error})") from None
-    flat_target, treedef = jax.tree_util.tree_flatten(target)
-    flat_saved = treedef.flatten_up_to(tree)
-    out = []
-    for t, s in zip(flat_target, flat_saved):
-        if not isinstance(t, jax.Array):
-            out.append(s)
-            continue
-        s = np.asarray(s)
-        if s.shape != t.shape or s.dtype != t.dtype:
-            raise CheckpointError(
-                f"{path}: its {what} do not fit this run's model (an array of {s.dtype}{list(s.shape)} where "
-                f"this model has {t.dtype}{list(t.shape)})"
-            )
-        out.append(jax.make_array_from_callback(t.shape, t.sharding, lambda index, s=s: s[index]))
-    return jax.tree_util.tree_unflatten(treedef, out)

@@ -57,16 +57,27 @@ def load_state_dict(driver: Any, state: dict) -> None:
 
 
 def _placed_like(target: Any, saved: Any, name: str) -> Any:
-    """``saved`` (a state dict of host or device arrays) as a pytree shaped, typed and sharded like
-    ``target``; a ValueError naming ``name`` when it does not fit."""
+    """:func:`placed_like` for :meth:`VMC_SR.load_state_dict`: a misfit named as its ``name`` entry."""
+    try:
+        return placed_like(target, saved)
+    except ValueError as error:
+        raise ValueError(
+            f"{NAME}.load_state_dict: its {name!r} does not fit this driver's: {error}"
+        ) from None
+
+
+def placed_like(target: Any, saved: Any) -> Any:
+    """``saved`` (a flax state dict of host or device arrays) as a pytree shaped, typed and sharded like
+    ``target`` (each array placed with ``target``'s sharding); a ValueError saying what does not fit
+    (another model or optimizer). The one restore of saved arrays: this driver's state and the
+    command line's checkpoints (:mod:`vmcgrad.cli._checkpoint`)."""
     import numpy as np
     from flax import serialization
 
-    where = f"{NAME}.load_state_dict: its {name!r}"
     try:
         tree = serialization.from_state_dict(target, saved)
     except (ValueError, KeyError, TypeError) as error:
-        raise ValueError(f"{where} does not fit this driver's ({error})") from None
+        raise ValueError(f"its structure differs ({error})") from None
     flat_target, treedef = jax.tree_util.tree_flatten(target)
     out = []
     for t, s in zip(flat_target, treedef.flatten_up_to(tree)):
@@ -76,8 +87,7 @@ def _placed_like(target: Any, saved: Any, name: str) -> Any:
         s = np.asarray(s)
         if s.shape != t.shape or s.dtype != t.dtype:
             raise ValueError(
-                f"{where} does not fit this driver's: an array of {s.dtype}{list(s.shape)} where this "
-                f"driver has {t.dtype}{list(t.shape)} (another model or optimizer)"
+                f"an array of {s.dtype}{list(s.shape)} where the target has {t.dtype}{list(t.shape)}"
             )
         out.append(jax.make_array_from_callback(t.shape, t.sharding, lambda index, s=s: s[index]))
     return jax.tree_util.tree_unflatten(treedef, out)
