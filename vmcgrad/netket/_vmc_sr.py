@@ -382,8 +382,8 @@ class VMC_SR(nk.driver.VMC_SR):
             log_dict["n_samples"] = self._n_sampled  # this step's N (the next one may be raised)
 
 
-@partial(jax.jit, static_argnames=("apply_fun", "mode", "solver", "route", "chunk_size", "memory_budget"))
-def _update(
+def _minsr(
+    fun,
     model_state,
     params,
     samples,
@@ -396,49 +396,34 @@ def _update(
     apply_fun,
     **static,
 ):
+    """``fun`` (:func:`vmcgrad.minsr_update` or its route, :func:`minsr.update_route`) on the
+    driver's arguments (:meth:`VMC_SR._update_arguments`)."""
+    return fun(
+        log_psi(apply_fun, model_state),
+        params,
+        samples,
+        local_energies,
+        diag_shift=diag_shift,
+        proj_reg=proj_reg,
+        momentum=momentum,
+        old_updates=old_updates,
+        **static,
+    )
+
+
+@partial(jax.jit, static_argnames=("apply_fun", "mode", "solver", "route", "chunk_size", "memory_budget"))
+def _update(*args, **static):
     """:func:`vmcgrad.minsr_update` as the driver runs it, traced: each step and the check of a raised
     N (:meth:`VMC_SR._update_fits`, which lowers this at the new N) reach ``chunk_size="auto"``'s
     cache with the same key, so the first step at a raised N searches no chunk again (called on
     placed arrays it would: the key holds their placement)."""
-    return vmcgrad.minsr_update(
-        log_psi(apply_fun, model_state),
-        params,
-        samples,
-        local_energies,
-        diag_shift=diag_shift,
-        proj_reg=proj_reg,
-        momentum=momentum,
-        old_updates=old_updates,
-        **static,
-    )
+    return _minsr(vmcgrad.minsr_update, *args, **static)
 
 
-def _route(
-    model_state,
-    params,
-    samples,
-    local_energies,
-    diag_shift,
-    proj_reg,
-    momentum,
-    old_updates,
-    *,
-    apply_fun,
-    **static,
-):
+def _route(*args, **static):
     """The route :func:`_update` takes on these arguments (traced as :func:`_update` traces them, so
     that the route's chunk search is the one the step finds in the cache)."""
-    return minsr.update_route(
-        log_psi(apply_fun, model_state),
-        params,
-        samples,
-        local_energies,
-        diag_shift=diag_shift,
-        proj_reg=proj_reg,
-        momentum=momentum,
-        old_updates=old_updates,
-        **static,
-    )
+    return _minsr(minsr.update_route, *args, **static)
 
 
 def _warn_netket_step() -> None:
