@@ -48,7 +48,7 @@ PYTHON=${PYTHON:-python}
 OUT=${OUT:-device-bench-$(date -u +%Y%m%dT%H%M%SZ)}
 SMOKE=${SMOKE:-0}
 STEPS=${STEPS:-calib core grad qgt qgt_eqmem large}
-T_CALIB=120
+T_CALIB=${T_CALIB:-120}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # JAX's persistent compilation cache, kept outside OUT: a second call on a machine still warm (its

@@ -18,7 +18,10 @@ Each row: the run, the device, the seconds to build the driver and state, the fi
 median step and phases, the step per sample, the chunk vmcgrad chose and the device's allocator
 peak (``memory_stats``; none on a CPU) and the process's peak RSS so far; with ``--kernel``, the
 SR kernel of the run lowered and compiled apart (the seconds of each, its StableHLO lines and
-compiled bytes: how much program the first step compiles for the SR phase).
+compiled bytes: how much program the first step compiles for the SR phase) and
+:func:`vmcgrad.program_cost` of the program this device compiled (its ops in sequence, FLOPs, bytes
+and modelled seconds per platform: beside the measured SR phase, the data to fit ``t_op`` on real
+kernels).
 
 ``@SPLIT`` after a vmcgrad run sets how many parts a chunk's per-sample Jacobians are derived in
 (``vmcgrad._sr.ntk.modes.JACOBIAN_SPLIT``: ``@16`` derives a chunk of 64 4 samples at a time, and the
@@ -149,11 +152,17 @@ def kernel_cost(race, name, driver, vs, H):
     lower = time.perf_counter() - t
     t = time.perf_counter()
     compiled = lowered.compile()
+    seconds = time.perf_counter() - t
+    cost = vmcgrad.program_cost(compiled)  # counted on the program this device compiled
     return {
         "kernel_lower_s": lower,
-        "kernel_compile_s": time.perf_counter() - t,
+        "kernel_compile_s": seconds,
         "kernel_stablehlo_lines": lowered.as_text().count("\n"),
         "kernel_bytes": vmcgrad.program_bytes(compiled),
+        "kernel_ops": cost.ops,
+        "kernel_flops": cost.flops,
+        "kernel_bytes_accessed": cost.bytes,
+        "kernel_modelled_s": {p: cost.time(p) for p in ("cpu", "gpu", "tpu")},
     }
 
 
