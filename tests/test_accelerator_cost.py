@@ -18,21 +18,37 @@ def test_smoke_table_costs_every_comparison_from_its_compiled_programs(tmp_path)
     env = {**child_env(), "PYTHONPATH": str(ROOT / "benchmarks") + ":" + str(ROOT)}
     rows_path, table_path = tmp_path / "rows.jsonl", tmp_path / "table.md"
     script = str(ROOT / "benchmarks" / "accelerator_cost.py")
-    argv = [sys.executable, script, "--smoke", "--json", str(rows_path), "--markdown", str(table_path)]
-    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    argv = [sys.executable, script, "--smoke", "--cost-platform", "tpu", "gpu"]
+    argv += ["--json", str(rows_path), "--markdown", str(table_path)]
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in rows_path.read_text().splitlines()]
     programs = [r for r in rows if r["row"] == "program"]
     comparisons = [r for r in rows if r["row"] == "comparison"]
     keys = ["minsr-chunk", "minsr-auto", "minsr-auto-big", "minsr-n-big", "minsr-n-big-small-budget"]
-    assert [c["key"] for c in comparisons] == [*keys, "qgt", "grad"]
-    # each program once (NetKet's chunked N = 32 program serves two comparisons): 7 of vmcgrad's, 5
-    # of NetKet's
-    assert len(programs) == 12, [(p["program"], p["N"], p["chunk"]) for p in programs]
+    keys += ["qgt", "qgt-solve", "grad", "vjp", "jvp"]
+    assert [(c["key"], c["priced_for"]) for c in comparisons] == [
+        (k, p) for p in ("tpu", "gpu") for k in keys
+    ]
+    # each program once per platform priced for (NetKet's chunked N = 32 program serves two
+    # comparisons and every platform): 10 of vmcgrad's per platform, 8 of NetKet's
+    ours = [p for p in programs if p["program"].startswith("vmcgrad")]
+    theirs = [p for p in programs if not p["program"].startswith("vmcgrad")]
+    assert len(theirs) == 8 and {p["priced_for"] for p in theirs} == {None}, theirs
+    assert sorted(p["priced_for"] for p in ours) == ["gpu"] * 10 + ["tpu"] * 10, ours
+    # a program the gpu's choices repeat is the tpu's, by its StableHLO, and is not compiled again
+    tpu = {(p["kind"], p["N"], p["chunk"], p["budget_mib"]): p for p in ours if p["priced_for"] == "tpu"}
+    assert not any("same_program_as" in p for p in tpu.values()), tpu  # the first platform's: all compiled
+    for p in ours:
+        if p["priced_for"] == "gpu":
+            same = tpu[(p["kind"], p["N"], p["chunk"], p["budget_mib"])]
+            assert ("same_program_as" in p) == (p["stablehlo_sha256"] == same["stablehlo_sha256"]), p
     for p in programs:
         assert p["ops"] >= 10 and p["gflop"] > 0 and p["gbytes"] > 0 and p["temp_mib"] > 0, p
-        assert p["compiled_on"] == "cpu" and p["unknown_trip_loops"] == 0, p
-        assert p["loops"] >= 1, p  # every kernel here loops over chunks or blocks
+        assert p["stablehlo_lines"] >= 50 and p["lower_s"] > 0 and p["compile_s"] > 0, p
+        # the CG solve's loop stops on convergence: its trip count is not in the program
+        assert p["compiled_on"] == "cpu" and p["unknown_trip_loops"] == (p["kind"] == "qgt-solve"), p
+        assert p["loops"] >= (p["kind"] != "minsr"), p  # MinSR's "auto" may run its kernel in one block
         # the modelled times are the model's formula on the counts
         for name in ("cpu", "gpu", "tpu"):
             c = PLATFORMS[name]
@@ -40,7 +56,28 @@ def test_smoke_table_costs_every_comparison_from_its_compiled_programs(tmp_path)
             want = 1e3 * seconds
             assert p[f"{name}_ms"] == pytest.approx(want, rel=1e-9), (name, p)
     for c in comparisons:
-        assert set(c["ratio"]) == {"cpu", "gpu", "tpu"} and min(c["ratio"].values()) > 0, c
+        assert {"cpu", "gpu", "tpu", "ops", "stablehlo_lines", "temp_mib"} <= set(c["ratio"]), c
+        assert min(c["ratio"].values()) > 0, c
     table = table_path.read_text()
     assert "python benchmarks/accelerator_cost.py --smoke" in table
-    assert table.count("| vmcgrad ") == 7 and table.count("| NetKet ") == 7, table
+    # every comparison: NetKet's line, and vmcgrad's once per distinct program of the platforms
+    distinct = len(ours) - sum("same_program_as" in p for p in ours)
+    assert table.count("| vmcgrad ") == distinct and table.count("| NetKet ") == len(keys), table
+
+    # the same table from the rows, nothing compiled, the run its own "before": the run's command is
+    # recorded, and each vmcgrad line's ops and ratios stand beside themselves
+    again_path = tmp_path / "again.md"
+    argv = [sys.executable, script, "--smoke", "--cost-platform", "tpu", "gpu", "--from-rows", str(rows_path)]
+    argv += ["--before", str(rows_path), "--markdown", str(again_path)]
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    again = again_path.read_text()
+    assert "accelerator_cost.py --smoke --cost-platform tpu gpu --json" in again, again
+    lines = [line.split(" | ") for line in again.splitlines() if line.startswith("| ")]
+    head = lines[0]
+    ours_lines = [cells for cells in lines if cells[0] == "| vmcgrad" or cells[0].startswith("| vmcgrad ")]
+    assert len(ours_lines) == distinct, again
+    for cells in ours_lines:
+        row = dict(zip(head, cells))
+        assert row["ops"].rstrip("†") == row["ops before"], row
+        assert row["ratio cpu/gpu/tpu"] == row["ratio before"], row
