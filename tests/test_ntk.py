@@ -356,14 +356,25 @@ def test_auto_chunk_takes_one_block_at_a_smaller_jacobian_batch(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "model,mode", [("real", "real"), ("r2c", "complex"), ("nonholo", "complex"), ("holo", "holomorphic")]
+    "model,mode,chunk",
+    [
+        ("real", "real", None),
+        ("r2c", "complex", None),
+        ("nonholo", "complex", None),
+        ("holo", "holomorphic", None),
+        ("r2c", "complex", 5),
+        pytest.param("holo", "holomorphic", 5, marks=slow),
+    ],
 )
-def test_one_chunk_of_every_sample_keeps_its_jacobian(model, mode):
-    """Where one chunk holds every sample (one device, chunk_size None), the dense route keeps the
-    Jacobian it derives (minsr._whole_jacobian), as NetKet's srt: the model is evaluated on exactly N
-    samples, counted at run time (the blocked route adds NetKet's mean-Jacobian estimate on min(N, 32)
-    samples and a pullback pass over all N: red with the route off), and two calls of a SPRING chain
-    (momentum, proj_reg) equal NetKet's srt (the blocked route's in holomorphic mode, which srt lacks)."""
+def test_one_device_keeps_its_jacobian(model, mode, chunk):
+    """Where one device holds every sample (chunk_size None: one chunk; or a chunk given and the
+    N×P Jacobian within the budget), the dense route keeps the Jacobian it derives
+    (minsr._whole_jacobian), as NetKet's srt: the model is evaluated on exactly the rows of the
+    chunks, counted at run time (N; 4 chunks of 5 for N = 18, the last shifted back over two rows
+    read again: 20), each once (the blocked route adds column blocks, NetKet's mean-Jacobian
+    estimate on min(N, 32) samples and a pullback pass over all N: red with the route off), and two
+    calls of a SPRING chain (momentum, proj_reg) equal NetKet's srt (the blocked route's in
+    holomorphic mode, which srt lacks)."""
     apply, cplx = MODELS[model]
     params, (x, e) = jax.device_put((_params(cplx), _data(18)), jax.devices()[0])
     n = 18
@@ -375,19 +386,21 @@ def test_one_chunk_of_every_sample_keeps_its_jacobian(model, mode):
 
     one = Mesh(np.array(jax.devices()[:1]), ("S",), axis_types=(AxisType.Auto,))
     with jax.set_mesh(one):
-        ours = dict(diag_shift=DIAG, mode=mode, solver=solve, chunk_size=None, route="dense")
+        ours = dict(diag_shift=DIAG, mode=mode, solver=solve, chunk_size=chunk, route="dense")
         jax.block_until_ready(vmcgrad.minsr_update(_logpsi(counted), params, x, e, **ours))
-        assert sum(seen) == n, (sum(seen), n)
+        rows = n if chunk is None else -(-n // chunk) * chunk
+        assert sum(seen) == rows, (sum(seen), rows)
         if mode != "holomorphic":
             _compare_steps(srt, model, mode, n, 2, ours, 1e-10)
             return
-        # NetKet's srt has no holomorphic mode: against the blocked route (chunk 5), itself equal to
-        # NetKet's in 'complex' mode and to 'complex' for this model (tests above)
+        # NetKet's srt has no holomorphic mode: against the blocked route (chunk 5, a budget below
+        # the Jacobian's bytes), itself equal to NetKet's in 'complex' mode and to 'complex' for this
+        # model (tests above)
         kw, old, old_blocked = dict(proj_reg=0.5, momentum=0.8), None, None
         for seed in (2, 7):
             x, e = _data(n, seed=seed)
             u, old, _ = vmcgrad.minsr_update(_logpsi(apply), params, x, e, old_updates=old, **ours, **kw)
-            blocked = dict(ours, chunk_size=5)
+            blocked = dict(ours, chunk_size=5, memory_budget=1024)
             ref, old_blocked, _ = vmcgrad.minsr_update(
                 _logpsi(apply), params, x, e, old_updates=old_blocked, **blocked, **kw
             )

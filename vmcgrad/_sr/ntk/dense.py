@@ -87,7 +87,7 @@ def choose_dense(program: Any, prob: Problem, op: Any, *args: Any) -> tuple[int,
     if op.jacobian_batch is not None:
         return auto_chunk(program, prob, op, *args), (op, *args)
     budget = budget_or_default(prob.memory_budget)
-    if prob.n_local == prob.n and _jacobian_bytes(prob, op) <= budget:
+    if prob.n_local == prob.n and jacobian_bytes(prob, op) <= budget:
         at = lambda b: (prob.n, (dataclasses.replace(op, jacobian_batch=b), *args))
         most = jacobian_batch(prob.n)  # the whole block, or the platform's part of it
         batches = sorted({2**i for i in range(most.bit_length())} | {most})
@@ -96,14 +96,16 @@ def choose_dense(program: Any, prob: Problem, op: Any, *args: Any) -> tuple[int,
             return at(one_block)
     chunk = auto_chunk(program, prob, op, *args)  # b = c (on an accelerator): the chunk at once
     plan = prob.at_chunk(chunk).plan
-    fixed = dataclasses.replace(op, jacobian_batch=jacobian_batch(plan.size))
+    # (one block did not fit at any batch: neither does keeping the Jacobian over chunks, whose chunk
+    # at the batch b holds what one block at b holds)
+    fixed = dataclasses.replace(op, jacobian_batch=jacobian_batch(plan.size), keep_jacobian=False)
     if plan.count == 1:
         return chunk, (fixed, *args)
     fewer = sorted({-(-prob.n_local // m) for m in range(1, plan.count + 1)})
     return auto_chunk(program, prob, fixed, *args, candidates=fewer), (fixed, *args)
 
 
-def _jacobian_bytes(prob: Problem, op: Any) -> int:
+def jacobian_bytes(prob: Problem, op: Any) -> int:
     """Bytes of every sample's Jacobian, :math:`NKP` entries: what one block keeps."""
     split = op.mode != "holomorphic"
     p = sum(x.size * (2 if split and jnp.iscomplexobj(x) else 1) for x in jax.tree.leaves(op.params))
