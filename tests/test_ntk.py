@@ -355,6 +355,69 @@ def test_auto_chunk_takes_one_block_at_a_smaller_jacobian_batch(monkeypatch):
     assert_tree_allclose(ours, whole, rtol=0, atol=1e-12)
 
 
+def test_auto_chunk_keeps_the_jacobian_over_fewer_trips_on_an_accelerator(monkeypatch):
+    """On an accelerator (the chunk's Jacobians at once) each trip of the model's derivative costs
+    its ops whatever its size, so where one block fits at a batch b but not at 2b, the update's
+    chunk_size="auto" also tries the chunks ceil(N/m) between b and 2b with the Jacobian kept
+    (ntk_dense.choose_dense, KEPT_JACOBIAN_PROGRAMS): N = 64 and a budget halfway between one
+    block's bytes at batch 8 and at 16 take a chunk c in (8, 16), ceil(64/c) trips instead of 8,
+    that fits the budget; the model evaluated once on each of the chunks' rows (counted at run time:
+    N and the rows the shifted last chunk reads again), the update equal to chunk_size=None's.
+    Red with the step off: one block at batch 8."""
+    import dataclasses
+
+    from vmcgrad._sr.ntk import dense as ntk_dense
+    from vmcgrad._sr.ntk import modes as ntk_modes
+    from vmcgrad._sr.ntk import routes
+
+    monkeypatch.setattr(ntk_modes, "JACOBIAN_SPLIT", 1)
+
+    def apply(v, x):
+        h = jnp.tanh(x[:, :, None, None] * v["params"]["w"][None, :, :, None] + v["params"]["u"])
+        return jnp.mean(h, axis=(1, 2, 3)) + 1e-3 * jnp.sum(v["params"]["c"])
+
+    k = jax.random.split(jax.random.key(4), 2)
+    params = {"w": 0.3 * jax.random.normal(k[0], (L, 16)), "u": 0.1 * jax.random.normal(k[1], (64,))}
+    params["c"] = jnp.ones(512)
+    n = 64
+    params, (x, e) = jax.device_put((params, _data(n)), jax.devices()[0])
+    seen, choices = [], []
+
+    def counted(v, x):
+        jax.debug.callback(lambda x: seen.append(x.size // L), x)
+        return apply(v, x)
+
+    def program_bytes(program, prob, op, *args, batch):
+        lowered = program.lower(prob.at_chunk(n), dataclasses.replace(op, jacobian_batch=batch), *args)
+        return vmcgrad.program_bytes(lowered.compile())
+
+    monkeypatch.setattr(routes, "choose_dense", lambda *a: choices.append(a) or ntk_dense.choose_dense(*a))
+    one = Mesh(np.array(jax.devices()[:1]), ("S",), axis_types=(AxisType.Auto,))
+    with jax.set_mesh(one):
+        kw = dict(diag_shift=DIAG, route="dense", solver=solve)
+        whole, _, _ = vmcgrad.minsr_update(_logpsi(counted), params, x, e.real, chunk_size=None, **kw)
+        vmcgrad.minsr_update(_logpsi(apply), params, x, e.real, chunk_size="auto", memory_budget=2**40, **kw)
+        sizing = choices[-1]  # (program, problem, operator, *arguments)
+        at_8, at_16 = program_bytes(*sizing, batch=8), program_bytes(*sizing, batch=16)
+        assert at_16 > at_8
+        budget = (at_8 + at_16) // 2
+        monkeypatch.setattr(
+            routes, "choose_dense", lambda *a: choices.append(ntk_dense.choose_dense(*a)) or choices[-1]
+        )
+        seen.clear()
+        ours, _, _ = vmcgrad.minsr_update(
+            _logpsi(counted), params, x, e.real, chunk_size="auto", memory_budget=budget, **kw
+        )
+        chunk, (op, *rest) = choices[-1]
+        program, prob = sizing[:2]
+        held = vmcgrad.program_bytes(program.lower(prob.at_chunk(chunk), op, *rest).compile())
+    assert 8 < chunk < 16 and op.jacobian_batch is None and op.keep_jacobian, (chunk, op)
+    assert held <= budget, (held, budget)
+    trips = -(-n // chunk)
+    assert sum(seen) == trips * chunk, (sum(seen), trips, chunk)
+    assert_tree_allclose(ours, whole, rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize(
     "model,mode,chunk",
     [

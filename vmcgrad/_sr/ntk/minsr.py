@@ -42,7 +42,7 @@ from vmcgrad._runner.primitive import map_reduce_problem
 from vmcgrad._runner.runner import REPLICATED
 from vmcgrad._sr.jacobian import components, flat_jacobian, gram
 from vmcgrad._sr.ntk import nystrom, routes
-from vmcgrad._sr.ntk.dense import dense_program, dense_solve, jacobian_bytes
+from vmcgrad._sr.ntk.dense import KEPT_JACOBIAN_PROGRAMS, dense_program, dense_solve, jacobian_bytes
 from vmcgrad._sr.ntk.modes import (
     choose_ntk_mode,
     jacobian_batch,
@@ -239,6 +239,9 @@ def _update_program(
 
     run.defjvp(_refuse_jvp)
     return run(op, e_loc, proj_reg, momentum, old_updates, cg_opts)
+
+
+KEPT_JACOBIAN_PROGRAMS.add(_update_program)  # its dense route keeps the Jacobian over chunks
 
 
 def _update(op: NTKOperator, e_loc, proj_reg, momentum, old_updates, how, cg_opts):
