@@ -122,8 +122,8 @@ def choose_dense(program: Any, prob: Problem, op: Any, *args: Any) -> tuple[int,
             # a trip costs its ops whatever its size: the Jacobian kept over fewer, larger chunks, each
             # derived at once (the last shifted back), than one block's batches
             kept = dataclasses.replace(op, jacobian_batch=None, keep_jacobian=True)
-            # between b and 2b (one block did not fit at 2b, a power of two up to N, nor does a chunk):
-            # the chunks of about 1.25, 1.5 and 1.75 b, few candidates, each one more compilation
+            # between b and 2b (one block did not fit at 2b, a power of two up to N; a chunk of 2b
+            # holds as much): the chunks of about 1.25, 1.5 and 1.75 b, each one more compilation
             b = one_block
             larger = sorted(
                 {c for f in (5, 6, 7) if b < (c := _chunk_of(prob.n, -(-prob.n * 4 // (f * b)))) < 2 * b}

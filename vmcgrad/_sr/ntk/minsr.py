@@ -281,7 +281,7 @@ def _with_momentum(updates, info, momentum, old_updates):
 def keeps_jacobian(op: NTKOperator) -> bool:
     """Whether the dense route keeps every sample's Jacobian (:func:`_whole_jacobian`): one device's
     rows are all N, and either one chunk holds them, or the operator allows it over chunks
-    (:attr:`~vmcgrad.NTKOperator.keep_jacobian`: a chunk given, not one of ``"auto"``'s candidates)
+    (:attr:`~vmcgrad.NTKOperator.keep_jacobian`: not for the blocks' candidates of ``"auto"``)
     and the Jacobian, :math:`NKP` numbers, fits the memory budget (the default budget where none was
     given). Kept, the N per-sample Jacobians are derived once each, as NetKet's ``srt`` does at any
     chunk; the blocks derive each column block again per chunk of rows above it, a mean-Jacobian

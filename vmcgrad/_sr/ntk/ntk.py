@@ -79,9 +79,9 @@ class NTKOperator(AbstractOperator):
 
     #: Whether :func:`vmcgrad.minsr_update`'s dense route may keep every sample's Jacobian across
     #: several chunks (one device holding all N, the Jacobian within the budget:
-    #: :func:`~vmcgrad._sr.ntk.minsr.keeps_jacobian`). Static; ``chunk_size="auto"`` sets it False
-    #: for its candidates of several chunks (:func:`~vmcgrad._sr.ntk.dense.choose_dense`), which it
-    #: searches only where one block, which keeps the Jacobian, does not fit.
+    #: :func:`~vmcgrad._sr.ntk.minsr.keeps_jacobian`). Static; ``chunk_size="auto"``
+    #: (:func:`~vmcgrad._sr.ntk.dense.choose_dense`) sets it False for the blocks' candidates of
+    #: several chunks, searched where one block, which keeps the Jacobian, does not fit.
     keep_jacobian: bool = dataclasses.field(default=True, metadata={"static": True})
 
     @property
