@@ -20,6 +20,10 @@ Parts (``--part``):
   ``--compare-kept`` times one block as before it kept its Jacobian (``passes``: the mean-Jacobian
   estimate and a pullback pass besides the kernel's Jacobians); ``--compare-one-block`` the choice
   without its last step (one block of every sample at a Jacobian batch below the powers' one).
+- ``kept``: the dense route at a chunk given (``--chunk``), one device, for each ``--sizes`` N: the
+  Jacobian kept over the chunks (``minsr.keeps_jacobian``, where it fits the default budget) against
+  the blocks (the rule before: kept only in one chunk), interleaved, with the max. abs. difference of
+  the updates.
 - ``cg``: CG iterations and update time at ``--n`` of the matrix-free route, plain and with the
   Nyström preconditioner (``--ranks``; ``auto`` is the budget's), against the dense route (max. abs.
   difference of the update too).
@@ -49,7 +53,7 @@ import statistics
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=["blocks", "cg", "qgt"], default="blocks")
+    ap.add_argument("--part", choices=["blocks", "kept", "cg", "qgt"], default="blocks")
     ap.add_argument("--sizes", type=int, nargs="+", default=[128, 256, 512], help="N of the blocks part")
     ap.add_argument(
         "--fractions", type=float, nargs="*", default=[1, 2, 4], help="q: budget = Jacobian/q + 2(NK)²·8"
@@ -129,7 +133,7 @@ def blocks(args):
 
     if args.no_jacobian_batches:  # (the default now, where the chunk is given: kept for old commands)
         ntk_modes.JACOBIAN_SPLIT = 1
-    dense_choice, holds_every_row = routes.choose_dense, minsr.holds_every_row
+    dense_choice, keeps_jacobian = routes.choose_dense, minsr.keeps_jacobian
     powers_only = lambda program, prob, *a: (problem_module.auto_chunk(program, prob, *a), a)
 
     def without_one_block(*a):  # choose_dense before it tried one block at a smaller Jacobian batch
@@ -164,7 +168,7 @@ def blocks(args):
             choose = choices.get(choice, dense_choice)
             routes.choose_dense = lambda *a, seen=seen, choose=choose: seen.append(choose(*a)) or seen[-1]
             if choice == "passes":  # one block as before it kept its Jacobian
-                minsr.holds_every_row = lambda prob: False
+                minsr.keeps_jacobian = lambda op: False
             try:
                 f = jax.jit(lambda p, x, e, kw=kw, lp=lp: vmcgrad.minsr_update(lp, p, x, e, **kw)[0])
                 # the compiled program is what is timed: calling f would trace it again, after the
@@ -174,7 +178,7 @@ def blocks(args):
                 nbytes[q, choice] = vmcgrad.program_bytes(f)
             finally:
                 routes.choose_dense = dense_choice
-                minsr.holds_every_row = holds_every_row
+                minsr.keeps_jacobian = keeps_jacobian
             chunk, (op, *_) = seen[-1] if seen else (n, (None,))
             batch = ntk_modes.jacobian_batch(chunk, op and op.jacobian_batch)
             chosen[q, choice] = f"{chunk} ({batch})"
@@ -194,6 +198,42 @@ def blocks(args):
                 f"{times[q, choice] / times[None, 'fewer']:.2f} |",
                 flush=True,
             )
+
+
+def kept_part(args):
+    import jax
+
+    import vmcgrad
+    from vmcgrad._sr.ntk import minsr
+
+    keeps_jacobian = minsr.keeps_jacobian
+    blocks_only = lambda op: op.problem.n_local == op.problem.n and op.problem.plan.count == 1
+    print("| N | chunk | kept s | blocks s | kept / blocks | max abs diff |")
+    print("|---|---|---|---|---|---|")
+    for n in args.sizes:
+        lp, params, x, e = setup(n, args.param_dtype, args.model)
+        kw = dict(diag_shift=args.diag_shift, route="dense", chunk_size=args.chunk)
+        calls, outs = {}, {}
+        for name, rule in (("kept", keeps_jacobian), ("blocks", blocks_only)):
+            minsr.keeps_jacobian = rule
+            try:
+                f = jax.jit(lambda p, x, e, lp=lp, kw=kw: vmcgrad.minsr_update(lp, p, x, e, **kw)[0])
+                jax.clear_caches()  # vmcgrad's own jitted programs traced afresh under the rule
+                f = f.lower(params, x, e).compile()
+            finally:
+                minsr.keeps_jacobian = keeps_jacobian
+            outs[name] = f(params, x, e)
+            calls[name] = lambda f=f, a=(params, x, e): f(*a)
+        diff = max(
+            float(abs(a - b).max())
+            for a, b in zip(jax.tree.leaves(outs["kept"]), jax.tree.leaves(outs["blocks"]))
+        )
+        times = timed(calls, args.repeats)
+        kept, blocked = times["kept"], times["blocks"]
+        print(
+            f"| {n} | {args.chunk} | {kept:.3f} | {blocked:.3f} | {kept / blocked:.2f} | {diff:.1e} |",
+            flush=True,
+        )
 
 
 def _mib(b):
@@ -284,7 +324,7 @@ def main(argv=None):
 
     jax.config.update("jax_enable_x64", True)
     args = parse(argv)
-    {"blocks": blocks, "cg": cg_part, "qgt": qgt_part}[args.part](args)
+    {"blocks": blocks, "kept": kept_part, "cg": cg_part, "qgt": qgt_part}[args.part](args)
 
 
 if __name__ == "__main__":

@@ -355,15 +355,89 @@ def test_auto_chunk_takes_one_block_at_a_smaller_jacobian_batch(monkeypatch):
     assert_tree_allclose(ours, whole, rtol=0, atol=1e-12)
 
 
+def test_auto_chunk_keeps_the_jacobian_over_fewer_trips_on_an_accelerator(monkeypatch):
+    """On an accelerator (the chunk's Jacobians at once) each trip of the model's derivative costs
+    its ops whatever its size, so where one block fits at a batch b but not at 2b, the update's
+    chunk_size="auto" also tries the chunks ceil(N/m) between b and 2b with the Jacobian kept
+    (ntk_dense.choose_dense, KEPT_JACOBIAN_PROGRAMS): N = 64 and a budget halfway between one
+    block's bytes at batch 8 and at 16 take a chunk c in (8, 16), ceil(64/c) trips instead of 8,
+    that fits the budget; the model evaluated once on each of the chunks' rows (counted at run time:
+    N and the rows the shifted last chunk reads again), the update equal to chunk_size=None's.
+    Red with the step off: one block at batch 8."""
+    import dataclasses
+
+    from vmcgrad._sr.ntk import dense as ntk_dense
+    from vmcgrad._sr.ntk import modes as ntk_modes
+    from vmcgrad._sr.ntk import routes
+
+    monkeypatch.setattr(ntk_modes, "JACOBIAN_SPLIT", 1)
+
+    def apply(v, x):
+        h = jnp.tanh(x[:, :, None, None] * v["params"]["w"][None, :, :, None] + v["params"]["u"])
+        return jnp.mean(h, axis=(1, 2, 3)) + 1e-3 * jnp.sum(v["params"]["c"])
+
+    k = jax.random.split(jax.random.key(4), 2)
+    params = {"w": 0.3 * jax.random.normal(k[0], (L, 16)), "u": 0.1 * jax.random.normal(k[1], (64,))}
+    params["c"] = jnp.ones(512)
+    n = 64
+    params, (x, e) = jax.device_put((params, _data(n)), jax.devices()[0])
+    seen, choices = [], []
+
+    def counted(v, x):
+        jax.debug.callback(lambda x: seen.append(x.size // L), x)
+        return apply(v, x)
+
+    def program_bytes(program, prob, op, *args, batch):
+        lowered = program.lower(prob.at_chunk(n), dataclasses.replace(op, jacobian_batch=batch), *args)
+        return vmcgrad.program_bytes(lowered.compile())
+
+    monkeypatch.setattr(routes, "choose_dense", lambda *a: choices.append(a) or ntk_dense.choose_dense(*a))
+    one = Mesh(np.array(jax.devices()[:1]), ("S",), axis_types=(AxisType.Auto,))
+    with jax.set_mesh(one):
+        kw = dict(diag_shift=DIAG, route="dense", solver=solve)
+        whole, _, _ = vmcgrad.minsr_update(_logpsi(counted), params, x, e.real, chunk_size=None, **kw)
+        vmcgrad.minsr_update(_logpsi(apply), params, x, e.real, chunk_size="auto", memory_budget=2**40, **kw)
+        sizing = choices[-1]  # (program, problem, operator, *arguments)
+        at_8, at_16 = program_bytes(*sizing, batch=8), program_bytes(*sizing, batch=16)
+        assert at_16 > at_8
+        budget = (at_8 + at_16) // 2
+        monkeypatch.setattr(
+            routes, "choose_dense", lambda *a: choices.append(ntk_dense.choose_dense(*a)) or choices[-1]
+        )
+        seen.clear()
+        ours, _, _ = vmcgrad.minsr_update(
+            _logpsi(counted), params, x, e.real, chunk_size="auto", memory_budget=budget, **kw
+        )
+        chunk, (op, *rest) = choices[-1]
+        program, prob = sizing[:2]
+        held = vmcgrad.program_bytes(program.lower(prob.at_chunk(chunk), op, *rest).compile())
+    assert 8 < chunk < 16 and op.jacobian_batch is None and op.keep_jacobian, (chunk, op)
+    assert held <= budget, (held, budget)
+    trips = -(-n // chunk)
+    assert sum(seen) == trips * chunk, (sum(seen), trips, chunk)
+    assert_tree_allclose(ours, whole, rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize(
-    "model,mode", [("real", "real"), ("r2c", "complex"), ("nonholo", "complex"), ("holo", "holomorphic")]
+    "model,mode,chunk",
+    [
+        ("real", "real", None),
+        ("r2c", "complex", None),
+        ("nonholo", "complex", None),
+        ("holo", "holomorphic", None),
+        ("r2c", "complex", 5),
+        pytest.param("holo", "holomorphic", 5, marks=slow),
+    ],
 )
-def test_one_chunk_of_every_sample_keeps_its_jacobian(model, mode):
-    """Where one chunk holds every sample (one device, chunk_size None), the dense route keeps the
-    Jacobian it derives (minsr._whole_jacobian), as NetKet's srt: the model is evaluated on exactly N
-    samples, counted at run time (the blocked route adds NetKet's mean-Jacobian estimate on min(N, 32)
-    samples and a pullback pass over all N: red with the route off), and two calls of a SPRING chain
-    (momentum, proj_reg) equal NetKet's srt (the blocked route's in holomorphic mode, which srt lacks)."""
+def test_one_device_keeps_its_jacobian(model, mode, chunk):
+    """Where one device holds every sample (chunk_size None: one chunk; or a chunk given and the
+    N×P Jacobian within the budget), the dense route keeps the Jacobian it derives
+    (minsr._whole_jacobian), as NetKet's srt: the model is evaluated on exactly the rows of the
+    chunks, counted at run time (N; 4 chunks of 5 for N = 18, the last shifted back over two rows
+    read again: 20), each once (the blocked route adds column blocks, NetKet's mean-Jacobian
+    estimate on min(N, 32) samples and a pullback pass over all N: red with the route off), and two
+    calls of a SPRING chain (momentum, proj_reg) equal NetKet's srt (the blocked route's in
+    holomorphic mode, which srt lacks)."""
     apply, cplx = MODELS[model]
     params, (x, e) = jax.device_put((_params(cplx), _data(18)), jax.devices()[0])
     n = 18
@@ -375,19 +449,21 @@ def test_one_chunk_of_every_sample_keeps_its_jacobian(model, mode):
 
     one = Mesh(np.array(jax.devices()[:1]), ("S",), axis_types=(AxisType.Auto,))
     with jax.set_mesh(one):
-        ours = dict(diag_shift=DIAG, mode=mode, solver=solve, chunk_size=None, route="dense")
+        ours = dict(diag_shift=DIAG, mode=mode, solver=solve, chunk_size=chunk, route="dense")
         jax.block_until_ready(vmcgrad.minsr_update(_logpsi(counted), params, x, e, **ours))
-        assert sum(seen) == n, (sum(seen), n)
+        rows = n if chunk is None else -(-n // chunk) * chunk
+        assert sum(seen) == rows, (sum(seen), rows)
         if mode != "holomorphic":
             _compare_steps(srt, model, mode, n, 2, ours, 1e-10)
             return
-        # NetKet's srt has no holomorphic mode: against the blocked route (chunk 5), itself equal to
-        # NetKet's in 'complex' mode and to 'complex' for this model (tests above)
+        # NetKet's srt has no holomorphic mode: against the blocked route (chunk 5, a budget below
+        # the Jacobian's bytes), itself equal to NetKet's in 'complex' mode and to 'complex' for this
+        # model (tests above)
         kw, old, old_blocked = dict(proj_reg=0.5, momentum=0.8), None, None
         for seed in (2, 7):
             x, e = _data(n, seed=seed)
             u, old, _ = vmcgrad.minsr_update(_logpsi(apply), params, x, e, old_updates=old, **ours, **kw)
-            blocked = dict(ours, chunk_size=5)
+            blocked = dict(ours, chunk_size=5, memory_budget=1024)
             ref, old_blocked, _ = vmcgrad.minsr_update(
                 _logpsi(apply), params, x, e, old_updates=old_blocked, **blocked, **kw
             )

@@ -48,7 +48,15 @@ from vmcgrad._problem.sharding import explicit_sharding, unsplit_explicit
 from vmcgrad._runner.primitive import map_reduce_problem
 from vmcgrad._runner.runner import REPLICATED, SAMPLES
 from vmcgrad._sr.jacobian import jacobian
-from vmcgrad._sr.ntk.modes import contract, jacobian_batch, k_of, mean_jacobian, rows_fun, theta_of
+from vmcgrad._sr.ntk.modes import (
+    contract,
+    jacobian_batch,
+    jacobian_split,
+    k_of,
+    mean_jacobian,
+    rows_fun,
+    theta_of,
+)
 
 
 def column_chunk(prob: Problem, batch: int | None = None) -> int:
@@ -58,6 +66,12 @@ def column_chunk(prob: Problem, batch: int | None = None) -> int:
     rows' batches hold, no more."""
     c = prob.plan.size
     return prob.n if c >= prob.n else jacobian_batch(c, batch)
+
+
+#: The programs whose dense route keeps every sample's Jacobian over chunks too, not only in one block
+#: (:func:`vmcgrad.minsr_update`'s: :func:`vmcgrad._sr.ntk.minsr.keeps_jacobian`), for which
+#: :func:`choose_dense` searches such chunks.
+KEPT_JACOBIAN_PROGRAMS: set = set()
 
 
 def choose_dense(program: Any, prob: Problem, op: Any, *args: Any) -> tuple[int, tuple]:
@@ -75,25 +89,55 @@ def choose_dense(program: Any, prob: Problem, op: Any, *args: Any) -> tuple[int,
        platform's part of the block (:func:`~vmcgrad._sr.ntk.modes.jacobian_batch`: N on an
        accelerator, N/16 on a CPU) and that part itself. :func:`vmcgrad.minsr_update` then keeps
        the Jacobian (N per-sample Jacobians, no mean-Jacobian estimate, no pullback pass).
+       For a program of :data:`KEPT_JACOBIAN_PROGRAMS` (the update's, which keeps the Jacobian over
+       chunks too), on an accelerator (the chunk's Jacobians at once:
+       :func:`~vmcgrad._sr.ntk.modes.jacobian_split` 1), with :math:`b < N`: the chunks
+       :math:`\lceil N/m \rceil` of about :math:`1.25b`, :math:`1.5b` and :math:`1.75b` (one block
+       did not fit at :math:`2b`; few candidates, each one compilation), the Jacobian kept and each
+       chunk derived at once, the last shifted back: a chunk holds what one block at that batch
+       holds, but its trips are any :math:`\lceil N/c \rceil`, not only :math:`N/b` for a power of
+       two :math:`b`; the one of least modelled time among those that fit (the largest), else one
+       block.
     2. Else the powers of two for :math:`c` at the platform's batch (:math:`b = c` on an
        accelerator, the whole chunk at once; :math:`c/16` on a CPU); the largest that fits,
        :math:`c^*`, fixes its batch :math:`b^*`. With :math:`b^*` held, a chunk's bytes grow only
        by its rows' Jacobians, so fewer and larger chunks may still fit: the candidates
        :math:`\lceil N_\text{local}/m \rceil` for :math:`m` = 1 to the count of :math:`c^*` are searched
-       at :math:`b^*`, and the largest that fits is taken (at worst :math:`c^*` itself).
+       at :math:`b^*`, and the largest that fits is taken (at worst :math:`c^*` itself). These
+       chunks do not keep the Jacobian (:attr:`~vmcgrad.NTKOperator.keep_jacobian` False): a chunk at
+       a batch holds what one block at that batch holds, and one block did not fit.
 
     An operator whose batch is already fixed is left at it, and searched over the powers of two only.
     """
     if op.jacobian_batch is not None:
         return auto_chunk(program, prob, op, *args), (op, *args)
     budget = budget_or_default(prob.memory_budget)
-    if prob.n_local == prob.n and _jacobian_bytes(prob, op) <= budget:
+    if prob.n_local == prob.n and jacobian_bytes(prob, op) <= budget:
         at = lambda b: (prob.n, (dataclasses.replace(op, jacobian_batch=b), *args))
         most = jacobian_batch(prob.n)  # the whole block, or the platform's part of it
         batches = sorted({2**i for i in range(most.bit_length())} | {most})
         one_block = auto_knob(program, prob, (op, *args), batches, at, name="one block's Jacobian batch")
+        kept_chunks = program in KEPT_JACOBIAN_PROGRAMS
+        if kept_chunks and one_block is not None and jacobian_split() == 1 and one_block < prob.n:
+            # a trip costs its ops whatever its size: the Jacobian kept over fewer, larger chunks, each
+            # derived at once (the last shifted back), than one block's batches
+            kept = dataclasses.replace(op, jacobian_batch=None, keep_jacobian=True)
+            # between b and 2b (one block did not fit at 2b, a power of two up to N; a chunk of 2b
+            # holds as much): the chunks of about 1.25, 1.5 and 1.75 b, each one more compilation
+            b = one_block
+            larger = sorted(
+                {c for f in (5, 6, 7) if b < (c := _chunk_of(prob.n, -(-prob.n * 4 // (f * b)))) < 2 * b}
+            )
+            at_kept = lambda c: (c, (kept, *args))
+            name = "the kept Jacobian's chunk"
+            chunk = auto_knob(program, prob, (kept, *args), larger, at_kept, name=name) if larger else None
+            if chunk is not None:
+                return at_kept(chunk)
         if one_block is not None:
             return at(one_block)
+    # (one block did not fit at any batch: neither does keeping the Jacobian over chunks, whose chunk
+    # at the batch b holds what one block at b holds)
+    op = dataclasses.replace(op, keep_jacobian=False)
     chunk = auto_chunk(program, prob, op, *args)  # b = c (on an accelerator): the chunk at once
     plan = prob.at_chunk(chunk).plan
     fixed = dataclasses.replace(op, jacobian_batch=jacobian_batch(plan.size))
@@ -103,7 +147,12 @@ def choose_dense(program: Any, prob: Problem, op: Any, *args: Any) -> tuple[int,
     return auto_chunk(program, prob, fixed, *args, candidates=fewer), (fixed, *args)
 
 
-def _jacobian_bytes(prob: Problem, op: Any) -> int:
+def _chunk_of(n: int, trips: int) -> int:
+    """The smallest chunk that walks ``n`` rows in ``trips`` trips."""
+    return -(-n // max(1, trips))
+
+
+def jacobian_bytes(prob: Problem, op: Any) -> int:
     """Bytes of every sample's Jacobian, :math:`NKP` entries: what one block keeps."""
     split = op.mode != "holomorphic"
     p = sum(x.size * (2 if split and jnp.iscomplexobj(x) else 1) for x in jax.tree.leaves(op.params))

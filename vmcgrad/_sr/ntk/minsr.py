@@ -13,8 +13,9 @@ update fits the memory budget (:func:`vmcgrad._sr.ntk.routes.choose`):
 
 * ``"dense"``: the :math:`NK \times NK` kernel :math:`T` in blocks (:mod:`vmcgrad._sr.ntk.dense`) and a
   dense solve: per-sample Jacobians about :math:`N(1 + (N - c)/2c)`, then :math:`(NK)^3/3` for the factor;
-  where one chunk holds all N on one device, the Jacobian is kept (:func:`_whole_jacobian`): N, as
-  NetKet's ``srt``, held once (centred in place, :func:`_centred_in_place`);
+  where one device holds all N and their Jacobian fits the budget (or one chunk holds them), the
+  Jacobian is kept (:func:`_whole_jacobian`): N, derived a chunk at a time as NetKet's ``srt``,
+  held once (centred in place, :func:`_centred_in_place`);
 * ``"parameter"``: the :math:`P \times P` matrix :math:`S` from each row chunk's Jacobian (N per-sample
   Jacobians, once each) and a dense solve, then :math:`P^3/3`: the cheaper one when :math:`P < NK`;
 * ``"cg"``: matrix-free conjugate gradient on :math:`T v` (one vjp and one jvp pass per iteration), with
@@ -41,7 +42,7 @@ from vmcgrad._runner.primitive import map_reduce_problem
 from vmcgrad._runner.runner import REPLICATED
 from vmcgrad._sr.jacobian import components, flat_jacobian, gram
 from vmcgrad._sr.ntk import nystrom, routes
-from vmcgrad._sr.ntk.dense import dense_program, dense_solve
+from vmcgrad._sr.ntk.dense import KEPT_JACOBIAN_PROGRAMS, dense_program, dense_solve, jacobian_bytes
 from vmcgrad._sr.ntk.modes import (
     choose_ntk_mode,
     jacobian_batch,
@@ -240,12 +241,15 @@ def _update_program(
     return run(op, e_loc, proj_reg, momentum, old_updates, cg_opts)
 
 
+KEPT_JACOBIAN_PROGRAMS.add(_update_program)  # its dense route keeps the Jacobian over chunks
+
+
 def _update(op: NTKOperator, e_loc, proj_reg, momentum, old_updates, how, cg_opts):
     route, solver, rank = how
     n, k, mode = op.problem.n, k_of(op.mode), op.mode
     sqrt_n = math.sqrt(n)
     dv = components(mode, 2.0 * (e_loc - jnp.mean(e_loc)) / sqrt_n).astype(op.dtype)
-    if route == "dense" and holds_every_row(op.problem):
+    if route == "dense" and keeps_jacobian(op):
         updates, info = _whole_jacobian(op, dv, proj_reg, momentum, old_updates, solver)
         return _with_momentum(updates, info, momentum, old_updates)
     if momentum is not None and old_updates is not None:
@@ -274,9 +278,20 @@ def _with_momentum(updates, info, momentum, old_updates):
     return updates, None, info
 
 
-def holds_every_row(prob: Problem) -> bool:
-    """Whether one chunk holds every sample's Jacobian: one device's rows are all N, in one chunk."""
-    return prob.n_local == prob.n and prob.plan.count == 1
+def keeps_jacobian(op: NTKOperator) -> bool:
+    """Whether the dense route keeps every sample's Jacobian (:func:`_whole_jacobian`): one device's
+    rows are all N, and either one chunk holds them, or the operator allows it over chunks
+    (:attr:`~vmcgrad.NTKOperator.keep_jacobian`: not for the blocks' candidates of ``"auto"``)
+    and the Jacobian, :math:`NKP` numbers, fits the memory budget (the default budget where none was
+    given). Kept, the N per-sample Jacobians are derived once each, as NetKet's ``srt`` does at any
+    chunk; the blocks derive each column block again per chunk of rows above it, a mean-Jacobian
+    estimate and a pullback pass besides."""
+    prob = op.problem
+    if prob.n_local != prob.n:
+        return False
+    if prob.plan.count == 1:
+        return True
+    return op.keep_jacobian and jacobian_bytes(prob, op) <= budget_or_default(prob.memory_budget)
 
 
 def jacobian_rows(fun, params, x, w, *, mode: str, batch: int | None) -> tuple[tuple, jax.Array]:
@@ -287,12 +302,12 @@ def jacobian_rows(fun, params, x, w, *, mode: str, batch: int | None) -> tuple[t
 
 
 def _whole_jacobian(op: NTKOperator, dv: jax.Array, proj_reg, momentum, old_updates, solver):
-    r"""The dense route where one chunk holds every sample's Jacobian (:func:`holds_every_row`), as
-    NetKet's ``srt``: :math:`\Delta J` exactly centred once, :math:`T = \Delta J\Delta J^\dagger/N +
-    \lambda`, and :math:`\Delta J\delta_\mathrm{old}`, :math:`\Delta J^\dagger x` as products with it.
-    N per-sample Jacobians in all: no mean-Jacobian estimate and no separate jvp or vjp pass, which
-    the blocked kernel needs because it does not keep its rows (at N = 64 on the race's GCNN those
-    cost as much again as the kernel's Jacobians)."""
+    r"""The dense route where one device keeps every sample's Jacobian (:func:`keeps_jacobian`),
+    derived a chunk at a time, as NetKet's ``srt``: :math:`\Delta J` exactly centred once,
+    :math:`T = \Delta J\Delta J^\dagger/N + \lambda`, and :math:`\Delta J\delta_\mathrm{old}`,
+    :math:`\Delta J^\dagger x` as products with it. N per-sample Jacobians in all, the model's
+    derivative in the program once: no mean-Jacobian estimate, no column blocks derived again and no
+    separate jvp or vjp pass, which the blocked kernel needs because it does not keep its rows."""
     prob, mode = op.problem, op.mode
     n, k = prob.n, k_of(mode)
     sqrt_n = math.sqrt(n)

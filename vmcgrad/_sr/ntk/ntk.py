@@ -77,6 +77,13 @@ class NTKOperator(AbstractOperator):
     #: (:func:`~vmcgrad._sr.ntk.dense.choose_dense`).
     jacobian_batch: int | None = dataclasses.field(default=None, metadata={"static": True})
 
+    #: Whether :func:`vmcgrad.minsr_update`'s dense route may keep every sample's Jacobian across
+    #: several chunks (one device holding all N, the Jacobian within the budget:
+    #: :func:`~vmcgrad._sr.ntk.minsr.keeps_jacobian`). Static; ``chunk_size="auto"``
+    #: (:func:`~vmcgrad._sr.ntk.dense.choose_dense`) sets it False for the blocks' candidates of
+    #: several chunks, searched where one block, which keeps the Jacobian, does not fit.
+    keep_jacobian: bool = dataclasses.field(default=True, metadata={"static": True})
+
     @property
     def dim(self) -> int:
         """N·K: the side of the matrix (2N in 'complex' mode)."""
