@@ -393,3 +393,39 @@ def test_update_runs_few_sequential_ops(chunk, monkeypatch):
     rows, m = (n, 1) if chunk is None else (chunk, n // chunk)
     assert rows not in trips, (rows, trips)
     assert ops <= 30 * m * m + 50 * m + 100, (ops, m, trips)
+
+
+def test_the_update_compiles_its_program_once_where_it_fits_whole():
+    """Compile time (issue 47): with ``chunk_size="auto"`` and a budget the update fits whole, the
+    route search compiles the update's program once (the chosen route at its largest chunk: no
+    one-sample chunk compiled first) and the update's own call reuses that executable (compiles
+    nothing more); its result is the update in one chunk, to the summation order. N = 16: a power of
+    two per device on 1 or 4 devices (else the dense kernel's rule searches fewer, larger chunks too,
+    :func:`vmcgrad._sr.ntk.dense.choose_dense`)."""
+    n = 16
+    apply, _ = MODELS["r2c"]
+    params = _params(False)
+    x, e = _data(n)
+    lp = _logpsi(apply)
+    names = []
+
+    def listen(event, duration, fun_name="?", **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            names.append(fun_name)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        opts = dict(diag_shift=DIAG, chunk_size="auto", memory_budget=2**40)
+        got, _, _ = vmcgrad.minsr_update(lp, params, x, e, **opts)
+        jax.block_until_ready(got)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert names.count("jit(_update_program)") == 1, names
+    assert "jit(<lambda>)" not in names, names  # the model's FLOPs: from its lowered program
+    # the same update as in one chunk, to the summation order: a relative change of N eps in the
+    # kernel's entries, amplified at most by the solve's condition (‖T‖ + λ)/λ
+    route = minsr.update_route(lp, params, x, e, **opts)
+    want, _, _ = vmcgrad.minsr_update(lp, params, x, e, diag_shift=DIAG, route=route)
+    t_norm = float(jnp.linalg.norm(vmcgrad.NTK(lp, params, x, mode="complex").to_dense(), 2))
+    bound = n * np.finfo(np.float64).eps * (t_norm + DIAG) / DIAG * _tree_norm(want)
+    assert _tree_max_diff(got, want) <= bound, (_tree_max_diff(got, want), bound)
