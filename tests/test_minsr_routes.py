@@ -8,6 +8,7 @@ divides neither the devices nor the chunk 5.
 
 import dataclasses
 import inspect
+import types
 
 import jax
 import jax.numpy as jnp
@@ -130,7 +131,7 @@ def test_the_rule_takes_the_cheapest_route_that_fits(monkeypatch):
     prob, _, _ = problem("t", _logpsi(apply), params, x, chunk_size="auto", memory_budget=10**6)
     compiled, fits = [], {}
 
-    def fake_fit(program, prob, args, route):
+    def fake_fit(program, prob, args, route, floor=0):
         compiled.append(route)
         return routes.Fit(*fits[route])
 
@@ -429,3 +430,32 @@ def test_the_update_compiles_its_program_once_where_it_fits_whole():
     t_norm = float(jnp.linalg.norm(vmcgrad.NTK(lp, params, x, mode="complex").to_dense(), 2))
     bound = n * np.finfo(np.float64).eps * (t_norm + DIAG) / DIAG * _tree_norm(want)
     assert _tree_max_diff(got, want) <= bound, (_tree_max_diff(got, want), bound)
+
+
+def test_fit_compiles_the_largest_chunk_first_unless_the_route_is_tight():
+    """routes.fit on a stub program whose every chunk is over the budget (bytes 1000 + c): with room
+    for the route's matrix (floor at most TIGHT_FLOOR of the budget) the search starts at the largest
+    chunk (one compilation where the update fits whole); with a tight floor the one-sample chunk is
+    compiled first and the route is out after that one compilation. Either way ``need`` is the
+    one-sample chunk's bytes."""
+    apply, _ = MODELS["r2c"]
+    x, _ = _data(16)
+    budget = 500
+    prob, _, _ = problem("t", _logpsi(apply), _params(False), x, chunk_size="auto", memory_budget=budget)
+    lowered = []
+
+    class Program:
+        def lower(self, at, *args):
+            lowered.append(at.chunk_size)
+            memory = types.SimpleNamespace(
+                temp_size_in_bytes=1000 + at.chunk_size, argument_size_in_bytes=0, output_size_in_bytes=0
+            )
+            return types.SimpleNamespace(
+                compile=lambda: types.SimpleNamespace(memory_analysis=lambda: memory)
+            )
+
+    roomy = routes.fit(Program(), prob, (), "cg", floor=int(routes.TIGHT_FLOOR * budget))
+    assert roomy == routes.Fit(False, None, 1001) and lowered[0] == prob.n_local and lowered[-1] == 1, lowered
+    lowered.clear()
+    tight = routes.fit(Program(), prob, (), "cg", floor=int(routes.TIGHT_FLOOR * budget) + 1)
+    assert tight == routes.Fit(False, None, 1001) and lowered == [1], lowered

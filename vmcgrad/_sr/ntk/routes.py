@@ -147,16 +147,28 @@ class Fit(NamedTuple):
     need: int | None
 
 
-def fit(program: Any, prob: Problem, args: tuple, route: str) -> Fit:
+#: Where a route's floor (:func:`floor_bytes`) is above this part of the budget, :func:`fit` compiles
+#: its one-sample chunk first: its matrix, factor and blocks may well not fit at any chunk.
+TIGHT_FLOOR = 0.25
+
+
+def fit(program: Any, prob: Problem, args: tuple, route: str, floor: int = 0) -> Fit:
     """:class:`Fit` of ``program(prob, *args)`` on ``route`` (compile only). With ``chunk_size="auto"``
     the chunk is searched as :func:`vmcgrad._problem.problem.call` searches it, largest candidate
     first (cached: the update's own call compiles nothing more): a route that fits whole costs one
     compilation; one that fits no chunk raises the search's :class:`MemoryError`, whose ``need`` is
-    the one-sample chunk's bytes."""
+    the one-sample chunk's bytes. Where the route's ``floor`` (its dense matrix's bytes) is over
+    :data:`TIGHT_FLOOR` of the budget, the one-sample chunk is compiled first instead: a route over
+    the budget is then out after one compilation (the search, which would descend to it through
+    larger chunks, compiles it no more: the same lowering is cached)."""
     budget = budget_of(prob)
     if prob.chunk_size != "auto":
         need = program_bytes(compile_only(program, prob, *args))
         return Fit(need <= budget, prob.chunk_size, None if need <= budget else need)
+    if floor > TIGHT_FLOOR * budget:
+        need = program_bytes(compile_only(program, prob.at_chunk(1), *args))
+        if need > budget:
+            return Fit(False, None, need)
     choose = chooser(route)
     try:
         if choose is None:
@@ -221,7 +233,7 @@ def choose(
         if floor > budget:
             needs[route] = floor
             continue
-        found = fit(program, prob, args_at(route), route)
+        found = fit(program, prob, args_at(route), route, floor)
         needs[route] = found.need
         if found.fits:
             t = cost(route, sizes, found.chunk)
