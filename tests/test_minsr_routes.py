@@ -8,6 +8,7 @@ divides neither the devices nor the chunk 5.
 
 import dataclasses
 import inspect
+import types
 
 import jax
 import jax.numpy as jnp
@@ -130,7 +131,7 @@ def test_the_rule_takes_the_cheapest_route_that_fits(monkeypatch):
     prob, _, _ = problem("t", _logpsi(apply), params, x, chunk_size="auto", memory_budget=10**6)
     compiled, fits = [], {}
 
-    def fake_fit(program, prob, args, route):
+    def fake_fit(program, prob, args, route, floor=0):
         compiled.append(route)
         return routes.Fit(*fits[route])
 
@@ -441,3 +442,68 @@ def test_update_derives_the_model_once_as_netket(monkeypatch):
     assert ffts[0] <= ffts[1] and loops[0] <= loops[1], (ffts, loops)
     assert ops[0] <= ops[1], ops
     assert lines[0] <= 1.5 * lines[1], lines
+
+
+def test_the_update_compiles_its_program_once_where_it_fits_whole():
+    """Compile time (issue 47): with ``chunk_size="auto"`` and a budget the update fits whole, the
+    route search compiles the update's program once (the chosen route at its largest chunk: no
+    one-sample chunk compiled first) and the update's own call reuses that executable (compiles
+    nothing more); its result is the update in one chunk, to the summation order. N = 16: a power of
+    two per device on 1 or 4 devices (else the dense kernel's rule searches fewer, larger chunks too,
+    :func:`vmcgrad._sr.ntk.dense.choose_dense`)."""
+    n = 16
+    apply, _ = MODELS["r2c"]
+    params = _params(False)
+    x, e = _data(n)
+    lp = _logpsi(apply)
+    names = []
+
+    def listen(event, duration, fun_name="?", **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            names.append(fun_name)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        opts = dict(diag_shift=DIAG, chunk_size="auto", memory_budget=2**40)
+        got, _, _ = vmcgrad.minsr_update(lp, params, x, e, **opts)
+        jax.block_until_ready(got)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert names.count("jit(_update_program)") == 1, names
+    assert "jit(<lambda>)" not in names, names  # the model's FLOPs: from its lowered program
+    # the same update as in one chunk, to the summation order: a relative change of N eps in the
+    # kernel's entries, amplified at most by the solve's condition (‖T‖ + λ)/λ
+    route = minsr.update_route(lp, params, x, e, **opts)
+    want, _, _ = vmcgrad.minsr_update(lp, params, x, e, diag_shift=DIAG, route=route)
+    t_norm = float(jnp.linalg.norm(vmcgrad.NTK(lp, params, x, mode="complex").to_dense(), 2))
+    bound = n * np.finfo(np.float64).eps * (t_norm + DIAG) / DIAG * _tree_norm(want)
+    assert _tree_max_diff(got, want) <= bound, (_tree_max_diff(got, want), bound)
+
+
+def test_fit_compiles_the_largest_chunk_first_unless_the_route_is_tight():
+    """routes.fit on a stub program whose every chunk is over the budget (bytes 1000 + c): with room
+    for the route's matrix (floor at most TIGHT_FLOOR of the budget) the search starts at the largest
+    chunk (one compilation where the update fits whole); with a tight floor the one-sample chunk is
+    compiled first and the route is out after that one compilation. Either way ``need`` is the
+    one-sample chunk's bytes."""
+    apply, _ = MODELS["r2c"]
+    x, _ = _data(16)
+    budget = 500
+    prob, _, _ = problem("t", _logpsi(apply), _params(False), x, chunk_size="auto", memory_budget=budget)
+    lowered = []
+
+    class Program:
+        def lower(self, at, *args):
+            lowered.append(at.chunk_size)
+            memory = types.SimpleNamespace(
+                temp_size_in_bytes=1000 + at.chunk_size, argument_size_in_bytes=0, output_size_in_bytes=0
+            )
+            return types.SimpleNamespace(
+                compile=lambda: types.SimpleNamespace(memory_analysis=lambda: memory)
+            )
+
+    roomy = routes.fit(Program(), prob, (), "cg", floor=int(routes.TIGHT_FLOOR * budget))
+    assert roomy == routes.Fit(False, None, 1001) and lowered[0] == prob.n_local and lowered[-1] == 1, lowered
+    lowered.clear()
+    tight = routes.fit(Program(), prob, (), "cg", floor=int(routes.TIGHT_FLOOR * budget) + 1)
+    assert tight == routes.Fit(False, None, 1001) and lowered == [1], lowered

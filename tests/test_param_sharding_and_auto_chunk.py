@@ -91,6 +91,42 @@ def test_auto_chunk_is_the_largest_power_of_two_that_fits():
         assert vmcgrad.auto_chunk_size(fun, params, x, memory_budget=2**40) == 512
 
 
+def test_the_auto_call_runs_the_program_its_search_compiled():
+    """Compile time (issue 47): an eager ``chunk_size="auto"`` call compiles only the candidates its
+    search compiled (``Choice.compiled``, here several: the budget lies between chunks 64 and 128):
+    the run reuses the chosen candidate's executable, and its result is the call's at that chunk."""
+    fun, params, samples = make_case("r2c", 512 * N_DEV)
+    mesh = auto_mesh()
+    names = []
+
+    def listen(event, duration, fun_name="?", **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            names.append(fun_name)
+
+    with jax.set_mesh(mesh):
+        x = jax.device_put(samples, NamedSharding(mesh, P("S")))
+        ct = jax.device_put(jnp.ones(512 * N_DEV, jnp.complex128), NamedSharding(mesh, P("S")))
+        params = jax.device_put(params, NamedSharding(mesh, P()))
+
+        def need(c):
+            lowered = vmcgrad.lower(vmcgrad.batched_vjp, fun, params, x, ct, chunk_size=c)
+            return vmcgrad.program_bytes(lowered.compile())
+
+        budget = (need(64) + need(128)) // 2
+        jax.monitoring.register_event_duration_secs_listener(listen)
+        try:
+            got = jax.block_until_ready(
+                vmcgrad.batched_vjp(fun, params, x, ct, chunk_size="auto", memory_budget=budget)
+            )
+        finally:
+            jax.monitoring.unregister_event_duration_listener(listen)
+        choice = vmcgrad.auto_chunk_size(fun, params, x, memory_budget=budget, info=True)
+        assert choice.value == 64 and choice.compiled >= 2, choice
+        assert names.count("jit(vjp_program)") == choice.compiled, (names, choice)
+        want = vmcgrad.batched_vjp(fun, params, x, ct, chunk_size=64)
+    assert_tree_allclose(got, want, rtol=0)
+
+
 class _Analysis:
     """A stand-in for ``jax.stages.Compiled``: ``memory_analysis()`` from a bytes curve, and an empty
     program (no ops: every fitting chunk is priced the same, so the least modelled time is the

@@ -141,8 +141,8 @@ def choose_dense(program: Any, prob: Problem, op: Any, *args: Any) -> tuple[int,
     chunk = auto_chunk(program, prob, op, *args)  # b = c (on an accelerator): the chunk at once
     plan = prob.at_chunk(chunk).plan
     fixed = dataclasses.replace(op, jacobian_batch=jacobian_batch(plan.size))
-    if plan.count == 1:
-        return chunk, (fixed, *args)
+    if plan.count == 1:  # the operator compiled (its batch None is the chunk's): the run reuses it
+        return chunk, (op, *args)
     fewer = sorted({-(-prob.n_local // m) for m in range(1, plan.count + 1)})
     return auto_chunk(program, prob, fixed, *args, candidates=fewer), (fixed, *args)
 

@@ -138,36 +138,49 @@ def chooser(route: str) -> Callable | None:
 
 
 class Fit(NamedTuple):
-    """Whether a route's update fits the budget, at which chunk, and the bytes it needs at its least
-    (one sample per chunk with ``chunk_size="auto"``, else at the given chunk)."""
+    """Whether a route's update fits the budget, at which chunk, and, where it does not, the bytes it
+    needs at its least (one sample per chunk with ``chunk_size="auto"``, else at the given chunk;
+    None where it fits)."""
 
     fits: bool
     chunk: Any
-    need: int
+    need: int | None
 
 
-def fit(program: Any, prob: Problem, args: tuple, route: str) -> Fit:
+#: Where a route's floor (:func:`floor_bytes`) is above this part of the budget, :func:`fit` compiles
+#: its one-sample chunk first: its matrix, factor and blocks may well not fit at any chunk.
+TIGHT_FLOOR = 0.25
+
+
+def fit(program: Any, prob: Problem, args: tuple, route: str, floor: int = 0) -> Fit:
     """:class:`Fit` of ``program(prob, *args)`` on ``route`` (compile only). With ``chunk_size="auto"``
-    a chunk of one sample is compiled first (the least any chunk needs: a route whose one-sample
-    chunk is over the budget is out after one compilation), then the chunk is searched as
-    :func:`vmcgrad._problem.problem.call` searches it (cached: the update's own call compiles
-    nothing more)."""
+    the chunk is searched as :func:`vmcgrad._problem.problem.call` searches it, largest candidate
+    first (cached: the update's own call compiles nothing more): a route that fits whole costs one
+    compilation; one that fits no chunk raises the search's :class:`MemoryError`, whose ``need`` is
+    the one-sample chunk's bytes. Where the route's ``floor`` (its dense matrix's bytes) is over
+    :data:`TIGHT_FLOOR` of the budget, the one-sample chunk is compiled first instead: a route over
+    the budget is then out after one compilation (the search, which would descend to it through
+    larger chunks, compiles it no more: the same lowering is cached)."""
     budget = budget_of(prob)
     if prob.chunk_size != "auto":
         need = program_bytes(compile_only(program, prob, *args))
-        return Fit(need <= budget, prob.chunk_size, need)
-    need = program_bytes(compile_only(program, prob.at_chunk(1), *args))
-    if need > budget:
-        return Fit(False, None, need)
+        return Fit(need <= budget, prob.chunk_size, None if need <= budget else need)
+    if floor > TIGHT_FLOOR * budget:
+        need = program_bytes(compile_only(program, prob.at_chunk(1), *args))
+        if need > budget:
+            return Fit(False, None, need)
     choose = chooser(route)
     try:
         if choose is None:
             chunk = auto_chunk(program, prob, *args)
         else:
             chunk, _ = choose(program, prob, *args)
-    except MemoryError as err:  # (a chunk's bytes were not monotone)
-        return Fit(False, None, getattr(err, "need", need))
-    return Fit(True, chunk, need)
+    except MemoryError as err:  # not even one sample per chunk fits
+        need = getattr(err, "need", None)
+        if need is None:  # (a chooser's own error: the one-sample chunk's bytes)
+            need = program_bytes(compile_only(program, prob.at_chunk(1), *args))
+        return Fit(False, None, need)
+    return Fit(True, chunk, None)
 
 
 class NoRouteFits(MemoryError):
@@ -220,7 +233,7 @@ def choose(
         if floor > budget:
             needs[route] = floor
             continue
-        found = fit(program, prob, args_at(route), route)
+        found = fit(program, prob, args_at(route), route, floor)
         needs[route] = found.need
         if found.fits:
             t = cost(route, sizes, found.chunk)
@@ -248,7 +261,9 @@ _FORWARD = Cache(maxsize=64, name="minsr_update's route choice: the model's FLOP
 
 def forward_flops(prob: Problem, inputs: Inputs, rows: int = 8) -> float:
     """The model's FLOPs per sample: XLA's cost analysis of one call on ``rows`` samples (no loop:
-    its count is the program's), divided by ``rows``; 0 where the backend gives none."""
+    its count is the program's), divided by ``rows``; 0 where the backend gives none. The analysis
+    is of the lowered program, not compiled (the route choice's first step compiles nothing but
+    the candidates; the count is the compiled one's to within its simplifications)."""
     b = min(prob.n_local, rows)
     plain = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
     data, params = jax.tree.map(plain, (tuple(inputs.fun_data), inputs.params))
@@ -258,7 +273,7 @@ def forward_flops(prob: Problem, inputs: Inputs, rows: int = 8) -> float:
         return _FORWARD.get(key)
     call = jax.jit(lambda d, p, x: prob.user_fun(d)(p, x))
     try:
-        analysis = call.lower(data, params, x).compile().cost_analysis()
+        analysis = call.lower(data, params, x).cost_analysis()
     except Exception:  # a backend without a cost analysis: the caller's fallback
         analysis = None
     if isinstance(analysis, (list, tuple)):
