@@ -21,6 +21,8 @@ program against NetKet's counterpart and gives the ratio vmcgrad / NetKet of eac
   unchunked; N = 1024, ``"auto"`` within 1 GiB and within 64 MiB against NetKet's chunk 256;
 - the QGT product ``S @ v`` at N = 256, chunk 64: ``vmcgrad.QGT`` (built outside the program, as a
   solve builds it once) against NetKet's ``QGTOnTheFly`` (built inside: its construction is lazy);
+  and ``vmcgrad.QGT`` built inside the program too (``qgt-built``: its :math:`\bar O` pass included,
+  were a product to read it);
 - the gradient at N = 1024, chunk 64: ``vmcgrad.expect_grad`` against NetKet's chunked force
   (``nk.jax.vjp_chunked`` and ``force_to_grad``, ``benchlib._setup.netket_grad``).
 
@@ -92,6 +94,12 @@ def comparisons(n: int, n_big: int, chunk: int, chunk_big: int, budget: float, b
             "qgt",
             f"QGT S·v, N = {n}, chunk {chunk} both",
             ("qgt", "vmcgrad", n, chunk, None),
+            ("qgt", "netket", n, chunk, None),
+        ),
+        (
+            "qgt-built",
+            f"QGT S·v, N = {n}, chunk {chunk} both, each built in the program",
+            ("qgt-built", "vmcgrad", n, chunk, None),
             ("qgt", "netket", n, chunk, None),
         ),
         (
@@ -184,10 +192,14 @@ class Kernels:
         w, ms, apply = vs.parameters, vs.model_state, vs.model.apply
         import vmcgrad
 
-        if kind == "qgt":
+        if kind in ("qgt", "qgt-built"):
             v = jax.tree.map(lambda p: jnp.full_like(p, 0.5), w)
+            logpsi = tte.log_psi(vs)
+            if kind == "qgt-built":  # built and applied in one program, as NetKet's
+                built = lambda w, x, v: vmcgrad.QGT(logpsi, w, x, chunk_size=chunk, diag_shift=1e-3) @ v
+                return jax.jit(built).lower(w, samples, v)
             if name == "vmcgrad":
-                S = vmcgrad.QGT(tte.log_psi(vs), w, samples, chunk_size=chunk, diag_shift=1e-3)
+                S = vmcgrad.QGT(logpsi, w, samples, chunk_size=chunk, diag_shift=1e-3)
                 return jax.jit(lambda S, v: S @ v).lower(S, v)
             from netket.optimizer.qgt.qgt_onthefly import QGTOnTheFly_DefaultConstructor
 

@@ -25,10 +25,10 @@ def test_smoke_table_costs_every_comparison_from_its_compiled_programs(tmp_path)
     programs = [r for r in rows if r["row"] == "program"]
     comparisons = [r for r in rows if r["row"] == "comparison"]
     keys = ["minsr-chunk", "minsr-auto", "minsr-auto-big", "minsr-n-big", "minsr-n-big-small-budget"]
-    assert [c["key"] for c in comparisons] == [*keys, "qgt", "grad"]
-    # each program once (NetKet's chunked N = 32 program serves two comparisons): 7 of vmcgrad's, 5
-    # of NetKet's
-    assert len(programs) == 12, [(p["program"], p["N"], p["chunk"]) for p in programs]
+    assert [c["key"] for c in comparisons] == [*keys, "qgt", "qgt-built", "grad"]
+    # each program once (NetKet's chunked N = 32 MinSR program and its QGT product serve two comparisons
+    # each): 8 of vmcgrad's, 5 of NetKet's
+    assert len(programs) == 13, [(p["program"], p["N"], p["chunk"]) for p in programs]
     for p in programs:
         assert p["ops"] >= 10 and p["gflop"] > 0 and p["gbytes"] > 0 and p["temp_mib"] > 0, p
         assert p["compiled_on"] == "cpu" and p["unknown_trip_loops"] == 0, p
@@ -43,4 +43,4 @@ def test_smoke_table_costs_every_comparison_from_its_compiled_programs(tmp_path)
         assert set(c["ratio"]) == {"cpu", "gpu", "tpu"} and min(c["ratio"].values()) > 0, c
     table = table_path.read_text()
     assert "python benchmarks/accelerator_cost.py --smoke" in table
-    assert table.count("| vmcgrad ") == 7 and table.count("| NetKet ") == 7, table
+    assert table.count("| vmcgrad ") == 8 and table.count("| NetKet ") == 8, table
