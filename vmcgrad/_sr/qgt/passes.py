@@ -129,13 +129,16 @@ def product_jvp_vjp_chunk(fun, params, x, w, obar, v, *, mode: str) -> tuple[Pul
     across ``lax.optimization_barrier`` when XLA CPU's YNN fusion is on): the jvp runs inside a
     ``lax.cond`` (on whether the chunk has a counted row), a computation of its own, and the second
     pass reads the samples through a zero that the cond returns with :math:`\Delta w`
-    (``x + 0·Σw``). The chunk then holds about what NetKet's jvp pass holds, less than the fused
+    (``x + 0·Σw``). Both need ``w`` as a value of the run: where every row counts the runner passes
+    a constant, which XLA would fold (the cond with it), so ``w`` passes an optimisation barrier
+    first. The chunk then holds about what NetKet's jvp pass holds, less than the fused
     design's chunk (compiled bytes: ``benchmarks/qgt_design_bytes.py``), at the price of a second
     forward pass. :class:`~vmcgrad.QGTOperator` takes it where the memory budget makes it the faster
     choice (``design="jvp_vjp"``).
     """
     g, theta = _on_rep(fun, params, mode)
     real = jnp.finfo(_dtype(obar)).dtype
+    w = jax.lax.optimization_barrier(w)  # not a constant to XLA (see above)
 
     def tangent(x):
         _, ov = jax.jvp(lambda p: g(p, x), (theta,), (v,))
