@@ -28,6 +28,8 @@ counterpart and gives the ratios vmcgrad / NetKet of each modelled time and of t
 - the QGT solve, the same operators, by conjugate gradient (``S.solve(b)`` against NetKet's
   ``QGTOnTheFly(...).solve(jax.scipy.sparse.linalg.cg, b)``, both tol 1e-5): the CG loop's trip count
   is not in the program, so its ops count the set-up and one iteration;
+- the QGT product with ``vmcgrad.QGT`` built inside the program too (``qgt-built``: as NetKet's, the
+  operator and its product in one program);
 - the gradient at N = 1024, chunk 64: ``vmcgrad.expect_grad`` against NetKet's chunked force
   (``nk.jax.vjp_chunked`` and ``force_to_grad``, ``benchlib._setup.netket_grad``);
 - the chunked primitives at N = 1024, chunk 64: ``vmcgrad.batched_vjp`` against ``nk.jax.vjp_chunked``
@@ -124,6 +126,12 @@ def comparisons(n: int, n_big: int, chunk: int, chunk_big: int, budget: float, b
             f"QGT solve (CG, tol 1e-5), N = {n}, chunk {chunk} both",
             ("qgt-solve", "vmcgrad", n, chunk, None),
             ("qgt-solve", "netket", n, chunk, None),
+        ),
+        (
+            "qgt-built",
+            f"QGT S·v, N = {n}, chunk {chunk} both, each built in the program",
+            ("qgt-built", "vmcgrad", n, chunk, None),
+            ("qgt", "netket", n, chunk, None),
         ),
         (
             "grad",
@@ -255,8 +263,11 @@ class Kernels:
         forward = lambda w, ms, x: apply({"params": w, **ms}, x)  # NetKet's forward_fn
         import vmcgrad
 
-        if kind in ("qgt", "qgt-solve"):
+        if kind in ("qgt", "qgt-solve", "qgt-built"):
             v = jax.tree.map(lambda p: jnp.full_like(p, 0.5), w)
+            if kind == "qgt-built":  # built and applied in one program, as NetKet's
+                built = lambda w, x, v: vmcgrad.QGT(logpsi, w, x, chunk_size=chunk, diag_shift=1e-3) @ v
+                return jax.jit(built).lower(w, samples, v)
             if name == "vmcgrad":  # S built outside the program, as a solve builds it once
                 S = vmcgrad.QGT(logpsi, w, samples, chunk_size=chunk, diag_shift=1e-3)
                 if kind == "qgt":
@@ -368,6 +379,7 @@ KIND_NAMES = {
     "minsr": "MinSR update",
     "qgt": "QGT S·v",
     "qgt-solve": "QGT solve",
+    "qgt-built": "QGT S·v built in the program",
     "grad": "gradient",
     "vjp": "vjp",
     "jvp": "jvp",

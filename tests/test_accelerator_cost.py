@@ -26,16 +26,17 @@ def test_smoke_table_costs_every_comparison_from_its_compiled_programs(tmp_path)
     programs = [r for r in rows if r["row"] == "program"]
     comparisons = [r for r in rows if r["row"] == "comparison"]
     keys = ["minsr-chunk", "minsr-auto", "minsr-auto-big", "minsr-n-big", "minsr-n-big-small-budget"]
-    keys += ["qgt", "qgt-solve", "grad", "vjp", "jvp"]
+    keys += ["qgt", "qgt-solve", "qgt-built", "grad", "vjp", "jvp"]
     assert [(c["key"], c["priced_for"]) for c in comparisons] == [
         (k, p) for p in ("tpu", "gpu") for k in keys
     ]
     # each program once per platform priced for (NetKet's chunked N = 32 program serves two
-    # comparisons and every platform): 10 of vmcgrad's per platform, 8 of NetKet's
+    # comparisons and every platform, its QGT product two more): 11 of vmcgrad's per platform, 8 of
+    # NetKet's
     ours = [p for p in programs if p["program"].startswith("vmcgrad")]
     theirs = [p for p in programs if not p["program"].startswith("vmcgrad")]
     assert len(theirs) == 8 and {p["priced_for"] for p in theirs} == {None}, theirs
-    assert sorted(p["priced_for"] for p in ours) == ["gpu"] * 10 + ["tpu"] * 10, ours
+    assert sorted(p["priced_for"] for p in ours) == ["gpu"] * 11 + ["tpu"] * 11, ours
     # a program the gpu's choices repeat is the tpu's, by its StableHLO, and is not compiled again
     tpu = {(p["kind"], p["N"], p["chunk"], p["budget_mib"]): p for p in ours if p["priced_for"] == "tpu"}
     assert not any("same_program_as" in p for p in tpu.values()), tpu  # the first platform's: all compiled

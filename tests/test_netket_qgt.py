@@ -695,7 +695,11 @@ def test_memory_budget_changes_the_pick():
 
 
 BAD_DESIGN_OR_BUDGET = {
-    "unknown design": ({"design": "jvp"}, ValueError, r"`design` must be one of \('fused', 'jvp_vjp'\)"),
+    "unknown design": (
+        {"design": "jvp"},
+        ValueError,
+        r"`design` must be one of \('fused', 'jvp_vjp', 'two_loop'\)",
+    ),
     "design not a string": ({"design": 1}, ValueError, "`design` must be one of"),
     "zero budget": ({"memory_budget": 0}, ValueError, "`memory_budget` must be a positive number"),
     "nan budget": ({"memory_budget": float("nan")}, ValueError, "`memory_budget` must be a positive"),

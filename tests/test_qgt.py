@@ -108,12 +108,13 @@ DTYPE_CASES = [(c, jnp.float64) for c in MODES] + [
 
 
 @pytest.mark.quick_cover("dtype", "design")
-@pytest.mark.parametrize("design", ["fused", "jvp_vjp"])
+@pytest.mark.parametrize("design", ["fused", "jvp_vjp", "two_loop"])
 @pytest.mark.parametrize("case, dtype", DTYPE_CASES, ids=[f"{c}-{jnp.dtype(d).name}" for c, d in DTYPE_CASES])
 def test_against_dense_reference(case, dtype, design):
-    """Both designs of the product (one linearisation per chunk; a jvp, then the pullback of a second
-    forward pass) give the dense S's products on every kind of vector, its matrix, diagonal and solves
-    (chunk 5 of 37 rows per device: a shifted last chunk)."""
+    """Every design of the product (one linearisation per chunk; a jvp, then the pullback of a second
+    forward pass; a loop of jvps, their centring, then a loop of pullbacks) gives the dense S's
+    products on every kind of vector, its matrix, diagonal and solves (chunk 5 of 37 rows per device:
+    a shifted last chunk)."""
     fun, params, samples = make_case(case, N, dtype)
     mode = MODES[case]
     ref = Dense(fun, params, samples, mode)

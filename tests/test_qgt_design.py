@@ -1,5 +1,6 @@
 """The choice of the QGT product's design (fused; jvp then vjp) and chunk that ``chunk_size="auto"``
-makes from the memory budget (compiled bytes, nothing timed). Both designs against the dense Jacobian
+makes from the memory budget (compiled bytes, nothing timed); the two-loop design of a product in the
+trace that built its operator (trip-weighted FLOPs). Both designs against the dense Jacobian
 reference: ``test_qgt.py::test_against_dense_reference``; under transformations:
 ``test_transforms.py::test_qgt_transforms``."""
 
@@ -119,8 +120,58 @@ def test_explicit_design_and_bad_design():
     S = vmcgrad.QGT(fun, params, x, chunk_size="auto", memory_budget=2**34, design="jvp_vjp")
     assert S.design == "jvp_vjp" and S.chunk_size == S.problem.n_local
     assert vmcgrad.QGT(fun, params, x, chunk_size=8).design == "fused"
-    with pytest.raises(ValueError, match=r"`design` must be one of \('fused', 'jvp_vjp'\)"):
+    with pytest.raises(ValueError, match=r"`design` must be one of \('fused', 'jvp_vjp', 'two_loop'\)"):
         vmcgrad.QGT(fun, params, x, design="jvp")
+
+
+# --- a product in the trace that built the operator: NetKet's passes, no pass for O-bar ----------
+
+
+def _flops(fun, *args):
+    """Trip-weighted FLOPs of ``fun``'s compiled program (:func:`vmcgrad.program_cost`)."""
+    return vmcgrad.program_cost(jax.jit(fun).lower(*args).compile()).flops
+
+
+@pytest.mark.parametrize("output", ["complex", "real"])
+def test_product_where_the_operator_is_built_costs_a_jvp_pass_and_a_vjp_pass(output):
+    """``jax.jit(lambda w, x, v: vmcgrad.QGT(f, w, x) @ v)``, the operator built and applied once in
+    one program (NetKet's lazy ``QGTOnTheFly @ v``): its trip-weighted FLOPs are at most those of a
+    chunked jvp pass and a chunked vjp pass of the same model and chunk
+    (``vmcgrad.batched_jvp`` + ``vmcgrad.batched_vjp``, each a forward pass and its linear pass: NetKet's
+    design) plus elementwise work over the P parameters and the N rows. The pass for :math:`\bar O`
+    that the operator's construction runs (a forward pass and one pullback, two where O is complex
+    over real parameters) and the fused product's own forward pass exceed that bound by at least a
+    forward pass and a pullback: the two-loop design reads no :math:`\bar O`, so XLA drops its pass.
+    An operator built outside the program, or returned from another one, keeps the fused design
+    (three passes: fewer FLOPs than the two loops). All three products agree."""
+    fun, params, x = _rbm(per_device=256 // N_DEV)
+    if output == "complex":
+        real = fun
+        fun = lambda p, x: real(p, x) + 1j * jnp.sum(jnp.sin(x @ p["W"]), -1)
+    c = 32
+    v = jax.tree.map(lambda a: jnp.cos(jnp.arange(a.size, dtype=a.dtype).reshape(a.shape)), params)
+
+    with setup("netket") as place:  # the samples split over the devices: the mean is global
+        x = place(x)
+        inside = lambda w, x, v: vmcgrad.QGT(fun, w, x, chunk_size=c, diag_shift=0.1) @ v
+        out = jax.eval_shape(fun, params, x)
+        ct = place(jnp.ones(out.shape, out.dtype))
+        jvp = lambda w, x, v: vmcgrad.batched_jvp(fun, w, x, v, chunk_size=c)
+        vjp = lambda w, x, ct: vmcgrad.batched_vjp(fun, w, x, ct, chunk_size=c)
+        flops = _flops(inside, params, x, v)
+        passes = _flops(jvp, params, x, v) + _flops(vjp, params, x, ct)
+        n_params = sum(a.size for a in jax.tree.leaves(params))
+        slack = 16 * (n_params + x.shape[0])  # the centring, 1/N, the shift and the output casts
+        assert flops <= passes + slack, (flops, passes, slack)
+
+        S = vmcgrad.QGT(fun, params, x, chunk_size=c, diag_shift=0.1)  # outside any trace: O-bar paid here
+        built = jax.jit(lambda w, x: vmcgrad.QGT(fun, w, x, chunk_size=c, diag_shift=0.1))(params, x)
+        assert S._for_product().design == built._for_product().design == "fused"
+        outside = _flops(lambda S, v: S @ v, S, v)
+        assert outside < flops, (outside, flops)
+        ref = S @ v
+        close(jax.jit(inside)(params, x, v), ref, jnp.float64)
+        close(built @ v, ref, jnp.float64)
 
 
 # --- solves with every chunk's linearisation kept ------------------------------------------------

@@ -94,12 +94,13 @@ def test_the_bytes_check_fires_when_the_runner_falls_back_to_plus_equals(monkeyp
 
 
 def bound_pullbacks(fn, *args):
-    """The ``pullback`` parameter of every chunked equation in ``fn``'s jaxpr (sub-jaxprs included)."""
+    """The ``pullback`` parameter of every chunked equation with sums in ``fn``'s jaxpr (sub-jaxprs
+    included; a pass of per-sample outputs only, such as a jvp's, has no sums to pull back)."""
     found = []
 
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
-            if eqn.primitive is _chunked.chunked_p:
+            if eqn.primitive is _chunked.chunked_p and eqn.params["params"].sum_layout:
                 found.append(eqn.params["params"].pullback)
             for sub in jax.extend.core.jaxprs_in_params(eqn.params):
                 walk(sub)
@@ -110,17 +111,20 @@ def bound_pullbacks(fn, *args):
 
 @pytest.mark.parametrize("dtype", [jnp.float64, jnp.float32, jnp.complex128])
 def test_every_untransformed_pullback_is_bound_in_pullback_form(dtype):
-    """batched_vjp, expect_grad, the QGT's mean and product passes: each binds its pullback form
-    (and the results equal jax.vjp's)."""
+    """batched_vjp, expect_grad, the QGT's mean and product passes (the fused product of an operator
+    built outside the trace; the two-loop product's pullback pass in the trace that built it): each
+    binds its pullback form (and the results equal jax.vjp's)."""
     k1, k2 = jax.random.split(jax.random.key(1))
     w = (jax.random.normal(k1, (5, 3)) / 3).astype(dtype)
     x = jax.random.normal(k2, (37, 5)).astype(jnp.real(w).dtype)
     fun = lambda w, x: jnp.sum(jnp.tanh(x @ w), -1)
     ct = jnp.linspace(-1, 1, 37).astype(jnp.result_type(w))
+    S = vmcgrad.QGT(fun, w, x, chunk_size=8)  # built outside the traces below: the fused product
     est = [
         lambda w: vmcgrad.batched_vjp(fun, w, x, ct, chunk_size=8),
         lambda w: vmcgrad.expect_grad(fun, w, x, ct, chunk_size=8),
         lambda w: vmcgrad.QGT(fun, w, x, chunk_size=8) @ w,
+        lambda v: S @ v,
     ]
     for e in est:
         forms = bound_pullbacks(e, w)

@@ -62,6 +62,11 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("jax.extend.core", "Literal", _CHECKS),
     Internal("jax.extend.core", "Var", _RULES),
     Internal("jax.extend.core", "jaxpr_as_fun", f"{_BODY}; {_REFS}"),
+    Internal(
+        "jax.extend.core",
+        "get_opaque_trace_state",
+        "vmcgrad._sr.qgt.qgt (whether a QGT product runs in the trace that built the operator)",
+    ),
     Internal("jax.interpreters.ad", "primitive_jvps", _RULES),
     Internal("jax.interpreters.ad", "primitive_transposes", _RULES),
     Internal("jax.interpreters.ad", "Zero", _RULES),
@@ -232,7 +237,15 @@ check_internals()
 
 # what vmcgrad's modules import from here (after the check)
 from jax.custom_derivatives import linear_call  # noqa: E402
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Primitive, Var, jaxpr_as_fun  # noqa: E402
+from jax.extend.core import (  # noqa: E402
+    ClosedJaxpr,
+    Jaxpr,
+    Literal,
+    Primitive,
+    Var,
+    get_opaque_trace_state,
+    jaxpr_as_fun,
+)
 from jax.interpreters import ad, batching, mlir  # noqa: E402
 from jax.interpreters import partial_eval as pe  # noqa: E402
 
@@ -250,6 +263,7 @@ __all__ = [
     "batching",
     "check_internals",
     "cluster_env",
+    "get_opaque_trace_state",
     "gloo_tcp_collectives_module",
     "jaxpr_as_fun",
     "linear_call",

@@ -97,8 +97,22 @@ class Chunks(NamedTuple):
     n_total: int
     devices: int = 1
 
+    @property
+    def exact(self) -> bool:
+        """Whether the chunks tile the ``n_local`` rows exactly (no last chunk shifted back)."""
+        return self.plan.count * self.plan.size == self.plan.n
+
+    @property
+    def every_row(self) -> bool:
+        """Whether every row of every chunk on every device counts (statically: the chunks tile the
+        rows, and no device holds padding)."""
+        return self.exact and self.plan.n * self.devices == self.n_total
+
     def start(self, k: jax.Array) -> jax.Array:
-        """First local row of chunk ``k``; the last chunk is shifted back to end at ``n_local``."""
+        """First local row of chunk ``k``; the last chunk is shifted back to end at ``n_local``
+        (where the chunks tile the rows, ``k * size``: no clamp for the loop to compute)."""
+        if self.exact:
+            return k * self.plan.size
         return jnp.minimum(k * self.plan.size, self.plan.n - self.plan.size)
 
     def take(self, k: jax.Array, *trees: Any, dtype: Any = jnp.float32) -> tuple[Any, ...]:
@@ -108,14 +122,45 @@ class Chunks(NamedTuple):
             ``(*chunks, w)`` with ``w`` of shape ``(size,)`` and ``dtype``: 1 for rows that count
             here, 0 for padded rows and rows an earlier chunk covered (the module's one rule).
         """
+        if self.exact:  # chunk k is block k of the rows seen as (count, size, ...): no start to compute
+            sliced = tuple(jax.tree.map(lambda a: block(a, k, self.plan.count), t) for t in trees)
+        else:
+            start = self.start(k)
+            sliced = tuple(jax.tree.map(lambda a: slice_rows(a, start, self.plan.size), t) for t in trees)
+        if self.every_row:  # a constant, which XLA folds into its uses
+            return (*sliced, jnp.ones(self.plan.size, dtype))
         start = self.start(k)
-        sliced = tuple(
-            jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, self.plan.size), t) for t in trees
-        )
         local = start + jnp.arange(self.plan.size)
-        fresh = local >= k * self.plan.size
         real = self.first + local < self.n_total
-        return (*sliced, (fresh & real).astype(dtype))
+        if not self.exact:  # rows the shifted last chunk re-reads count in the earlier chunk
+            real = real & (local >= k * self.plan.size)
+        return (*sliced, real.astype(dtype))
+
+
+def slice_rows(a: jax.Array, start: jax.Array, size: int) -> jax.Array:
+    """Rows ``start .. start + size`` of ``a``: a chunk's start is never negative, so no wrap of a
+    negative index is computed (one op less in the loop's body)."""
+    return jax.lax.dynamic_slice_in_dim(a, start, size, allow_negative_indices=False)
+
+
+def blocks(a: jax.Array, count: int) -> jax.Array:
+    """``a``'s rows as ``count`` blocks: shape ``(count, rows // count, ...)`` (a reshape, no copy)."""
+    return a.reshape(count, a.shape[0] // count, *a.shape[1:])
+
+
+def block(a: jax.Array, k: jax.Array, count: int) -> jax.Array:
+    """Block ``k`` of ``a``'s rows cut into ``count`` equal blocks (:func:`blocks`)."""
+    return jax.lax.dynamic_index_in_dim(blocks(a, count), k, keepdims=False, allow_negative_indices=False)
+
+
+def put_block(a: jax.Array, x: jax.Array, k: jax.Array) -> jax.Array:
+    """``a`` with ``a[k] = x`` (``k`` never negative: no wrap computed)."""
+    return jax.lax.dynamic_update_index_in_dim(a, x, k, 0, allow_negative_indices=False)
+
+
+def update_rows(a: jax.Array, rows: jax.Array, start: jax.Array) -> jax.Array:
+    """``a`` with ``rows`` written from row ``start`` on (never negative, as in :func:`slice_rows`)."""
+    return jax.lax.dynamic_update_slice_in_dim(a, rows, start, 0, allow_negative_indices=False)
 
 
 # --- precision: what the sums over chunks are accumulated in -----------------------------------

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from vmcgrad._chunks.plan import acc_dtype
+from vmcgrad._chunks.plan import acc_dtype, slice_rows
 from vmcgrad._jax_private import ClosedJaxpr, jaxpr_as_fun
 from vmcgrad._runner.body import Body, Operands, trace, trace_flat
 
@@ -231,8 +231,7 @@ def _pull_into(accs: list, pb: PullbackJaxprs, pre_sums: Sequence) -> None:
 def has_uncounted_rows(chunks: Any) -> bool:
     """Whether any chunk on any device holds rows of weight False (known statically: padding to the
     device count, or a shifted last chunk)."""
-    plan = chunks.plan
-    return plan.count * plan.size != plan.n or plan.n * chunks.devices != chunks.n_total
+    return not chunks.every_row
 
 
 def _finite_stand_ins(
@@ -270,8 +269,8 @@ def _finite_stand_ins(
     size = w.shape[0]
 
     def put(a):
-        rows = jax.lax.dynamic_slice_in_dim(a, start, size)
-        row = jax.lax.dynamic_slice_in_dim(a, start + stand_in, 1)
+        rows = slice_rows(a, start, size)
+        row = slice_rows(a, start + stand_in, 1)
         return jnp.where(keep.reshape((size,) + (1,) * (a.ndim - 1)), rows, row)
 
     return jax.tree.map(put, list(samples))

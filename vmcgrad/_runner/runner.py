@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from vmcgrad._chunks.plan import Chunks, Space, acc_dtype
+from vmcgrad._chunks.plan import Chunks, Space, acc_dtype, put_block, slice_rows, update_rows
 from vmcgrad._problem.sharding import gather, pad_to_devices, reduce, specs, unsplit_explicit
 from vmcgrad._runner.body import Body, Operands, Outputs
 from vmcgrad._runner.refs import PullbackJaxprs, pull_chunk
@@ -166,34 +166,40 @@ def device_pass(body: Body, pullback: PullbackJaxprs | None, ops: Operands, chun
     """
     avals = body.out_avals
     accs = [jax.new_ref(jnp.zeros(a.shape, acc_dtype(a.dtype))) for a in avals.sums]
-    bufs = [jnp.zeros((chunks.plan.n, *a.shape[1:]), a.dtype) for a in avals.maps]
-    slots = [jnp.zeros((chunks.plan.count, *a.shape), a.dtype) for a in avals.slots]
-    size, one = chunks.plan.size, chunks.plan.count == 1
+    size, one, count = chunks.plan.size, chunks.plan.count == 1, chunks.plan.count
+    # where every chunk's rows all count, the per-sample outputs are written block by block (chunk k
+    # is block k of (count, size, ...)): no earlier rows to keep, no row offset to compute
+    every_row = chunks.every_row
+    rows_shape = (count, size) if every_row else (chunks.plan.n,)
+    bufs = [jnp.zeros((*rows_shape, *a.shape[1:]), a.dtype) for a in avals.maps]
+    slots = [jnp.zeros((count, *a.shape), a.dtype) for a in avals.slots]
     assert pullback is None or not ops.chunks, "the pullback form reads no per-chunk operands"
 
     def step(carry):
         k, bufs, slots = carry
         *chunk, w = chunks.take(k, *ops.samples, dtype=jnp.bool_)
         if pullback is None:
-            own = tuple(jax.lax.dynamic_index_in_dim(a, k, keepdims=False) for a in ops.chunks)
+            own = tuple(
+                jax.lax.dynamic_index_in_dim(a, k, keepdims=False, allow_negative_indices=False)
+                for a in ops.chunks
+            )
             out = body(Operands(ops.rep, tuple(chunk), own), w)
             for acc, part in zip(accs, out.sums):
                 acc[...] += part.astype(acc.dtype)
         else:
             out = pull_chunk(accs, pullback, ops.rep, chunk, ops.samples, chunks, k, w)
-        start = chunks.start(k)
         if one:  # its rows are the output: no earlier chunk's to keep, and padded rows are cut
             new = list(out.maps)
+        elif every_row:
+            new = [put_block(buf, rows, k) for buf, rows in zip(bufs, out.maps)]
         else:
+            start = chunks.start(k)
             new = []
             for buf, rows in zip(bufs, out.maps):
-                old = jax.lax.dynamic_slice_in_dim(buf, start, size)
+                old = slice_rows(buf, start, size)
                 keep = w.reshape((size,) + (1,) * (rows.ndim - 1))
-                new.append(jax.lax.dynamic_update_slice_in_dim(buf, jnp.where(keep, rows, old), start, 0))
-        new_slots = [
-            jax.lax.dynamic_update_index_in_dim(slot, x.astype(slot.dtype), k, 0)
-            for slot, x in zip(slots, out.slots)
-        ]
+                new.append(update_rows(buf, jnp.where(keep, rows, old), start))
+        new_slots = [put_block(slot, x.astype(slot.dtype), k) for slot, x in zip(slots, out.slots)]
         return k + 1, new, new_slots
 
     carry = (jnp.int32(0), bufs, slots)
@@ -201,4 +207,6 @@ def device_pass(body: Body, pullback: PullbackJaxprs | None, ops: Operands, chun
         _, bufs, slots = step(carry)
     else:
         _, bufs, slots = jax.lax.while_loop(lambda c: c[0] < chunks.plan.count, step, carry)
+        if every_row:
+            bufs = [buf.reshape(chunks.plan.n, *buf.shape[2:]) for buf in bufs]
     return Outputs(tuple(jax.ref.freeze(a) for a in accs), tuple(bufs), tuple(slots))

@@ -113,9 +113,10 @@ def QGTOnTheFly(
             exclusive with ``holomorphic``. See :func:`vmcgrad.QGT`.
         design: how each chunk's product is computed, as for :func:`vmcgrad.QGT`: ``"fused"``
             (one linearisation per chunk), ``"jvp_vjp"`` (a jvp, then the pullback of a second
-            forward pass: fewer bytes per row, one more pass), or None: at ``chunk_size="auto"``
+            forward pass: fewer bytes per row, one more pass), ``"two_loop"`` (NetKet's: a loop of
+            jvps, their centring, a loop of pullbacks), or None: at ``chunk_size="auto"``
             the (design, chunk) pair that is fastest within ``memory_budget``
-            (:func:`vmcgrad._sr.qgt.qgt.choose_design`), else ``"fused"``. Both give the same matrix; the
+            (:func:`vmcgrad._sr.qgt.qgt.choose_design`), else ``"fused"``. All give the same matrix; the
             operator's ``qgt.design`` says which one it uses.
         memory_budget: bytes per device for ``chunk_size="auto"`` (compiled ``memory_analysis()``
             of one product), or None: ``vstate.vmcgrad_memory_budget`` on a

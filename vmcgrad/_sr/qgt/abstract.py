@@ -83,7 +83,8 @@ class AbstractQGT(AbstractOperator):
             The product, of the same kind as ``v``.
         """
         v, kind = self.views.kind(f"{self._builder} (v)", "v", v)
-        return call(matmul_program, self.problem, self, v, kind)
+        op = self._for_product()
+        return call(matmul_program, op.problem, op, v, kind)
 
     def to_dense(self) -> jax.Array:
         """The ``(dim, dim)`` matrix, in the mode's representation (equal to NetKet's
@@ -147,6 +148,11 @@ class AbstractQGT(AbstractOperator):
 
     # --- traced pieces -------------------------------------------------------------------------
 
+    def _for_product(self) -> AbstractQGT:
+        """The operator a product ``self @ v`` runs (itself; see
+        :meth:`vmcgrad.QGTOperator._for_product` for the exception)."""
+        return self
+
     @abc.abstractmethod
     def _apply_rep(self, rep: Any) -> Any:
         """:math:`S_\\text{eff} \\tilde v` for a representation pytree: one pass, one reduction (the
@@ -177,12 +183,14 @@ class AbstractQGT(AbstractOperator):
     def _rep_like(self) -> Any:
         return jax.eval_shape(partial(to_rep, self.mode), self.params)
 
-    def _finish(self, total: Any, v: Any) -> Any:
-        """From the reduced :math:`\\sum_i \\overline{O_i} w_i` to :math:`S_\\text{eff} v`."""
+    def _finish(self, total: Any, v: Any, *, scaled: bool = False) -> Any:
+        """From the reduced :math:`\\sum_i \\overline{O_i} w_i` to :math:`S_\\text{eff} v` (``scaled``:
+        the :math:`w_i` already carry the :math:`1/N`, applied to the :math:`N` rows rather than
+        to the :math:`P` sums)."""
         inv_n = 1.0 / self.problem.n
 
         def finish(t, x, d=None):
-            y = jnp.conj(t) * inv_n + self.diag_shift * x
+            y = (jnp.conj(t) if scaled else jnp.conj(t) * inv_n) + self.diag_shift * x
             if d is not None:
                 y = y + self.diag_scale * d * x
             return y.astype(x.dtype)

@@ -21,6 +21,10 @@ covered).
   :math:`\mathrm{Re}\,O^\dagger w`). As :math:`\sum_i w_i \Delta O_i = 0`,
   :math:`O^\dagger \Delta w = \Delta O^\dagger \Delta O v`.
 - :func:`product_jvp_vjp_chunk`: the same sums by a jvp, then the pullback of a second forward pass.
+- :func:`tangent_chunk` / :func:`pullback_chunk`: the two loops of the two-loop design (NetKet's
+  ``QGTOnTheFly``): the rows of :math:`O v`, then, after their centring by their mean,
+  :math:`\sum_i \overline{O_i}\,\Delta w_i` by the pullback of a second forward pass. No
+  :math:`\bar O` is read: :math:`\bar O\cdot v` is the mean of the first loop's rows.
 - :func:`jacobian_chunk`: per chunk, the chunk's rows of :math:`\Delta O` (the shared per-sample
   Jacobian, :mod:`vmcgrad._sr.jacobian`) reduced to the diagonal :math:`\sum_i |\Delta O_{ik}|^2` or the full
   :math:`\Delta O^\dagger \Delta O` (for ``to_dense``).
@@ -125,13 +129,16 @@ def product_jvp_vjp_chunk(fun, params, x, w, obar, v, *, mode: str) -> tuple[Pul
     across ``lax.optimization_barrier`` when XLA CPU's YNN fusion is on): the jvp runs inside a
     ``lax.cond`` (on whether the chunk has a counted row), a computation of its own, and the second
     pass reads the samples through a zero that the cond returns with :math:`\Delta w`
-    (``x + 0·Σw``). The chunk then holds about what NetKet's jvp pass holds, less than the fused
+    (``x + 0·Σw``). Both need ``w`` as a value of the run: where every row counts the runner passes
+    a constant, which XLA would fold (the cond with it), so ``w`` passes an optimisation barrier
+    first. The chunk then holds about what NetKet's jvp pass holds, less than the fused
     design's chunk (compiled bytes: ``benchmarks/qgt_design_bytes.py``), at the price of a second
     forward pass. :class:`~vmcgrad.QGTOperator` takes it where the memory budget makes it the faster
     choice (``design="jvp_vjp"``).
     """
     g, theta = _on_rep(fun, params, mode)
     real = jnp.finfo(_dtype(obar)).dtype
+    w = jax.lax.optimization_barrier(w)  # not a constant to XLA (see above)
 
     def tangent(x):
         _, ov = jax.jvp(lambda p: g(p, x), (theta,), (v,))
@@ -146,6 +153,23 @@ def product_jvp_vjp_chunk(fun, params, x, w, obar, v, *, mode: str) -> tuple[Pul
     # product nonlinear in v for JAX's transpose)
     x2 = jax.tree.map(lambda a: a + zero.astype(a.dtype) if jnp.issubdtype(a.dtype, jnp.inexact) else a, x)
     return Pullback(lambda p: (g(p, x2), dw), theta), ()
+
+
+def tangent_chunk(fun, params, x, w, v, *, mode: str) -> tuple[tuple, jax.Array]:
+    r"""One chunk's rows of :math:`O v` (the two-loop design's first loop: per-sample, nothing
+    summed; rows where ``w`` is False are dropped by the primitive)."""
+    del w
+    g, theta = _on_rep(fun, params, mode)
+    return (), jax.jvp(lambda p: g(p, x), (theta,), (v,))[1]
+
+
+def pullback_chunk(fun, params, x, w, ct, *, mode: str) -> tuple[Pullback, tuple]:
+    r"""One chunk's :math:`\sum_i w_i\, c_i\, \partial g(\tilde\theta, x_i)/\partial\tilde\theta`
+    for the per-sample cotangent :math:`c` (the two-loop design's second loop, with
+    :math:`c = \overline{\Delta w}`), as a :class:`~vmcgrad._runner.primitive.Pullback`."""
+    g, theta = _on_rep(fun, params, mode)
+    ct = jnp.where(w, ct, jnp.zeros_like(ct))
+    return Pullback(lambda p: (g(p, x), ct), theta), ()
 
 
 def jacobian_chunk(fun, params, x, w, obar, *, mode: str, out_dtype, dense: bool) -> tuple[jax.Array, tuple]:

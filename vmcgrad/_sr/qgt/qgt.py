@@ -20,6 +20,14 @@ chunk functions are in :mod:`vmcgrad._sr.qgt.passes`, run by the chunked primiti
 samples: per chunk one linearisation, its jvp and its transpose; :math:`\bar O` is computed once,
 when the operator is built, so the centring is a cheap dot product; one reduction per product,
 after the loop.
+
+Except where the product runs in the very trace that built the operator (``jax.jit(lambda w, x, v:
+vmcgrad.QGT(f, w, x) @ v)``): there the pass for :math:`\bar O` would be paid by that one product,
+so the product takes the two-loop design instead (NetKet's ``QGTOnTheFly``: a loop of jvps, their
+centring by their mean, a loop of pullbacks), which reads no :math:`\bar O`, and XLA drops the
+unused pass for :math:`\bar O`: four linear passes in all, where the pass for :math:`\bar O` and
+the fused product make five (seven where :math:`O` is complex over real parameters: two pullbacks
+for :math:`\bar O`, :func:`~vmcgrad._sr.qgt.passes.mean_chunk`).
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import jax.numpy as jnp
 
 from vmcgrad._checks.holomorphy import holomorphic_violation
 from vmcgrad._chunks.budget import Choice, cheapest, predicted_seconds
+from vmcgrad._jax_private import get_opaque_trace_state
 from vmcgrad._problem import validation as check
 from vmcgrad._problem.problem import (
     Problem,
@@ -44,6 +53,7 @@ from vmcgrad._problem.problem import (
     problem,
 )
 from vmcgrad._runner.primitive import map_reduce_problem
+from vmcgrad._runner.runner import SAMPLES
 from vmcgrad._sr.modes import choose_mode, to_rep
 from vmcgrad._sr.qgt.abstract import AbstractQGT, diag_s_program, diag_scale_leaf
 from vmcgrad._sr.qgt.apply import matmul_program, solve_program
@@ -54,7 +64,9 @@ from vmcgrad._sr.qgt.passes import (
     mean_chunk,
     product_chunk,
     product_jvp_vjp_chunk,
+    pullback_chunk,
     split_imag,
+    tangent_chunk,
 )
 from vmcgrad._sr.qgt.views import Views
 
@@ -63,12 +75,18 @@ _NAME = "vmcgrad.QGT"
 #: The product's designs, by name: the chunk function of ``S @ v`` (:mod:`vmcgrad._sr.qgt.passes`).
 #: ``"fused"``: one linearisation per chunk, its jvp and its transpose (three linear passes over the
 #: chunk); ``"jvp_vjp"``: a jvp, then the pullback of a second forward pass (four; a smaller chunk
-#: footprint where XLA keeps the two apart).
-DESIGNS = {"fused": product_chunk, "jvp_vjp": product_jvp_vjp_chunk}
+#: footprint where XLA keeps the two apart); ``"two_loop"``: NetKet's ``QGTOnTheFly``, a loop of
+#: jvps, their centring by their mean, then a loop of pullbacks (four passes, two loops; no
+#: :math:`\bar O` read: the design of a product in the trace that built the operator, see
+#: :meth:`QGTOperator._for_product`; its chunk functions are ``tangent_chunk`` and ``pullback_chunk``).
+DESIGNS = {"fused": product_chunk, "jvp_vjp": product_jvp_vjp_chunk, "two_loop": None}
+#: The designs ``chunk_size="auto"`` chooses between (:func:`design_choice`): with :math:`\bar O` at
+#: hand, the two-loop design costs the jvp-then-vjp design's passes in two loops.
+AUTO_DESIGNS = ("fused", "jvp_vjp")
 #: Linear passes over a chunk's rows per product, per design (forward, tangent, transpose; the
 #: jvp-then-vjp design runs the forward twice): what :func:`design_choice` scales a priced design's
 #: time by to estimate another's before compiling it.
-PASSES = {"fused": 3, "jvp_vjp": 4}
+PASSES = {"fused": 3, "jvp_vjp": 4, "two_loop": 4}
 #: The fixed cost of one chunk of one pass on the CPU, in rows of work, measured: the fused product's
 #: time against its chunk size (``benchmarks/qgt_design_bytes.py --time-chunks``; docs/performance.md).
 #: On the CPU the designs are compared by :math:`P_d (n + r \lceil n / c_d \rceil)` with this
@@ -136,14 +154,53 @@ class QGTOperator(AbstractQGT):
         own = auto_choice(matmul_program, self.problem, self, self.params, "tree")
         return own._replace(value=(self.design, own.value))
 
+    def replace(self, **changes: Any) -> QGTOperator:
+        """A copy with new shifts (:meth:`AbstractQGT.replace`); a copy that does not read
+        :math:`\\bar O` (no new ``diag_scale``) keeps the record of the trace that built it."""
+        new = super().replace(**changes)
+        built = getattr(self, "_built_in", None)
+        if built is not None and new.diag_s is None:
+            object.__setattr__(new, "_built_in", built)
+        return new
+
+    def _for_product(self) -> QGTOperator:
+        """The operator a product ``S @ v`` runs: itself, or, in the trace that built it (a
+        :math:`\\bar O` of that trace that nothing else has read, and no design given), itself
+        with the two-loop design, which reads no :math:`\\bar O`: that product is then the only
+        use of :math:`\\bar O`, whose pass XLA drops (see the module docstring). The record of the
+        trace is an attribute, not a pytree field, so it does not survive ``jax.jit``'s boundary:
+        an operator passed into a program, or returned from one, keeps its design."""
+        built = getattr(self, "_built_in", None)
+        if built is not None and built == get_opaque_trace_state():
+            return dataclasses.replace(self, design="two_loop")
+        return self
+
     def _apply_rep(self, rep: Any) -> Any:
-        """:math:`S_\\text{eff} \\tilde v` for a representation pytree: one pass, one reduction."""
+        """:math:`S_\\text{eff} \\tilde v` for a representation pytree: one pass, one reduction
+        (two passes, each with its reduction, for the two-loop design)."""
         layout = self._rep_layout()
+        if self.design == "two_loop":
+            return self._finish(self._two_loop_sum(rep, layout), rep, scaled=True)
         chunk = partial(DESIGNS[self.design], mode=self.mode)
         total, _ = map_reduce_problem(
             self.problem, self.inputs, chunk, (self.obar, layout), (rep, layout), sum_layout=layout
         )
         return self._finish(total, rep)
+
+    def _two_loop_sum(self, rep: Any, layout: tuple) -> Any:
+        r""":math:`\frac1N \sum_i \overline{O_i}\, \Delta w_i`, :math:`\Delta w = O v - \mathrm{mean}(O v)`,
+        by two loops: the rows of :math:`O v` (:func:`~vmcgrad._sr.qgt.passes.tangent_chunk`),
+        their centring, then the pullback with cotangent :math:`\overline{\Delta w} / N`
+        (:func:`~vmcgrad._sr.qgt.passes.pullback_chunk`). As :math:`\mathrm{mean}(O v) = \bar O
+        \cdot v`, the fused design's sums over :math:`N` (the :math:`1/N` on the rows, as NetKet
+        applies it, rather than on the :math:`P` sums)."""
+        tangent = partial(tangent_chunk, mode=self.mode)
+        _, ov = map_reduce_problem(self.problem, self.inputs, tangent, (rep, layout))
+        ov = ov * (1.0 / self.problem.n)
+        dw = jnp.conj(ov - jnp.mean(ov))
+        pull = partial(pullback_chunk, mode=self.mode)
+        total, _ = map_reduce_problem(self.problem, self.inputs, pull, (dw, SAMPLES), sum_layout=layout)
+        return total
 
 
 def choose_design(op: QGTOperator) -> tuple[str, int]:
@@ -205,14 +262,14 @@ def design_choice(op: QGTOperator) -> Choice:
         def fewest_rows(design: str, best: Choice) -> float:
             return PASSES[design] * (n + CPU_CHUNK_ROWS)
 
-        return cheapest(tuple(DESIGNS), chosen, budget_of(prob), platform, bound=fewest_rows, score=rows)
+        return cheapest(AUTO_DESIGNS, chosen, budget_of(prob), platform, bound=fewest_rows, score=rows)
 
     def fastest(design: str, best: Choice) -> float:
         best_design, chunk = best.value
         one_chunk = predicted_seconds(best.cost, n, chunk, n, platform)
         return one_chunk * PASSES[design] / PASSES[best_design]
 
-    return cheapest(tuple(DESIGNS), chosen, budget_of(prob), platform, bound=fastest)
+    return cheapest(AUTO_DESIGNS, chosen, budget_of(prob), platform, bound=fastest)
 
 
 def kept_solve_chunk(op: QGTOperator) -> int | None:
@@ -296,9 +353,13 @@ def QGT(
             temporaries, arguments and outputs), or None for :func:`vmcgrad.auto_chunk_size`'s default.
         design: how each chunk's :math:`\Delta O^\dagger \Delta O v` is computed: ``"fused"`` (one
             linearisation: its jvp and its transpose), ``"jvp_vjp"`` (a jvp, then the pullback of a
-            second forward pass: a smaller footprint per row, a fourth pass), or None: with
-            ``chunk_size="auto"`` the pair (design, chunk) that is fastest within ``memory_budget``
-            (:func:`choose_design`), else ``"fused"``. Both give the same matrix.
+            second forward pass: a smaller footprint per row, a fourth pass), ``"two_loop"``
+            (NetKet's: a loop of jvps, their centring, a loop of pullbacks; reads no
+            :math:`\bar O`), or None: with ``chunk_size="auto"`` the pair (design, chunk) that is
+            fastest within ``memory_budget`` (:func:`choose_design`), else ``"fused"``; either way
+            a product in the trace that built the operator (``jax.jit(lambda w, x, v:
+            vmcgrad.QGT(f, w, x) @ v)``, no ``diag_scale``) runs ``"two_loop"``, as it is then the
+            only reader of :math:`\bar O`, whose pass XLA drops. All give the same matrix.
 
     Returns:
         A :class:`QGTOperator` (a pytree).
@@ -359,7 +420,15 @@ def QGT(
         op = dataclasses.replace(op, diag_s=call(diag_s_program, prob, op))
     if design is None and prob.chunk_size == "auto":  # on the complete operator (what products get)
         op = dataclasses.replace(op, design=choose_design(op)[0])
+    if design is None and diag_scale is None and _traced(op.obar):
+        # O-bar was computed in the caller's trace and nothing has read it yet: a product in this
+        # trace reads none (QGTOperator._for_product), so XLA drops its pass
+        object.__setattr__(op, "_built_in", get_opaque_trace_state())
     return op
+
+
+def _traced(tree: Any) -> bool:
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
 
 
 # --- compiled programs: program(problem, op, ...) with the problem static (see _problem.call) ----
