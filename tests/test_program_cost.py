@@ -19,7 +19,7 @@ import pytest
 from jax import lax
 
 import vmcgrad
-from vmcgrad._hlo.cost import PLATFORMS, Platform
+from vmcgrad._hlo.cost import PLATFORMS, Platform, expected_trips
 
 F32 = jnp.float32
 DATA = Path(__file__).resolve().parent / "data"
@@ -155,6 +155,35 @@ def test_a_loop_of_unknown_trip_count_is_reported():
     assert len(c.loops) == 1 and c.loops[0].trip_count is None
     assert c.unknown_trip_loops == (c.loops[0].name,)
     assert c.ops >= c.loops[0].ops_per_trip  # counted as one trip: a lower bound
+
+
+def test_a_loop_of_unknown_trip_count_counts_the_trips_its_author_expects():
+    """Traced inside ``expected_trips(k)``, the same while loop counts k trips, exactly affine in k
+    (its body's and condition's counts k times), reported as assumed, not unknown; a loop of known
+    trip count in the same scope keeps its own; no scope: one trip."""
+
+    def program(k, known=False):
+        def f(x):
+            with expected_trips(k):
+                y = lax.while_loop(lambda y: y.sum() < 100.0, body, x)
+                return fori(3)(y) if known else y
+
+        return f
+
+    c = {k: cost(program(k), X) for k in (10, 20, 30)}
+    for k, ck in c.items():
+        (lp,) = ck.loops
+        assert (lp.trip_count, ck.unknown_trip_loops, ck.assumed_trip_loops) == (k, (), (lp.name,)), ck
+    for field in ("ops", "flops", "bytes"):
+        v = {k: getattr(ck, field) for k, ck in c.items()}
+        assert v[30] - 2 * v[20] + v[10] == 0 and v[20] > v[10], (field, v)
+    assert c[20].ops - c[10].ops == 10 * c[10].loops[0].ops_per_trip
+    once = cost(lambda x: lax.while_loop(lambda y: y.sum() < 100.0, body, x), X)
+    assert c[10].ops - once.ops == 9 * once.loops[0].ops_per_trip
+    both = cost(program(10, known=True), X)
+    assert sorted(lp.trip_count for lp in both.loops) == [3, 10] and len(both.assumed_trip_loops) == 1
+    with pytest.raises(ValueError, match="int >= 0"):
+        expected_trips(2.5)
 
 
 def test_the_model_and_its_platforms():
