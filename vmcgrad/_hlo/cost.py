@@ -40,8 +40,12 @@ with the constants of a platform (:data:`PLATFORMS`). What is counted:
   ``concatenate``, ``pad``, ``gather``, ``convert``, ``iota``, collectives other than reductions) 0;
   every other op (elementwise arithmetic, transcendental functions, comparisons, ``select``) one per
   result element, real or complex. A fusion's FLOPs are those of the ops it fuses, counted so; a
-  cuBLAS/cuDNN-style ``custom-call`` with ``dot_dimension_numbers`` in its backend config as a ``dot``,
-  any other ``custom-call`` 0.
+  cuBLAS/cuDNN-style ``custom-call`` with ``dot_dimension_numbers`` in its backend config as a ``dot``;
+  a LAPACK or cuSOLVER factorisation of n x n matrices (XLA:CPU's and XLA:GPU's ``custom-call``
+  targets ``*potrf*``, ``*getrf*``, ``*syevd*``, ``*heevd*``) :math:`n^3/3` (Cholesky),
+  :math:`2n^3/3` (LU) or :math:`9n^3` (symmetric eigendecomposition with vectors) per matrix, a
+  triangular solve (``*trsm*``) :math:`n^2` per right-hand side, complex 4 times as many; any other
+  ``custom-call`` 0.
 - **bytes**, per counted op, weighted like the ops: the bytes of its operands and of its result (what
   a kernel reads from and writes to memory), except where it touches only a slice: a
   ``dynamic-slice`` reads and writes its result's bytes, a ``dynamic-update-slice`` (in place) its

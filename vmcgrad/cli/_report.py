@@ -125,7 +125,13 @@ def _modelled(choice: dict | None) -> str:
 
 
 def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3g} ms"
+    """Seconds, in ms below one second.
+
+    Examples:
+        >>> _ms(0.0123), _ms(2.845)
+        ('12.3 ms', '2.85 s')
+    """
+    return f"{seconds * 1e3:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
 
 
 def _plural(n: int, word: str) -> str:
