@@ -194,7 +194,9 @@ def test_the_route_is_the_least_program_cost_of_the_programs_that_run(platform):
     program, as minsr_update compiles it on that route (each lowered and compiled anew here), has the
     least vmcgrad.program_cost time on the platform of vmcgrad.cost_platform; its record holds that
     time and each route's, and the platform. CG's loop, whose trip count only a run decides, counts
-    routes.CG_ITERATIONS trips (an assumed count, reported as such), no loop is of unknown count."""
+    routes.CG_ITERATIONS trips (an assumed count, reported as such), no loop is of unknown count.
+    (Within one process jax.jit's trace cache keeps each program as first traced, with the Jacobian
+    batch of the platform then in force: the claim holds for the programs that run either way.)"""
     apply, _ = MODELS["r2c"]
     params = _params(False)
     x, e = _data(N)
