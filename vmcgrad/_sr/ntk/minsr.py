@@ -372,16 +372,20 @@ def _centred_in_place(j: jax.Array) -> jax.Array:
 
 
 def _cg(op: NTKOperator, dv: jax.Array, proj_reg, rank: int, cg_opts):
+    """Preconditioned CG on the kernel system. On samples split on an Explicit mesh axis the kernel's
+    product (and the preconditioner's) comes back typed split where ``dv`` is replicated; both are
+    replicated, so that CG's carry keeps one type (the vectors are N·K long: nothing to split)."""
     tol, atol, maxiter = cg_opts
     n = op.problem.n
     if proj_reg is None:
-        apply = partial(kernel_product, op)
+        apply = lambda v: unsplit_explicit(kernel_product(op, v))
     else:
-        apply = lambda v: kernel_product(op, v) + proj_reg / n * jnp.sum(v)
+        apply = lambda v: unsplit_explicit(kernel_product(op, v)) + proj_reg / n * jnp.sum(v)
     cols = min(op.problem.plan.size, n)
-    precondition = nystrom.build(op, rank, cols) if rank > 0 else None
+    build = nystrom.build(op, rank, cols) if rank > 0 else None
+    precondition = None if build is None else (lambda r: unsplit_explicit(build(r)))
     with expected_trips(routes.CG_ITERATIONS):  # the route's modelled time counts the loop so often
-        return cg(apply, dv, None, tol=tol, atol=atol, maxiter=maxiter, M=precondition)
+        return cg(apply, unsplit_explicit(dv), None, tol=tol, atol=atol, maxiter=maxiter, M=precondition)
 
 
 def gram_chunk(fun, params, x, w, shift, *, mode: str) -> tuple[tuple, tuple]:
