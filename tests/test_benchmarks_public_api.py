@@ -39,6 +39,9 @@ ALLOWED["bench_minsr_routes.py"] = {
 #: The step-regime probe sets how many parts a chunk's Jacobians are derived in (``_sr.ntk.modes``, as
 #: the routes benchmark toggles them) and so empties vmcgrad's chunk memos (``_cache.registry``).
 ALLOWED["step_regime.py"] = {"vmcgrad._sr", "vmcgrad._sr.ntk", "vmcgrad._cache"}
+#: The route probe prints the rule's record of MinSR's route (``_sr.ntk.minsr.update_choice``: each
+#: route's modelled time), which the package does not export.
+ALLOWED["minsr_route_probe.py"] = {"vmcgrad._sr.ntk"}
 #: The calibration prints the cost model's constants beside the ones it measured (``PLATFORMS``).
 ALLOWED["calibrate_op_cost.py"] = {"vmcgrad._hlo.cost"}
 #: The harness's log-amplitude of a model is vmcgrad.netket's own (one definition: its apply functions

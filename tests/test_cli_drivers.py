@@ -77,6 +77,12 @@ def test_minsr_equals_netkets_vmc_sr(tmp_path):
     log = _log(out)
     assert log["info"]["driver"].startswith("vmcgrad.netket.VMC_SR") and log["n_samples"] == [256] * 6
     assert log["route"] == ["parameter"] * 6  # N = 256 > P = 144: the P x P matrix, the smaller system
+    # the route's record: its modelled time on the platform it was priced for, each step and in the header
+    choice = log["info"]["route_choice"]
+    assert choice["value"][0] == "parameter" and choice["platform"] == "cpu" and choice["seconds"] > 0
+    assert log["route_modelled_time"] == [choice["seconds"]] * 6
+    assert dict(choice["priced"])["parameter"] == choice["seconds"] == min(t for _, t in choice["priced"])
+    assert "route parameter: " in stdout and "ms on cpu (" in stdout, stdout
     assert all(set(b) == {"gradient", "kernel"} and min(b.values()) > 0 for b in log["temp_bytes"])
     system = _systems.build("heisenberg1d", 8)
     chains = log["info"]["n_chains"]

@@ -22,7 +22,8 @@ from helpers import nk_logpsi as _logpsi
 from helpers import nk_params as _params
 
 import vmcgrad
-from vmcgrad._problem.problem import problem
+from vmcgrad._hlo.cost import ProgramCost
+from vmcgrad._problem.problem import LOWERING, problem
 from vmcgrad._sr.ntk import minsr, nystrom, routes
 
 DIAG = 1e-3
@@ -94,12 +95,12 @@ def _what_ran(f, *args):
     return sides, any(e.primitive.name == "while" for e in eqns)
 
 
-#: budget (bytes) -> the route and what it runs, for 'complex' mode at N = 18 (NK = 36) and P = 29: at
-#: 1 MiB every route fits and the modelled cost (routes.modelled_flops) is least for the kernel (its
-#: blocks, 36²·29 multiply-adds, and factor against S's 2·36·29² and its factor; the model's passes are
-#: cheap here); at 13 000 bytes no dense program fits (each needs its matrix and its factor, 2·36²·8
-#: and 2·29²·8 = 13 456 bytes, and more), and matrix-free CG does.
-BUDGET_ROUTES = [(2**20, "dense", [36], False), (13_000, "cg", [], True)]
+#: budget (bytes) -> the route and what it runs, for 'complex' mode at N = 18 (NK = 36) and P = 29, the
+#: rule priced for the CPU: at 1 MiB every route fits and the parameter-space matrix's program is the
+#: least modelled time (at chunk 5 it runs about a third of the dense route's ops, fewer FLOPs and
+#: bytes); at 13 000 bytes no dense program fits (each needs its matrix and its factor, 2·36²·8 and
+#: 2·29²·8 = 13 456 bytes, and more), and matrix-free CG does.
+BUDGET_ROUTES = [(2**20, "parameter", [29], False), (13_000, "cg", [], True)]
 
 
 @pytest.mark.parametrize("budget,route,sides,loop", BUDGET_ROUTES)
@@ -115,48 +116,107 @@ def test_the_rule_chooses_the_route_that_runs(budget, route, sides, loop):
     def update(e, **kw):
         return vmcgrad.minsr_update(lp, params, x, e, diag_shift=DIAG, chunk_size=5, **kw)[0]
 
-    assert minsr.update_route(lp, params, x, e, diag_shift=DIAG, chunk_size=5, memory_budget=budget) == route
-    assert _what_ran(lambda e: update(e, memory_budget=budget), e) == (sides, loop)
-    assert _what_ran(lambda e: update(e, memory_budget=budget, route="parameter"), e) == ([29], False)
+    with vmcgrad.cost_platform("cpu"):
+        assert (
+            minsr.update_route(lp, params, x, e, diag_shift=DIAG, chunk_size=5, memory_budget=budget) == route
+        )
+        assert _what_ran(lambda e: update(e, memory_budget=budget), e) == (sides, loop)
+        assert _what_ran(lambda e: update(e, memory_budget=budget, route="dense"), e) == ([36], False)
 
 
-def test_the_rule_takes_the_cheapest_route_that_fits(monkeypatch):
-    """routes.choose on a stub of the compiled fits: the route of least cost among those that fit; a
-    route whose matrix alone is over the budget is not compiled; a route that cannot beat one found to
-    fit (its cost at its largest chunk is no less) is not compiled either; none fitting is
-    NoRouteFits with the matrix-free route's bytes and a budget that holds it."""
+def _stub_cost(ops, flops):
+    return ProgramCost(ops, flops, 0.0, (), (), "cpu", 0.0)
+
+
+def test_the_rule_takes_the_route_of_least_modelled_time(monkeypatch):
+    """routes.choose on a stub of the compiled fits: among the routes that fit, the one whose program's
+    modelled time (ProgramCost.time) is least on the platform the choice is for, so the CPU's
+    constants (a µs an op, 50 GFLOP/s) and the TPU's (10 µs an op, 50 TFLOP/s) take different routes
+    where one program runs fewer ops and the other fewer FLOPs; a plugged score replaces the time;
+    a route whose matrix alone is over the budget is not compiled; none fitting is NoRouteFits with
+    the matrix-free route's bytes and a budget that holds it."""
     apply, _ = MODELS["r2c"]
     params = _params(False)
     x, _ = _data(N)
     prob, _, _ = problem("t", _logpsi(apply), params, x, chunk_size="auto", memory_budget=10**6)
     compiled, fits = [], {}
+    # dense: many ops, few FLOPs; parameter: few ops, many FLOPs; cg: many of both
+    cost = {"dense": _stub_cost(1000, 1e6), "parameter": _stub_cost(10, 1e8), "cg": _stub_cost(5000, 1e9)}
 
     def fake_fit(program, prob, args, route, floor=0):
         compiled.append(route)
-        return routes.Fit(*fits[route])
+        fits_, chunk, need = fits[route]
+        return routes.Fit(fits_, chunk, need, cost[route] if fits_ else None, need, 1)
 
     monkeypatch.setattr(routes, "fit", fake_fit)
-    sizes = routes.Sizes(n=N, k=2, p=29, itemsize=8, forward=100.0, rank=4, complex=False)
-    cost = {"dense": 3.0, "parameter": 1.0, "cg": 2.0}
-    cheap = lambda route, s, chunk: cost[route]
+    sizes = routes.Sizes(n=N, k=2, p=29, itemsize=8, rank=4)
 
-    def choose(budget):
+    def choose(budget, platform="cpu", score=None):
         compiled.clear()
         routes._CHOSEN.clear()
         at = dataclasses.replace(prob, memory_budget=budget)
-        return routes.choose("w", "program", at, lambda r: (r,), sizes, cost=cheap)
+        with vmcgrad.cost_platform(platform):
+            return routes.choose("w", "program", at, lambda r: (r,), sizes, score=score)
 
-    fits.update(dense=(True, 8, 1), parameter=(True, 8, 1), cg=(True, 8, 1))
-    assert choose(10**6) == "parameter" and compiled == ["parameter"]  # the others cannot beat it
-    fits["parameter"] = (False, None, 10**7)
-    assert choose(10**6) == "cg" and compiled == ["parameter", "cg"]  # dense costs more than cg
-    cost["dense"] = 0.5  # the cheapest, and its stub says it fits, but its kernel alone is over:
-    assert choose(36 * 36 * 8 - 1) == "cg" and "dense" not in compiled  # not compiled, not taken
-    assert choose(36 * 36 * 8) == "dense" and compiled == ["dense"]
-    fits.update(dense=(False, None, 5), cg=(False, None, 700))
+    fits.update(dense=(True, 8, 1), parameter=(True, 4, 1), cg=(True, 8, 1))
+    cpu, tpu = choose(10**6, "cpu"), choose(10**6, "tpu")
+    # CPU: dense 1000 µs + 20 µs < parameter 10 µs + 2000 µs; TPU: parameter 100 µs + 2 µs < dense 10 ms
+    assert cpu.value == ("dense", 8) and tpu.value == ("parameter", 4)
+    assert cost[tpu.value[0]].ops < cost[cpu.value[0]].ops  # the TPU's choice runs fewer ops
+    for choice, name in ((cpu, "cpu"), (tpu, "tpu")):
+        assert choice.platform == name and compiled == ["dense", "parameter", "cg"]
+        assert dict(choice.priced) == {r: cost[r].time(name) for r in routes.ROUTES}
+        assert choice.seconds == min(dict(choice.priced).values()) and choice.cost is cost[choice.value[0]]
+    assert choose(10**6, "tpu", score=lambda c: -c.cost.ops).value[0] == "cg"  # a plugged score
+    fits["dense"] = (False, None, 10**7)
+    assert choose(10**6, "cpu").value[0] == "parameter"  # the cheapest does not fit
+    fits["dense"] = (True, 8, 1)  # its stub says it fits, but its kernel alone is over the budget:
+    assert choose(36 * 36 * 8 - 1).value[0] == "parameter" and "dense" not in compiled
+    assert choose(36 * 36 * 8).value[0] == "dense" and "dense" in compiled
+    fits.update(dense=(False, None, 5), parameter=(False, None, 6), cg=(False, None, 700))
     with pytest.raises(routes.NoRouteFits, match=r"matrix-free CG, 700 .* memory_budget=1400,") as err:
         choose(10**6)
     assert (err.value.need, err.value.budget, compiled) == (700, 10**6, ["dense", "parameter", "cg"])
+
+
+def _lowered_update(lp, params, x, e, **kw):
+    """The compiled program ``vmcgrad.minsr_update`` runs on these arguments (at the chunk and
+    Jacobian batch its ``chunk_size="auto"`` picks), not run."""
+    token = LOWERING.set(True)
+    try:
+        return vmcgrad.minsr_update(lp, params, x, e, **kw).compile()
+    finally:
+        LOWERING.reset(token)
+
+
+@pytest.mark.parametrize("platform", ["cpu", "tpu"])
+def test_the_route_is_the_least_program_cost_of_the_programs_that_run(platform):
+    """With every route fitting (N = 18, chunk_size="auto", 1 MiB), the rule's route is the one whose
+    program, as minsr_update compiles it on that route (each lowered and compiled anew here), has the
+    least vmcgrad.program_cost time on the platform of vmcgrad.cost_platform; its record holds that
+    time and each route's, and the platform. CG's loop, whose trip count only a run decides, counts
+    routes.CG_ITERATIONS trips (an assumed count, reported as such), no loop is of unknown count.
+    (Within one process jax.jit's trace cache keeps each program as first traced, with the Jacobian
+    batch of the platform then in force: the claim holds for the programs that run either way.)"""
+    apply, _ = MODELS["r2c"]
+    params = _params(False)
+    x, e = _data(N)
+    lp = _logpsi(apply)
+    kw = dict(diag_shift=DIAG, chunk_size="auto", memory_budget=2**20)
+    with vmcgrad.cost_platform(platform):
+        choice = minsr.update_choice(lp, params, x, e, **kw)
+        costs = {
+            r: vmcgrad.program_cost(_lowered_update(lp, params, x, e, route=r, **kw)) for r in routes.ROUTES
+        }
+    seconds = {r: c.time(platform) for r, c in costs.items()}
+    assert choice.platform == platform and choice.value[0] == min(seconds, key=seconds.get), seconds
+    np.testing.assert_allclose(choice.seconds, seconds[choice.value[0]], rtol=1e-12)
+    assert dict(choice.priced).keys() == seconds.keys()
+    np.testing.assert_allclose([dict(choice.priced)[r] for r in seconds], list(seconds.values()), rtol=1e-12)
+    cg_cost = costs["cg"]
+    assert cg_cost.unknown_trip_loops == () and len(cg_cost.assumed_trip_loops) == 1
+    (cg_loop,) = [lp_ for lp_ in cg_cost.loops if lp_.name == cg_cost.assumed_trip_loops[0]]
+    assert cg_loop.trip_count == routes.CG_ITERATIONS
 
 
 def _wide(p, x):
@@ -284,6 +344,11 @@ def test_vmc_sr_logs_the_route_it_took(route, budget, logged):
     drv.run(1, out=log, show_progress=False)
     assert drv.route == logged
     assert list(log.data["minsr_route"]["value"]) == [logged]
+    # the time the rule modelled for the route, on the platform it priced for (the route given: priced alone)
+    choice = drv.route_choice
+    assert choice.value[0] == logged and choice.seconds > 0 and dict(choice.priced)[logged] == choice.seconds
+    assert list(log.data["minsr_modelled_time"]["value"]) == [choice.seconds]
+    assert list(log.data["minsr_cost_platform"]["value"]) == [choice.platform] == ["cpu"]
     assert ("cg_iterations" in log.data) == (logged == "cg")
     if logged == "cg":
         assert 0 < int(log.data["cg_iterations"]["value"][0]) < 10 * vs.n_samples
@@ -448,10 +513,11 @@ def test_the_update_compiles_its_program_once_where_it_fits_whole():
     """Compile time (issue 47): with ``chunk_size="auto"`` and a budget the update fits whole, the
     route search compiles the update's program once (the chosen route at its largest chunk: no
     one-sample chunk compiled first) and the update's own call reuses that executable (compiles
-    nothing more); its result is the update in one chunk, to the summation order. N = 16: a power of
+    nothing more); its result is the update in one chunk, to the summation order. N = 8: a power of
     two per device on 1 or 4 devices (else the dense kernel's rule searches fewer, larger chunks too,
-    :func:`vmcgrad._sr.ntk.dense.choose_dense`)."""
-    n = 16
+    :func:`vmcgrad._sr.ntk.dense.choose_dense`), and NK = 16 below P = 29, where the dense route in
+    one block dominates the others (:func:`vmcgrad._sr.ntk.routes.choose`: they are not compiled)."""
+    n = 8
     apply, _ = MODELS["r2c"]
     params = _params(False)
     x, e = _data(n)
@@ -503,7 +569,7 @@ def test_fit_compiles_the_largest_chunk_first_unless_the_route_is_tight():
             )
 
     roomy = routes.fit(Program(), prob, (), "cg", floor=int(routes.TIGHT_FLOOR * budget))
-    assert roomy == routes.Fit(False, None, 1001) and lowered[0] == prob.n_local and lowered[-1] == 1, lowered
+    assert roomy[:3] == (False, None, 1001) and lowered[0] == prob.n_local and lowered[-1] == 1, lowered
     lowered.clear()
     tight = routes.fit(Program(), prob, (), "cg", floor=int(routes.TIGHT_FLOOR * budget) + 1)
-    assert tight == routes.Fit(False, None, 1001) and lowered == [1], lowered
+    assert tight[:3] == (False, None, 1001) and tight.compiled == 1 and lowered == [1], lowered

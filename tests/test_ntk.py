@@ -587,12 +587,25 @@ def test_samples_split_on_an_explicit_mesh():
     x, e = np.asarray(x), np.asarray(e)  # not on the fixture's Auto-axis mesh
     T = vmcgrad.NTK(_logpsi(apply), params, x, chunk_size=3, mode="complex", diag_shift=DIAG)
     v = np.cos(np.arange(T.dim) + 0.5)
-    ref = (T.to_dense(), T @ v, vmcgrad.minsr_update(_logpsi(apply), params, x, e, diag_shift=DIAG)[0])
+    cg = dict(diag_shift=DIAG, route="cg", tol=1e-12)
+    ref = (
+        T.to_dense(),
+        T @ v,
+        vmcgrad.minsr_update(_logpsi(apply), params, x, e, diag_shift=DIAG)[0],
+        vmcgrad.minsr_update(_logpsi(apply), params, x, e, **cg)[0],
+    )
     mesh = Mesh(np.array(jax.devices()), ("S",), axis_types=(AxisType.Explicit,))
     with jax.set_mesh(mesh):
         xs = jax.device_put(x, NamedSharding(mesh, P("S")))
         Ts = vmcgrad.NTK(_logpsi(apply), params, xs, chunk_size=3, mode="complex", diag_shift=DIAG)
-        got = (Ts.to_dense(), Ts @ v, vmcgrad.minsr_update(_logpsi(apply), params, xs, e, diag_shift=DIAG)[0])
+        got = (
+            Ts.to_dense(),
+            Ts @ v,
+            vmcgrad.minsr_update(_logpsi(apply), params, xs, e, diag_shift=DIAG)[0],
+            # CG's carry keeps one type: the kernel's product comes back split, dv replicated
+            vmcgrad.minsr_update(_logpsi(apply), params, xs, e, **cg)[0],
+        )
     np.testing.assert_allclose(got[0], ref[0], rtol=0, atol=1e-13)
     np.testing.assert_allclose(got[1], ref[1], rtol=0, atol=1e-12)
     assert_tree_allclose(got[2], ref[2], rtol=0, atol=1e-12)
+    assert_tree_allclose(got[3], ref[3], rtol=0, atol=1e-12)

@@ -19,7 +19,7 @@ import pytest
 from jax import lax
 
 import vmcgrad
-from vmcgrad._hlo.cost import PLATFORMS, Platform
+from vmcgrad._hlo.cost import PLATFORMS, Platform, expected_trips
 
 F32 = jnp.float32
 DATA = Path(__file__).resolve().parent / "data"
@@ -157,6 +157,35 @@ def test_a_loop_of_unknown_trip_count_is_reported():
     assert c.ops >= c.loops[0].ops_per_trip  # counted as one trip: a lower bound
 
 
+def test_a_loop_of_unknown_trip_count_counts_the_trips_its_author_expects():
+    """Traced inside ``expected_trips(k)``, the same while loop counts k trips, exactly affine in k
+    (its body's and condition's counts k times), reported as assumed, not unknown; a loop of known
+    trip count in the same scope keeps its own; no scope: one trip."""
+
+    def program(k, known=False):
+        def f(x):
+            with expected_trips(k):
+                y = lax.while_loop(lambda y: y.sum() < 100.0, body, x)
+                return fori(3)(y) if known else y
+
+        return f
+
+    c = {k: cost(program(k), X) for k in (10, 20, 30)}
+    for k, ck in c.items():
+        (lp,) = ck.loops
+        assert (lp.trip_count, ck.unknown_trip_loops, ck.assumed_trip_loops) == (k, (), (lp.name,)), ck
+    for field in ("ops", "flops", "bytes"):
+        v = {k: getattr(ck, field) for k, ck in c.items()}
+        assert v[30] - 2 * v[20] + v[10] == 0 and v[20] > v[10], (field, v)
+    assert c[20].ops - c[10].ops == 10 * c[10].loops[0].ops_per_trip
+    once = cost(lambda x: lax.while_loop(lambda y: y.sum() < 100.0, body, x), X)
+    assert c[10].ops - once.ops == 9 * once.loops[0].ops_per_trip
+    both = cost(program(10, known=True), X)
+    assert sorted(lp.trip_count for lp in both.loops) == [3, 10] and len(both.assumed_trip_loops) == 1
+    with pytest.raises(ValueError, match="int >= 0"):
+        expected_trips(2.5)
+
+
 def test_the_model_and_its_platforms():
     c = cost(fori(8), X)
     assert c.platform == jax.devices()[0].platform == "cpu"
@@ -229,3 +258,28 @@ def test_a_program_compiled_for_a_tpu():
     assert c.ops == 16 * 4 + 5
     # the dot, 2 * 8 * 16 * 16, the tanh's 8 * 16 and the counter's add and compare, 16 times
     assert c.flops == 16 * (2 * 8 * 16 * 16 + 8 * 16 + 2)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float64, jnp.complex128])
+def test_a_dense_factorisation_counts_its_flops(dtype):
+    """XLA:CPU calls LAPACK for Cholesky, LU and the symmetric eigendecomposition (a custom-call, no
+    HLO to count): program_cost counts n³/3, 2n³/3 and 9n³ per matrix (4 times as many complex),
+    batched, and a triangular solve n² per right-hand side; the rest of the program is a few
+    elementwise ops over the n x n matrix, O(n²)."""
+    cplx = 4 if jnp.issubdtype(dtype, jnp.complexfloating) else 1
+
+    def flops(f, n, batch=()):
+        a = jnp.eye(n, dtype=dtype) * 2.0 + 0.1
+        return cost(f, jnp.broadcast_to(a, (*batch, n, n)), platform="cpu").flops
+
+    for f, per_n3 in ((jnp.linalg.cholesky, 1 / 3), (lambda a: jax.lax.linalg.lu(a)[0], 2 / 3)):
+        f64, f128 = flops(f, 64), flops(f, 128)
+        # the n³ term exactly (n² terms cancel in the third difference's stand-in: f(2n) - 4 f(n) = 4 c n³)
+        assert f128 - 4 * f64 == pytest.approx(4 * per_n3 * cplx * 64**3, rel=0.05), (f64, f128)
+        assert flops(f, 64, (3,)) == pytest.approx(3 * f64, rel=0.05)
+    if cplx == 1:
+        e64 = flops(lambda a: jnp.linalg.eigh(a)[1], 64)
+        assert 9 * 64**3 <= e64 <= 9 * 64**3 + 50 * 64**2, e64
+    b = jnp.ones((64, 5), dtype)
+    tri = cost(lambda a, b: jax.scipy.linalg.solve_triangular(a, b, lower=True), jnp.eye(64, dtype=dtype), b)
+    assert 64 * 64 * 5 * cplx <= tri.flops <= 64 * 64 * 5 * cplx + 20 * 64 * 5 * cplx, tri.flops

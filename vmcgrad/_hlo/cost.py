@@ -21,8 +21,12 @@ with the constants of a platform (:data:`PLATFORMS`). What is counted:
   counts, recursively. The trip count is ``known_trip_count`` in the loop's backend config (XLA:CPU
   and XLA:GPU write it), else read from the loop (XLA:TPU writes none): a condition comparing a
   counter with a constant (``i < n``, ``<=``, ``>``, ``>=``), the counter starting at a constant and
-  the body adding a constant to it, as ``fori_loop`` and ``scan`` compile. Any other loop is counted
-  as one trip and reported (``unknown_trip_loops``: the counts are then lower bounds). A
+  the body adding a constant to it, as ``fori_loop`` and ``scan`` compile. A loop whose count only a
+  run decides (a ``while_loop`` that stops on a tolerance: CG) is counted at the count its author
+  expects where the loop was traced inside ``with expected_trips(n):`` (:func:`expected_trips`, a name
+  scope the loop's ``op_name`` carries; the innermost such scope counts) and reported
+  (``assumed_trip_loops``). Any other loop is counted as one trip and reported
+  (``unknown_trip_loops``: the counts are then lower bounds). A
   ``conditional`` counts the **mean** of its branches (the compiled program does not say how often
   each is taken); a ``call`` counts its callee's ops (inlined). Ops that apply a small computation to
   elements (``reduce``, ``sort``, ``scatter``, ``map``, ...) count 1; their computation is not walked.
@@ -36,8 +40,12 @@ with the constants of a platform (:data:`PLATFORMS`). What is counted:
   ``concatenate``, ``pad``, ``gather``, ``convert``, ``iota``, collectives other than reductions) 0;
   every other op (elementwise arithmetic, transcendental functions, comparisons, ``select``) one per
   result element, real or complex. A fusion's FLOPs are those of the ops it fuses, counted so; a
-  cuBLAS/cuDNN-style ``custom-call`` with ``dot_dimension_numbers`` in its backend config as a ``dot``,
-  any other ``custom-call`` 0.
+  cuBLAS/cuDNN-style ``custom-call`` with ``dot_dimension_numbers`` in its backend config as a ``dot``;
+  a LAPACK or cuSOLVER factorisation of n x n matrices (XLA:CPU's and XLA:GPU's ``custom-call``
+  targets ``*potrf*``, ``*getrf*``, ``*syevd*``, ``*heevd*``) :math:`n^3/3` (Cholesky),
+  :math:`2n^3/3` (LU) or :math:`9n^3` (symmetric eigendecomposition with vectors) per matrix, a
+  triangular solve (``*trsm*``) :math:`n^2` per right-hand side, complex 4 times as many; any other
+  ``custom-call`` 0.
 - **bytes**, per counted op, weighted like the ops: the bytes of its operands and of its result (what
   a kernel reads from and writes to memory), except where it touches only a slice: a
   ``dynamic-slice`` reads and writes its result's bytes, a ``dynamic-update-slice`` (in place) its
@@ -133,9 +141,12 @@ class ProgramCost(NamedTuple):
         bytes: bytes read and written by those operations, weighted the same way.
         loops: the entry computation's loops (each with the loops it runs).
         unknown_trip_loops: the names of the loops whose trip count the program does not know
-            (counted as one trip: the counts are then lower bounds).
+            and no :func:`expected_trips` states (counted as one trip: the counts are then lower
+            bounds).
         platform: the platform of ``modelled_seconds``.
         modelled_seconds: ``ops * t_op + flops / peak_flops + bytes / bandwidth`` on that platform.
+        assumed_trip_loops: the names of the loops of unknown trip count counted at the count
+            :func:`expected_trips` states (their :class:`Loop` ``trip_count`` is that count).
     """
 
     ops: float
@@ -145,6 +156,7 @@ class ProgramCost(NamedTuple):
     unknown_trip_loops: tuple[str, ...]
     platform: str
     modelled_seconds: float
+    assumed_trip_loops: tuple[str, ...] = ()
 
     def time(self, platform: str | Platform) -> float:
         """The modelled seconds on another platform: a name of :data:`PLATFORMS` or a
@@ -162,12 +174,31 @@ def _platform(platform: str | Platform) -> Platform:
     return PLATFORMS[name]
 
 
+#: The prefix of :func:`expected_trips`'s name scope, followed by the count.
+EXPECTED_TRIPS = "vmcgrad_expected_trips_"
+_EXPECTED = re.compile(re.escape(EXPECTED_TRIPS) + r"(\d+)(?:/|$)")
+
+
+def expected_trips(n: int) -> Any:
+    """A name scope (``with expected_trips(50): ...``) stating that a loop traced inside it whose trip
+    count the compiled program does not know (a ``while_loop`` that stops on a tolerance) is expected
+    to run ``n`` trips: :func:`program_cost` counts it ``n`` times and lists it in
+    ``assumed_trip_loops``. A loop of known trip count keeps its own. Changes nothing in the program
+    but its ops' ``op_name`` metadata."""
+    import jax
+
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"expected_trips: the count must be an int >= 0; got {n!r}")
+    return jax.named_scope(f"{EXPECTED_TRIPS}{n}")
+
+
 class _Cost(NamedTuple):
     ops: float
     flops: float
     bytes: float
     loops: tuple[Loop, ...]
     unknown: tuple[str, ...]
+    assumed: tuple[str, ...] = ()
 
 
 class _Program(OpCosts):
@@ -184,6 +215,7 @@ class _Program(OpCosts):
         ops = flops = nbytes = 0.0
         loops: list[Loop] = []
         unknown: list[str] = []
+        assumed: list[str] = []
         for i in self.comps.get(comp, ()):
             op = i.opcode
             if op in _FREE or op.endswith("-done") or op.endswith("-update"):
@@ -200,12 +232,19 @@ class _Program(OpCosts):
                     sum(p.bytes for p in parts),
                     tuple(lp for p in parts for lp in p.loops),
                     tuple(u for p in parts for u in p.unknown),
+                    tuple(a for p in parts for a in p.assumed),
                 )
+                source = _OP_NAME.search(i.attrs)
+                source = source.group(1) if source else ""
+                stated = _EXPECTED.findall(source) if n is None else []
+                if stated:  # counted at the count its author expects (expected_trips)
+                    n = int(stated[-1])
+                    assumed.append(i.name)
                 w = 1 if n is None else n
                 ops, flops, nbytes = ops + w * per.ops, flops + w * per.flops, nbytes + w * per.bytes
-                source = _OP_NAME.search(i.attrs)
-                loops.append(Loop(i.name, source.group(1) if source else "", n, per.ops, per.loops))
+                loops.append(Loop(i.name, source, n, per.ops, per.loops))
                 unknown += ([i.name] if n is None else []) + list(per.unknown)
+                assumed += list(per.assumed)
             elif op == "conditional":
                 names = re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", i.attrs)
                 branches = re.search(r"branch_computations=\{([^}]*)\}", i.attrs)
@@ -217,17 +256,19 @@ class _Program(OpCosts):
                 nbytes += sum(p.bytes for p in parts) / len(parts)
                 loops += [lp for p in parts for lp in p.loops]
                 unknown += [u for p in parts for u in p.unknown]
+                assumed += [a for p in parts for a in p.assumed]
             elif op == "call":
                 for callee in re.findall(r"to_apply=%?([\w.\-]+)", i.attrs):
                     p = self.cost(callee)
                     ops, flops, nbytes = ops + p.ops, flops + p.flops, nbytes + p.bytes
                     loops += p.loops
                     unknown += p.unknown
+                    assumed += p.assumed
             else:
                 ops += 1
                 flops += self.flops(i, comp)
                 nbytes += self.op_bytes(i, comp)
-        self._cost[comp] = _Cost(ops, flops, nbytes, tuple(loops), tuple(unknown))
+        self._cost[comp] = _Cost(ops, flops, nbytes, tuple(loops), tuple(unknown), tuple(assumed))
         return self._cost[comp]
 
 
@@ -258,8 +299,9 @@ def program_cost(compiled: Any, platform: str | Platform | None = None) -> Progr
     launch or a scheduled region, however small); XLA's ``compiled.cost_analysis()`` counts a loop's
     body once, whatever its trip count, and counts no ops. What each count includes is in
     :mod:`vmcgrad._hlo.cost`'s documentation: a fusion is one op; a ``while`` counts its trip
-    count (its ``known_trip_count``, or read from its counter) times its body's and condition's
-    counts, recursively; a ``conditional`` the
+    count (its ``known_trip_count``, or read from its counter, or stated by :func:`expected_trips`
+    where only a run decides it) times its body's and condition's counts, recursively; a
+    ``conditional`` the
     mean of its branches; a ``call`` its callee; ``dot``, ``convolution`` and ``fft`` FLOPs from their
     shapes; bytes from operand and result shapes (slices and in-place updates by the bytes they
     touch). The constants of each platform, and where they come from, are in
@@ -291,7 +333,7 @@ def program_cost(compiled: Any, platform: str | Platform | None = None) -> Progr
     entry = program.entry or next(iter(program.comps), "")
     c = program.cost(entry)
     seconds = c.ops * p.t_op + c.flops / p.peak_flops + c.bytes / p.bandwidth
-    return ProgramCost(c.ops, c.flops, c.bytes, c.loops, c.unknown, p.name, seconds)
+    return ProgramCost(c.ops, c.flops, c.bytes, c.loops, c.unknown, p.name, seconds, c.assumed)
 
 
 def loops_table(loops: tuple[Loop, ...], indent: str = "") -> str:

@@ -30,6 +30,15 @@ _DIMS = {
 _DIM_LABELS = re.compile(r"dim_labels=\w+_(\w+)->")
 _WINDOW_SIZE = re.compile(r"window=\{[^}]*size=([\dx]+)")
 _FFT_TYPE = re.compile(r"fft_type=(\w+)")
+#: A dense factorisation or triangular solve by LAPACK (XLA:CPU) or cuSOLVER / cuBLAS (XLA:GPU):
+#: ``lapack_dpotrf_ffi``, ``cusolver_potrf_ffi``, ``lapack_ztrsm_ffi``, ...
+_SOLVER = re.compile(
+    r'custom_call_target="(?:lapack_[sdcz]|cusolver_|cublas_)?(potrf|getrf|syevd|heevd|trsm)\w*"'
+)
+#: FLOPs of a factorisation of an n x n matrix, in units of n³ (real): Cholesky n³/3, LU 2n³/3, a
+#: symmetric eigendecomposition with vectors about 9n³ (Golub and Van Loan, *Matrix Computations*,
+#: 4th ed., §8.3: tridiagonal reduction and the accumulated QR iteration).
+_FACTOR_N3 = {"potrf": 1 / 3, "getrf": 2 / 3, "syevd": 9.0, "heevd": 9.0}
 _GEMM_CONTRACT = re.compile(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]')
 
 _FREE = frozenset(
@@ -145,6 +154,20 @@ def _itemsize(dtype: str) -> float:
 
 def _elements(type_: str) -> int:
     return sum(math.prod(dims) for _, dims in _arrays(type_))
+
+
+def _solver_flops(kind: str, lhs: list, last: str) -> float:
+    """FLOPs of a LAPACK / cuSOLVER call on the matrices ``lhs`` (its first operand, batched over the
+    leading dimensions): :data:`_FACTOR_N3` times n³ per matrix, a triangular solve n multiply-adds
+    per entry of its right-hand sides (``last``, its last operand); complex 4 times as many."""
+    dtype, dims = lhs[0]
+    if len(dims) < 2:
+        return 0.0
+    n, batch = dims[-1], math.prod(dims[:-2])
+    cplx = 4.0 if dtype.startswith("c") else 1.0
+    if kind == "trsm":  # each right-hand side's n entries, n multiply-adds each (left or right side)
+        return float(_elements(last) * n) * cplx
+    return float(batch * _FACTOR_N3[kind] * n**3) * cplx
 
 
 def _nbytes(type_: str) -> float:
@@ -300,6 +323,9 @@ class OpCosts:
         if op == "custom-call":
             contract = _GEMM_CONTRACT.search(i.attrs)
             lhs = _arrays(self.operand_type(comp, i.operands[0])) if i.operands else []
+            solver = _SOLVER.search(i.attrs)
+            if solver is not None and lhs:
+                return _solver_flops(solver.group(1), lhs, self.operand_type(comp, i.operands[-1]))
             if contract is None or not lhs:
                 return 0.0
             dims = lhs[0][1]

@@ -276,30 +276,36 @@ def auto_choice(program: Any, prob: Problem, *args: Any, candidates: Any = None)
     return recorded(program_key(program, prob, args), prob.n_local, budget_of(prob), cost_platform_of(prob))
 
 
-def auto_knob(program: Any, prob: Problem, args: tuple, candidates: Any, at: Callable, *, name: str) -> Any:
+def auto_knob(
+    program: Any, prob: Problem, args: tuple, candidates: Any, at: Callable, *, name: str, info: bool = False
+) -> Any:
     """Among ``candidates``, values of a knob of ``program`` other than the chunk, the one of least
     modelled time on the problem's platform among those at which it fits the memory budget (the
     largest that fits, and the smaller ones compiled on the way), or None where none does:
     ``at(candidate) -> (chunk, args)``. Compile only, cached (the outcome None too) under the
     program, the problem, the signature of ``args`` and ``name``, which says what the candidates are
-    (:func:`vmcgrad._sr.ntk.dense.choose_dense`: one chunk's Jacobian batch)."""
+    (:func:`vmcgrad._sr.ntk.dense.choose_dense`: one chunk's Jacobian batch). With ``info``, the
+    record of the choice (:class:`vmcgrad._chunks.budget.Choice`, its ``cost`` the chosen program's)
+    instead of the value; None where none fits."""
 
     def compile_at(value):
         chunk, at_args = at(value)
         return program.lower(prob.at_chunk(chunk), *_abstract(at_args)).compile()
 
     key = (program_key(program, prob, args), name)
-    return choose_chunk(
+    budget, platform = budget_of(prob), cost_platform_of(prob)
+    value = choose_chunk(
         key,
         prob.n_local,
         compile_at,
-        budget_of(prob),
+        budget,
         where=prob.name,
         candidates=candidates,
         none_fits=None,
-        platform=cost_platform_of(prob),
+        platform=platform,
         chunks=False,
     )
+    return recorded(key, prob.n_local, budget, platform) if info else value
 
 
 def cost_platform_of(prob: Problem) -> Platform:

@@ -68,6 +68,21 @@ def route_or_exit(args, driver, n: int) -> str:
         )
 
 
+def route_choice(driver: Any, n: int) -> dict | None:
+    """The record of the route of ``--driver minsr`` at ``n`` samples, JSON-able
+    (:meth:`vmcgrad.netket.VMC_SR.route_choice_at`, ``Choice.as_dict()``): ``value`` ``[route, chunk]``,
+    ``seconds`` its modelled time on ``platform``, ``priced`` each route that fits with its own;
+    None where a route given does not fit (the step then says why)."""
+    choice = driver.route_choice_at(n)
+    return None if choice is None else choice.as_dict()
+
+
+def modelled_time_of(driver: Any) -> float | None:
+    """The modelled seconds of the route the driver's last step took (``VMC_SR``'s record), else None."""
+    choice = getattr(driver, "route_choice", None)
+    return None if choice is None else choice.seconds
+
+
 def _mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.1f}"
 

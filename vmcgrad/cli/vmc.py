@@ -142,11 +142,12 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
     )
     if snap is not None:  # the driver the run was started with
         taken = snap["info"].get("driver_taken", taken)
-    driver, route = None, None
+    driver, route, route_choice = None, None, None
     if taken == "minsr":  # its route, before anything is sampled: a budget no route fits stops here
         kernel = args.chunk_size if snap is None else snap["info"]["chunk_size"]["kernel"]
         driver = _driver(args, taken, system, vstate, {"kernel": kernel}, "-")
         route = _phases.route_or_exit(args, driver, n_samples)
+        route_choice = _phases.route_choice(driver, n_samples)
     if snap is None:
         chunks, qgt_design = _chunk_sizes(args.chunk_size, vstate, args.memory_budget, taken)
     else:  # the chunks the run was started with (auto's pick could differ now, and change the numbers)
@@ -173,6 +174,7 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
         "driver_taken": taken,
         "driver_reason": why,
         "route": route,
+        "route_choice": route_choice,
         "memory_budget": args.memory_budget,
         "exact_energy_source": exact_source,
         "infinite_temperature_energy": e_inf,

@@ -74,8 +74,10 @@ class VMC_SR(nk.driver.VMC_SR):
             (matrix-free, Nyström-preconditioned), or None: at each N, before sampling, the route of least
             modelled time whose compiled update fits ``memory_budget`` (:meth:`route_at`,
             :func:`vmcgrad._sr.ntk.routes.choose`). The route taken is logged each step as
-            ``minsr_route`` with the update's seconds as ``minsr_update_time`` (and CG's iterations as
-            ``cg_iterations``) and kept in :attr:`route`.
+            ``minsr_route`` with the update's seconds as ``minsr_update_time``, the time the rule
+            modelled for it as ``minsr_modelled_time`` on the platform ``minsr_cost_platform`` (the
+            record, every route's modelled time, in :attr:`route_choice`), and CG's iterations as
+            ``cg_iterations``; the route is kept in :attr:`route`.
         grow_samples: a :class:`GrowSamples` rule: N is multiplied by its ``factor`` (a multiple of
             the sampler's chains) whenever the energy has settled to its error bar over its
             ``window`` of steps, up to its ``max_samples`` and to what ``memory_budget`` holds (the
@@ -103,6 +105,7 @@ class VMC_SR(nk.driver.VMC_SR):
     _cg_iterations: Any = struct.field(pytree_node=False, default=None)
     _routes: Any = struct.field(pytree_node=False, default=None)
     _update_time: Any = struct.field(pytree_node=False, default=None)
+    route_choice: Any = struct.field(pytree_node=False, default=None)
 
     def __init__(
         self,
@@ -172,8 +175,9 @@ class VMC_SR(nk.driver.VMC_SR):
         self._grow, self._grow_history, self.grown = grow_samples, [], []
         self._grow_stopped = False
         self._route = route
-        self._routes = {}  # N -> the route the rule chose there
+        self._routes = {}  # N -> (the route taken there, its record: vmcgrad._chunks.budget.Choice)
         self._update_time = None
+        self.route_choice = None
 
     @timing.timed
     def compute_loss_and_update(self):
@@ -196,7 +200,7 @@ class VMC_SR(nk.driver.VMC_SR):
         samples = self.state.samples
         samples = jax.lax.collapse(samples, 0, samples.ndim - 1)  # (chains, per chain, ...) -> rows
         args, static = self._update_arguments(samples, local_energies.reshape(-1), route)
-        self.route = route
+        self.route, self.route_choice = route, self.route_choice_at(self.state.n_samples)
         start = time.perf_counter()
         self._dp, self._old_updates, info = jax.block_until_ready(_update(*args, **static))
         self._update_time = time.perf_counter() - start
@@ -262,16 +266,38 @@ class VMC_SR(nk.driver.VMC_SR):
         except routes.NoRouteFits as err:
             raise self._no_route(n, err) from None
 
+    def route_choice_at(self, n: int) -> Any:
+        """The record of the update's route at N = ``n`` (:func:`vmcgrad._sr.ntk.minsr.update_choice`):
+        a :class:`vmcgrad._chunks.budget.Choice` whose ``value`` is ``(route, chunk)``, ``seconds`` its
+        modelled time on ``platform`` (:func:`vmcgrad.program_cost` of its compiled program, CG at
+        :data:`vmcgrad._sr.ntk.routes.CG_ITERATIONS` iterations) and ``priced`` each route that fits
+        with its own; for a route given, that route priced alone (None where it does not fit).
+        Compile only, on abstract samples; cached per N.
+
+        Raises:
+            MemoryError: when the rule chooses and no route fits the budget at this N.
+        """
+        try:
+            return self._priced(n)[1]
+        except routes.NoRouteFits as err:
+            raise self._no_route(n, err) from None
+
     def _route_rule(self, n: int) -> str:
         """:meth:`route_at`, raising :class:`vmcgrad._sr.ntk.routes.NoRouteFits` as the core does."""
         fixed = routes.check_route(NAME, self._route, "cg" if self._cg else None)
-        if fixed is not None:
-            return fixed
+        if fixed is not None and n not in self._routes:
+            return fixed  # (priced only when a step or route_choice_at asks)
+        return self._priced(n)[0]
+
+    def _priced(self, n: int) -> tuple[str, Any]:
+        """``(route, record)`` at N = ``n``, cached: the rule's, or a given route priced alone."""
         if n not in self._routes:
-            args, static = self._update_arguments(*self._abstract_rows(n), None)
+            fixed = routes.check_route(NAME, self._route, "cg" if self._cg else None)
+            args, static = self._update_arguments(*self._abstract_rows(n), fixed)
             chosen = []
-            jax.eval_shape(lambda *a: chosen.append(_route(*a, **static)), *args)
-            self._routes[n] = chosen[0]
+            jax.eval_shape(lambda *a: chosen.append(_route_choice(*a, **static)), *args)
+            choice = chosen[0]
+            self._routes[n] = (fixed if choice is None else choice.value[0], choice)
         return self._routes[n]
 
     def _no_route(self, n: int, err: routes.NoRouteFits) -> MemoryError:
@@ -376,6 +402,9 @@ class VMC_SR(nk.driver.VMC_SR):
         if self.use_ntk and self.route is not None:
             log_dict["minsr_route"] = self.route
             log_dict["minsr_update_time"] = self._update_time  # seconds of the update, beside its route
+            if self.route_choice is not None:  # the time the rule modelled for it, and for what platform
+                log_dict["minsr_modelled_time"] = self.route_choice.seconds
+                log_dict["minsr_cost_platform"] = self.route_choice.platform
             if self._cg_iterations is not None:
                 log_dict["cg_iterations"] = self._cg_iterations
         if self._grow is not None:
@@ -420,10 +449,10 @@ def _update(*args, **static):
     return _minsr(vmcgrad.minsr_update, *args, **static)
 
 
-def _route(*args, **static):
-    """The route :func:`_update` takes on these arguments (traced as :func:`_update` traces them, so
-    that the route's chunk search is the one the step finds in the cache)."""
-    return _minsr(minsr.update_route, *args, **static)
+def _route_choice(*args, **static):
+    """The record of the route :func:`_update` takes on these arguments (traced as :func:`_update`
+    traces them, so that the route's chunk search is the one the step finds in the cache)."""
+    return _minsr(minsr.update_choice, *args, **static)
 
 
 def _warn_netket_step() -> None:

@@ -42,8 +42,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from vmcgrad._chunks.budget import budget_or_default
-from vmcgrad._problem.problem import Problem, auto_chunk, auto_knob
+from vmcgrad._chunks.budget import Choice, budget_or_default
+from vmcgrad._problem.problem import Problem, auto_choice, auto_knob
 from vmcgrad._problem.sharding import explicit_sharding, unsplit_explicit
 from vmcgrad._runner.primitive import map_reduce_problem
 from vmcgrad._runner.runner import REPLICATED, SAMPLES
@@ -109,42 +109,58 @@ def choose_dense(program: Any, prob: Problem, op: Any, *args: Any) -> tuple[int,
 
     An operator whose batch is already fixed is left at it, and searched over the powers of two only.
     """
+    chunk, args, _ = dense_choice(program, prob, op, *args)
+    return chunk, args
+
+
+def dense_choice(program: Any, prob: Problem, op: Any, *args: Any) -> tuple[int, tuple, Choice | None]:
+    """:func:`choose_dense`'s ``(chunk, args)`` and the record of the search that settled them
+    (:class:`vmcgrad._chunks.budget.Choice`: the chosen program's modelled time and cost; None for
+    a chunk remembered after an out-of-memory error). Compile only, cached."""
     if op.jacobian_batch is not None:
-        return auto_chunk(program, prob, op, *args), (op, *args)
+        found = auto_choice(program, prob, op, *args)
+        return found.value, (op, *args), found
     budget = budget_or_default(prob.memory_budget)
     if prob.n_local == prob.n and jacobian_bytes(prob, op) <= budget:
         at = lambda b: (prob.n, (dataclasses.replace(op, jacobian_batch=b), *args))
         most = jacobian_batch(prob.n)  # the whole block, or the platform's part of it
         batches = sorted({2**i for i in range(most.bit_length())} | {most})
-        one_block = auto_knob(program, prob, (op, *args), batches, at, name="one block's Jacobian batch")
+        name = "one block's Jacobian batch"
+        one_block = auto_knob(program, prob, (op, *args), batches, at, name=name, info=True)
         kept_chunks = program in KEPT_JACOBIAN_PROGRAMS
-        if kept_chunks and one_block is not None and jacobian_split() == 1 and one_block < prob.n:
+        if kept_chunks and one_block is not None and jacobian_split() == 1 and one_block.value < prob.n:
             # a trip costs its ops whatever its size: the Jacobian kept over fewer, larger chunks, each
             # derived at once (the last shifted back), than one block's batches
             kept = dataclasses.replace(op, jacobian_batch=None, keep_jacobian=True)
             # between b and 2b (one block did not fit at 2b, a power of two up to N; a chunk of 2b
             # holds as much): the chunks of about 1.25, 1.5 and 1.75 b, each one more compilation
-            b = one_block
+            b = one_block.value
             larger = sorted(
                 {c for f in (5, 6, 7) if b < (c := _chunk_of(prob.n, -(-prob.n * 4 // (f * b)))) < 2 * b}
             )
             at_kept = lambda c: (c, (kept, *args))
             name = "the kept Jacobian's chunk"
-            chunk = auto_knob(program, prob, (kept, *args), larger, at_kept, name=name) if larger else None
-            if chunk is not None:
-                return at_kept(chunk)
+            found = (
+                auto_knob(program, prob, (kept, *args), larger, at_kept, name=name, info=True)
+                if larger
+                else None
+            )
+            if found is not None:
+                return (*at_kept(found.value), found)
         if one_block is not None:
-            return at(one_block)
+            return (*at(one_block.value), one_block)
     # (one block did not fit at any batch: neither does keeping the Jacobian over chunks, whose chunk
     # at the batch b holds what one block at b holds)
     op = dataclasses.replace(op, keep_jacobian=False)
-    chunk = auto_chunk(program, prob, op, *args)  # b = c (on an accelerator): the chunk at once
+    found = auto_choice(program, prob, op, *args)  # b = c (on an accelerator): the chunk at once
+    chunk = found.value
     plan = prob.at_chunk(chunk).plan
     fixed = dataclasses.replace(op, jacobian_batch=jacobian_batch(plan.size))
     if plan.count == 1:  # the operator compiled (its batch None is the chunk's): the run reuses it
-        return chunk, (op, *args)
+        return chunk, (op, *args), found
     fewer = sorted({-(-prob.n_local // m) for m in range(1, plan.count + 1)})
-    return auto_chunk(program, prob, fixed, *args, candidates=fewer), (fixed, *args)
+    found = auto_choice(program, prob, fixed, *args, candidates=fewer)
+    return found.value, (fixed, *args), found
 
 
 def _chunk_of(n: int, trips: int) -> int:

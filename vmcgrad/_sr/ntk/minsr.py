@@ -34,7 +34,8 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
-from vmcgrad._chunks.budget import budget_or_default
+from vmcgrad._chunks.budget import Choice, budget_or_default
+from vmcgrad._hlo.cost import expected_trips
 from vmcgrad._problem import validation as check
 from vmcgrad._problem.problem import Problem, call, problem
 from vmcgrad._problem.sharding import unsplit_explicit
@@ -144,7 +145,7 @@ def minsr_update(
         tol=tol,
         maxiter=maxiter,
     )
-    prob, args_at, route = _prepared(logpsi, params, samples, local_energies, options)
+    prob, args_at, route, _ = _prepared(logpsi, params, samples, local_energies, options)
     return call(_update_program, prob, *args_at(route), choose=routes.chooser(route))
 
 
@@ -156,14 +157,38 @@ def update_route(logpsi: Any, params: Any, samples: Any, local_energies: Any, **
     Raises:
         vmcgrad._sr.ntk.routes.NoRouteFits: when no route fits the budget (a MemoryError).
     """
+    return _prepared(logpsi, params, samples, local_energies, _with_defaults(options))[2]
+
+
+def update_choice(
+    logpsi: Any, params: Any, samples: Any, local_energies: Any, **options: Any
+) -> Choice | None:
+    """The record of the route :func:`vmcgrad.minsr_update` takes on these arguments (its keywords):
+    the rule's :class:`vmcgrad._chunks.budget.Choice` (``value`` ``(route, chunk)``, ``seconds`` its
+    modelled time, ``platform``, the routes ``priced``; :func:`vmcgrad._sr.ntk.routes.choose`), or
+    for a route given, that route priced alone the same way (None where it does not fit the budget:
+    the update itself then says why). Compile only, cached, as :func:`update_route`.
+
+    Raises:
+        vmcgrad._sr.ntk.routes.NoRouteFits: when the rule chooses and no route fits the budget.
+    """
+    options = _with_defaults(options)
+    return _prepared(logpsi, params, samples, local_energies, options, price=True)[3]
+
+
+def _with_defaults(options: dict) -> dict:
     kinds = inspect.signature(minsr_update).parameters.items()
     defaults = {k: p.default for k, p in kinds if p.kind == p.KEYWORD_ONLY}
-    return _prepared(logpsi, params, samples, local_energies, {**defaults, **options})[2]
+    return {**defaults, **options}
 
 
-def _prepared(logpsi: Any, params: Any, samples: Any, local_energies: Any, options: dict) -> tuple:
-    """``(problem, args_at, route)`` of an update: the inputs checked (before anything is traced),
-    ``args_at(route)`` the program's arguments on a route, and the route taken."""
+def _prepared(
+    logpsi: Any, params: Any, samples: Any, local_energies: Any, options: dict, price: bool = False
+) -> tuple:
+    """``(problem, args_at, route, choice)`` of an update: the inputs checked (before anything is
+    traced), ``args_at(route)`` the program's arguments on a route, the route taken, and the rule's
+    record (:func:`vmcgrad._sr.ntk.routes.choose`); for a route given, that route priced alone where
+    ``price`` (None where it does not fit), else None."""
     name = _UPDATE
     o = options
     budget = {"chunk_size": o["chunk_size"], "memory_budget": o["memory_budget"]}
@@ -197,10 +222,17 @@ def _prepared(logpsi: Any, params: Any, samples: Any, local_energies: Any, optio
         how = (route, None if solver == "cg" else solver, rank if route == "cg" else 0)
         return (op, local_energies, proj_reg, momentum, old_updates, how, cg_opts)
 
+    sizes = routes.sizes_of(mode, prob, inputs, rank)
+    choice = None
     if route is None:
-        sizes = routes.sizes_of(mode, prob, inputs, rank)
-        route = routes.choose(name, _update_program, prob, args_at, sizes)
-    return prob, args_at, route
+        choice = routes.choose(name, _update_program, prob, args_at, sizes)
+        route = choice.value[0]
+    elif price:
+        try:
+            choice = routes.choose(name, _update_program, prob, args_at, sizes, among=(route,))
+        except routes.NoRouteFits:
+            choice = None
+    return prob, args_at, route, choice
 
 
 def _check_rank(where: str, rank: Any, route: str, mode: str, prob: Problem, params: Any) -> int:
@@ -355,15 +387,20 @@ def _centred_in_place(j: jax.Array) -> jax.Array:
 
 
 def _cg(op: NTKOperator, dv: jax.Array, proj_reg, rank: int, cg_opts):
+    """Preconditioned CG on the kernel system. On samples split on an Explicit mesh axis the kernel's
+    product (and the preconditioner's) comes back typed split where ``dv`` is replicated; both are
+    replicated, so that CG's carry keeps one type (the vectors are N·K long: nothing to split)."""
     tol, atol, maxiter = cg_opts
     n = op.problem.n
     if proj_reg is None:
-        apply = partial(kernel_product, op)
+        apply = lambda v: unsplit_explicit(kernel_product(op, v))
     else:
-        apply = lambda v: kernel_product(op, v) + proj_reg / n * jnp.sum(v)
+        apply = lambda v: unsplit_explicit(kernel_product(op, v)) + proj_reg / n * jnp.sum(v)
     cols = min(op.problem.plan.size, n)
-    precondition = nystrom.build(op, rank, cols) if rank > 0 else None
-    return cg(apply, dv, None, tol=tol, atol=atol, maxiter=maxiter, M=precondition)
+    build = nystrom.build(op, rank, cols) if rank > 0 else None
+    precondition = None if build is None else (lambda r: unsplit_explicit(build(r)))
+    with expected_trips(routes.CG_ITERATIONS):  # the route's modelled time counts the loop so often
+        return cg(apply, unsplit_explicit(dv), None, tol=tol, atol=atol, maxiter=maxiter, M=precondition)
 
 
 def gram_chunk(fun, params, x, w, shift, *, mode: str) -> tuple[tuple, tuple]:

@@ -4,14 +4,16 @@ The update solves one of two dense systems or neither (:data:`ROUTES`): the :mat
 kernel :math:`T` (``"dense"``), the :math:`P \times P` matrix :math:`S` (``"parameter"``), or the
 kernel system matrix-free by preconditioned conjugate gradient (``"cg"``).
 
-The rule (:func:`choose`), for a given memory budget: a route *fits* when its compiled update fits
-the budget at some chunk (``memory_analysis()``, as ``chunk_size="auto"`` sizes every program:
-:func:`fit`); among the routes that fit, the one of least modelled time is taken
-(:func:`modelled_flops`, or any ``cost`` plugged in). The routes are tried in the order of their
-least possible time (each at its largest chunk); a route whose least time is no better than that
-of a route found to fit is not compiled, nor is one whose matrix alone is over the budget
-(:func:`floor_bytes`). Only where no route fits, the matrix-free one included, does the update stop,
-with the bytes that the smallest one needs (:class:`NoRouteFits`), before anything runs.
+The rule (:func:`choose`), for a given memory budget, is the rule of every automatic choice of the
+package (the chunk, the QGT's design, the Jacobian batch): a route *fits* when its compiled update
+fits the budget at some chunk (``memory_analysis()``, as ``chunk_size="auto"`` sizes every program:
+:func:`fit`); among the routes that fit, the one of least modelled time on the platform the choice is
+for, :math:`n_\text{ops} t_\text{op} + \text{FLOPs}/\text{peak} + \text{bytes}/\text{bandwidth}`
+(:func:`vmcgrad._hlo.cost.program_cost` of the program at the chunk its search chose), is taken. CG's
+loop is counted :data:`CG_ITERATIONS` times (:func:`vmcgrad._hlo.cost.expected_trips`). A route whose
+matrix alone is over the budget (:func:`floor_bytes`) is not compiled. Only where no route fits, the
+matrix-free one included, does the update stop, with the bytes that the smallest one needs
+(:class:`NoRouteFits`), before anything runs.
 
 :func:`system_sizes` gives the sides of the two dense systems, :func:`check_route` checks a route a
 caller gave (the one place every entry point checks it).
@@ -26,17 +28,28 @@ import jax
 import jax.numpy as jnp
 
 from vmcgrad._cache import Cache
-from vmcgrad._chunks.budget import program_bytes, signature
+from vmcgrad._chunks.budget import Choice, cheapest, program_bytes
 from vmcgrad._function import cache_key
-from vmcgrad._problem.problem import Inputs, Problem, auto_chunk, budget_of, compile_only, program_key
-from vmcgrad._sr.ntk.dense import choose_dense
+from vmcgrad._hlo.cost import ProgramCost, program_cost
+from vmcgrad._problem.problem import (
+    Inputs,
+    Problem,
+    auto_choice,
+    budget_of,
+    compile_only,
+    cost_platform_of,
+    program_key,
+)
+from vmcgrad._sr.ntk.dense import choose_dense, dense_choice
 from vmcgrad._sr.ntk.modes import k_of, vector_dtype
 
 ROUTES = ("dense", "parameter", "cg")
 
-#: Iterations the cost model expects of the matrix-free route's preconditioned CG (its real count
-#: depends on the state and the shift; a run logs it as ``cg_iterations``): the bound the issue set
-#: for it, ``docs/performance.md``'s measured counts on the 1-D GCNN sit below it.
+#: Iterations the route's rule expects of the matrix-free route's preconditioned CG: its loop is
+#: traced inside :func:`vmcgrad._hlo.cost.expected_trips` with this count, so that the modelled time of
+#: the ``"cg"`` program counts its body this many times (its real count depends on the state and the
+#: shift; a run logs it as ``cg_iterations``): the bound the issue set for it; ``docs/performance.md``'s
+#: measured counts on the 1-D GCNN (42 to 70 at the budget's Nyström rank) sit below it.
 CG_ITERATIONS = 50
 
 
@@ -69,60 +82,20 @@ def check_route(where: str, route: Any, solver: Any) -> str | None:
 
 
 class Sizes(NamedTuple):
-    """What the cost of a route depends on: N, K, P (real entries, as :func:`system_sizes`), bytes
-    per entry, the model's FLOPs per sample (:func:`forward_flops`), the Nyström rank of the
-    ``"cg"`` route, and whether the dense algebra is complex ('holomorphic')."""
+    """What the floor of a route's memory depends on (:func:`floor_bytes`): N, K, P (real entries, as
+    :func:`system_sizes`), bytes per entry, and the Nyström rank of the ``"cg"`` route."""
 
     n: int
     k: int
     p: int
     itemsize: int
-    forward: float
     rank: int
-    complex: bool
 
 
 def sizes_of(mode: str, prob: Problem, inputs: Inputs, rank: int) -> Sizes:
     """The :class:`Sizes` of an update."""
     _, p, itemsize = system_sizes(mode, prob.n, inputs.params)
-    forward = forward_flops(prob, inputs)
-    if forward <= 0:  # (no cost analysis on this backend: a dense layer's)
-        forward = 2.0 * p
-    return Sizes(prob.n, k_of(mode), p, itemsize, forward, rank, mode == "holomorphic")
-
-
-def modelled_flops(route: str, s: Sizes, chunk: int | None) -> float:
-    r"""The FLOPs of one update on ``route`` at ``chunk`` (None: one chunk), the default cost of
-    :func:`choose`.
-
-    With :math:`F` the model's FLOPs per sample, a per-sample Jacobian costs :math:`(1 + 2K)F` (one
-    forward pass, K reverse passes), a jvp or vjp pass :math:`3F` per sample, and the dense algebra
-    as counted (a complex multiply-add 4 real ones, 'holomorphic'):
-
-    * ``"dense"``: :math:`N(1 + (N - c)/2c)` Jacobians (:mod:`vmcgrad._sr.ntk.dense`; N in one
-      block), the kernel :math:`2(NK)^2P` (half of it in blocks, the other half filled), its factor
-      :math:`(NK)^3/3` and one vjp pass;
-    * ``"parameter"``: N Jacobians, :math:`S` :math:`2NKP^2`, its factor :math:`P^3/3`, one vjp pass;
-    * ``"cg"``: the Nyström preconditioner of rank r (:math:`N + r` Jacobians, :math:`2NK\,rK\,P`)
-      and :data:`CG_ITERATIONS` iterations of one jvp and one vjp pass and the preconditioner's
-      :math:`4NK\,rK`.
-
-    One rate for all FLOPs: a model's passes run slower per FLOP than a matrix product, so the
-    model favours the matrix-free route somewhat; ``docs/performance.md`` has the measured times.
-    """
-    n, k, p, f = s.n, s.k, s.p, s.forward
-    c = n if chunk is None else min(int(chunk), n)
-    jac, one_pass, alg = (1 + 2 * k) * f, 3 * f, 4 if s.complex else 1
-    nk = n * k
-    if route == "dense":
-        jacobians = n * (1 + max(0, n - c) / (2 * c))
-        kernel = (2 if c >= n else 1) * nk * nk * p
-        return jacobians * jac + alg * (kernel + nk**3 / 3) + n * one_pass
-    if route == "parameter":
-        return n * jac + alg * (2 * nk * p * p + p**3 / 3) + n * one_pass
-    r = s.rank
-    build = (n + r) * jac + alg * 2 * nk * r * k * p if r else 0.0
-    return build + CG_ITERATIONS * (2 * n * one_pass + alg * 4 * nk * r * k)
+    return Sizes(prob.n, k_of(mode), p, itemsize, rank)
 
 
 def floor_bytes(route: str, s: Sizes) -> int:
@@ -138,13 +111,17 @@ def chooser(route: str) -> Callable | None:
 
 
 class Fit(NamedTuple):
-    """Whether a route's update fits the budget, at which chunk, and, where it does not, the bytes it
-    needs at its least (one sample per chunk with ``chunk_size="auto"``, else at the given chunk;
-    None where it fits)."""
+    """Whether a route's update fits the budget, at which chunk; where it does not, the bytes it needs
+    at its least (one sample per chunk with ``chunk_size="auto"``, else at the given chunk; None where
+    it fits); where it fits, the cost of its program at that chunk
+    (:class:`vmcgrad._hlo.cost.ProgramCost`), its compiled bytes, and the programs compiled to know."""
 
     fits: bool
     chunk: Any
     need: int | None
+    cost: ProgramCost | None = None
+    memory: int = 0
+    compiled: int = 0
 
 
 #: Where a route's floor (:func:`floor_bytes`) is above this part of the budget, :func:`fit` compiles
@@ -160,27 +137,36 @@ def fit(program: Any, prob: Problem, args: tuple, route: str, floor: int = 0) ->
     the one-sample chunk's bytes. Where the route's ``floor`` (its dense matrix's bytes) is over
     :data:`TIGHT_FLOOR` of the budget, the one-sample chunk is compiled first instead: a route over
     the budget is then out after one compilation (the search, which would descend to it through
-    larger chunks, compiles it no more: the same lowering is cached)."""
-    budget = budget_of(prob)
+    larger chunks, compiles it no more: the same lowering is cached). The cost is the search's record
+    of the program it chose: no program is compiled twice."""
+    budget, platform = budget_of(prob), cost_platform_of(prob)
     if prob.chunk_size != "auto":
-        need = program_bytes(compile_only(program, prob, *args))
-        return Fit(need <= budget, prob.chunk_size, None if need <= budget else need)
+        compiled = compile_only(program, prob, *args)
+        need = program_bytes(compiled)
+        if need > budget:
+            return Fit(False, prob.chunk_size, need, compiled=1)
+        return Fit(True, prob.chunk_size, None, program_cost(compiled, platform), need, 1)
+    spent = 0
     if floor > TIGHT_FLOOR * budget:
         need = program_bytes(compile_only(program, prob.at_chunk(1), *args))
+        spent = 1
         if need > budget:
-            return Fit(False, None, need)
-    choose = chooser(route)
+            return Fit(False, None, need, compiled=1)
     try:
-        if choose is None:
-            chunk = auto_chunk(program, prob, *args)
+        if route == "dense":
+            chunk, at_args, found = dense_choice(program, prob, *args)
         else:
-            chunk, _ = choose(program, prob, *args)
+            at_args, found = args, auto_choice(program, prob, *args)
+            chunk = found.value
     except MemoryError as err:  # not even one sample per chunk fits
         need = getattr(err, "need", None)
         if need is None:  # (a chooser's own error: the one-sample chunk's bytes)
             need = program_bytes(compile_only(program, prob.at_chunk(1), *args))
-        return Fit(False, None, need)
-    return Fit(True, chunk, None)
+        return Fit(False, None, need, compiled=spent + 1)
+    if found is None or found.cost is None:  # a chunk remembered after an out-of-memory error
+        compiled = compile_only(program, prob.at_chunk(chunk), *at_args)
+        return Fit(True, chunk, None, program_cost(compiled, platform), program_bytes(compiled), spent + 2)
+    return Fit(True, chunk, None, found.cost, found.memory, spent + found.compiled)
 
 
 class NoRouteFits(MemoryError):
@@ -201,83 +187,115 @@ def enough(need: int) -> int:
     return 2 * need
 
 
-#: The route chosen per update program, arguments' signature and budget (cost function included).
+#: The route chosen per update program, arguments' signature, budget, platform and score.
 _CHOSEN = Cache(maxsize=256, name="minsr_update: the route chosen (the fastest that fits)")
 
-Cost = Callable[[str, Sizes, Any], float]
+#: ``score(choice) -> float``: what :func:`choose` compares in place of the modelled seconds.
+Score = Callable[[Choice], float]
 
 
 def choose(
-    where: str, program: Any, prob: Problem, args_at: Callable[[str], tuple], sizes: Sizes, cost: Cost = None
-) -> str:
-    """The route of the update: among those whose compiled program fits the budget, the one of least
-    ``cost(route, sizes, chunk)`` (default :func:`modelled_flops`; any modelled or measured time of
-    the same signature can be plugged in). ``args_at(route)`` gives the program's arguments on that
-    route. Compile only; cached.
+    where: str,
+    program: Any,
+    prob: Problem,
+    args_at: Callable[[str], tuple],
+    sizes: Sizes,
+    score: Score | None = None,
+    among: tuple[str, ...] = ROUTES,
+) -> Choice:
+    r"""The route of the update: among the routes ``among`` whose compiled program fits the budget at
+    some chunk (:func:`fit`), the one of least modelled time on the problem's platform
+    (:func:`vmcgrad._problem.problem.cost_platform_of`: ``vmcgrad.cost_platform(...)``,
+    ``$VMCGRAD_COST_PLATFORM``, else the devices'),
+
+    .. math::
+
+        t = n_{\text{ops}}\, t_{\text{op}} + \frac{\text{FLOPs}}{\text{peak}}
+            + \frac{\text{bytes}}{\text{bandwidth}}
+
+    (:meth:`vmcgrad._hlo.cost.ProgramCost.time`) of the program at the chunk its own search chose
+    (the same rule), read from the programs that search compiled: nothing is compiled to price a
+    route. The ``"cg"`` route's loop stops on its tolerance, so its program does not know its trip
+    count: it is traced inside :func:`vmcgrad._hlo.cost.expected_trips` with :data:`CG_ITERATIONS`,
+    and its body is counted that many times (the Nyström build and the final pass once). A route
+    whose matrix alone is over the budget (:func:`floor_bytes`) is not compiled, nor, where the dense
+    route fits in one block and :math:`NK \le P`, are the others: that route dominates them (N
+    Jacobians derived once, as the parameter route derives them and CG twice per iteration; algebra
+    :math:`(NK)^2P + (NK)^3/3` against :math:`NKP^2 + P^3/3`; one loop), so the first update compiles
+    one program, as NetKet's does. This is
+    :func:`vmcgrad._chunks.budget.cheapest` over the routes (a tie goes to the later of
+    :data:`ROUTES`). ``args_at(route)`` gives the program's arguments on that route; ``score``,
+    optional, replaces the modelled seconds in the comparison (the record keeps them). Compile
+    only; cached.
+
+    Returns:
+        A :class:`vmcgrad._chunks.budget.Choice`: ``value`` ``(route, chunk)``, ``seconds`` its
+        modelled time, ``platform``, ``memory`` its compiled bytes per device, ``priced`` each route
+        that fits with its modelled seconds, ``cost`` its program's
+        :class:`vmcgrad._hlo.cost.ProgramCost`.
 
     Raises:
-        NoRouteFits: when not even the matrix-free route fits (before anything runs).
+        NoRouteFits: when no route fits, not even the matrix-free one (before anything runs).
     """
-    cost = cost or modelled_flops
-    budget = budget_of(prob)
+    budget, platform = budget_of(prob), cost_platform_of(prob)
     key = program_key(program, prob, args_at("cg"))
-    key = None if key is None else (key, budget, cache_key(cost), sizes)
+    key = None if key is None else (key, budget, platform, cache_key(score), sizes, among)
     if key in _CHOSEN:
         return _CHOSEN.get(key)
-    least = lambda r: cost(r, sizes, prob.n_local)  # each route at its largest chunk
-    best, needs = None, {}
-    for route in sorted(ROUTES, key=least):
-        if best is not None and least(route) >= best[1]:
-            break
+    needs: dict[str, int] = {}
+
+    def compile_at(route: str) -> Choice:
         floor = floor_bytes(route, sizes)
         if floor > budget:
             needs[route] = floor
-            continue
+            raise _Over(floor)
         found = fit(program, prob, args_at(route), route, floor)
         needs[route] = found.need
-        if found.fits:
-            t = cost(route, sizes, found.chunk)
-            if best is None or t < best[1]:
-                best = (route, t)
-    if best is None:
-        need = needs["cg"]
-        raise NoRouteFits(
-            f"{where}: no route of the update fits the memory budget of {budget} bytes per device at "
-            f"N = {prob.n}: the dense kernel needs {needs['dense']} bytes or more, the parameter-space "
-            f"matrix {needs['parameter']} or more, and the smallest, matrix-free CG, {need} at one "
-            f"sample per chunk. Fix: pass memory_budget={enough(need)}, fewer samples, or more devices.",
-            need,
-            budget,
-            prob.n,
-            needs,
+        if not found.fits:
+            raise _Over(found.need)
+        cost = found.cost
+        return Choice(
+            (route, found.chunk), None, platform.name, found.memory, cost.ops, (), found.compiled, cost
         )
-    _CHOSEN[key] = best[0]
-    return best[0]
 
+    def bound(route: str, best: Choice) -> float:
+        # dense in one block dominates where NK <= P: N Jacobians derived once (the parameter route
+        # derives as many, CG two passes per iteration), (NK)^2 P + (NK)^3/3 FLOPs of algebra against
+        # NK P^2 + P^3/3, one loop over the samples: the others are not compiled
+        whole = best.value[0] == "dense" and (best.value[1] is None or best.value[1] >= prob.n_local)
+        return float("inf") if whole and sizes.n * sizes.k <= sizes.p else 0.0
 
-#: The model's FLOPs per sample per function and input signature (:func:`forward_flops`).
-_FORWARD = Cache(maxsize=64, name="minsr_update's route choice: the model's FLOPs per sample")
-
-
-def forward_flops(prob: Problem, inputs: Inputs, rows: int = 8) -> float:
-    """The model's FLOPs per sample: XLA's cost analysis of one call on ``rows`` samples (no loop:
-    its count is the program's), divided by ``rows``; 0 where the backend gives none. The analysis
-    is of the lowered program, not compiled (the route choice's first step compiles nothing but
-    the candidates; the count is the compiled one's to within its simplifications)."""
-    b = min(prob.n_local, rows)
-    plain = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
-    data, params = jax.tree.map(plain, (tuple(inputs.fun_data), inputs.params))
-    x = jax.tree.map(lambda a: jax.ShapeDtypeStruct((b, *a.shape[1:]), a.dtype), inputs.samples)
-    key = Cache.key(prob.fun, signature((data, params, x)))
-    if key in _FORWARD:
-        return _FORWARD.get(key)
-    call = jax.jit(lambda d, p, x: prob.user_fun(d)(p, x))
     try:
-        analysis = call.lower(data, params, x).cost_analysis()
-    except Exception:  # a backend without a cost analysis: the caller's fallback
-        analysis = None
-    if isinstance(analysis, (list, tuple)):
-        analysis = analysis[0] if analysis else None
-    flops = float((analysis or {}).get("flops", 0.0)) / b
-    _FORWARD[key] = flops
-    return flops
+        best = cheapest(among, compile_at, budget, platform, bound=None if score else bound, score=score)
+    except _Over:
+        best = None
+    if best is None:
+        raise _no_route(where, prob, budget, needs)
+    best = best._replace(priced=tuple((value[0], t) for value, t in best.priced))
+    _CHOSEN[key] = best
+    return best
+
+
+class _Over(MemoryError):
+    def __init__(self, need: int):
+        super().__init__(need)
+        self.need = need
+
+
+def _no_route(where: str, prob: Problem, budget: int, needs: dict) -> NoRouteFits:
+    named = {"dense": "the dense kernel", "parameter": "the parameter-space matrix"}
+    parts = [f"{named[r]} needs {b} bytes or more" for r, b in needs.items() if r != "cg"]
+    if "cg" in needs:
+        need = needs["cg"]
+        parts.append(f"the smallest, matrix-free CG, {need} at one sample per chunk")
+    else:  # (the routes tried exclude CG)
+        need = min(needs.values())
+    listed = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + ", and " + parts[-1]
+    return NoRouteFits(
+        f"{where}: no route of the update fits the memory budget of {budget} bytes per device at "
+        f"N = {prob.n}: {listed}. Fix: pass memory_budget={enough(need)}, fewer samples, or more devices.",
+        need,
+        budget,
+        prob.n,
+        needs,
+    )
