@@ -197,7 +197,8 @@ def _prepared(logpsi: Any, params: Any, samples: Any, local_energies: Any, optio
         return (op, local_energies, proj_reg, momentum, old_updates, how, cg_opts)
 
     if route is None:
-        sizes = routes.sizes_of(mode, prob, inputs, rank)
+        passes = nystrom.Plan(rank, _block(mode, prob, inputs.params, rank)).passes
+        sizes = routes.sizes_of(mode, prob, inputs, rank, passes)
         route = routes.choose(name, _update_program, prob, args_at, sizes)
     return prob, args_at, route
 
@@ -215,6 +216,14 @@ def _check_rank(where: str, rank: Any, route: str, mode: str, prob: Problem, par
             "Fix: nystrom_rank='auto' sizes it to the memory budget; 0 or None runs plain CG."
         )
     return rank
+
+
+def _block(mode: str, prob: Problem, params: Any, rank: int) -> int:
+    """The Nyström block of ``rank`` at the problem's budget
+    (:func:`~vmcgrad._sr.ntk.nystrom.nystrom_block`)."""
+    _, p, itemsize = system_sizes(mode, prob.n, params)
+    budget = budget_or_default(prob.memory_budget)
+    return nystrom.nystrom_block(prob.n, k_of(mode), p, itemsize, budget, rank)
 
 
 def _refuse_jvp(primals, tangents):
@@ -347,7 +356,9 @@ def _cg(op: NTKOperator, dv: jax.Array, proj_reg, rank: int, cg_opts):
     else:
         apply = lambda v: kernel_product(op, v) + proj_reg / n * jnp.sum(v)
     cols = min(op.problem.plan.size, n)
-    precondition = nystrom.build(op, rank, cols) if rank > 0 else None
+    precondition = (
+        nystrom.build(op, rank, cols, _block(op.mode, op.problem, op.params, rank)) if rank > 0 else None
+    )
     return cg(apply, dv, None, tol=tol, atol=atol, maxiter=maxiter, M=precondition)
 
 

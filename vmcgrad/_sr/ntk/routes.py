@@ -71,7 +71,8 @@ def check_route(where: str, route: Any, solver: Any) -> str | None:
 class Sizes(NamedTuple):
     """What the cost of a route depends on: N, K, P (real entries, as :func:`system_sizes`), bytes
     per entry, the model's FLOPs per sample (:func:`forward_flops`), the Nyström rank of the
-    ``"cg"`` route, and whether the dense algebra is complex ('holomorphic')."""
+    ``"cg"`` route, whether the dense algebra is complex ('holomorphic'), and the passes over the rows
+    that build the Nyström columns (:attr:`vmcgrad._sr.ntk.nystrom.Plan.passes`)."""
 
     n: int
     k: int
@@ -80,15 +81,16 @@ class Sizes(NamedTuple):
     forward: float
     rank: int
     complex: bool
+    passes: int = 1
 
 
-def sizes_of(mode: str, prob: Problem, inputs: Inputs, rank: int) -> Sizes:
-    """The :class:`Sizes` of an update."""
+def sizes_of(mode: str, prob: Problem, inputs: Inputs, rank: int, passes: int = 1) -> Sizes:
+    """The :class:`Sizes` of an update (``passes``: the Nyström build's, for ``rank``)."""
     _, p, itemsize = system_sizes(mode, prob.n, inputs.params)
     forward = forward_flops(prob, inputs)
     if forward <= 0:  # (no cost analysis on this backend: a dense layer's)
         forward = 2.0 * p
-    return Sizes(prob.n, k_of(mode), p, itemsize, forward, rank, mode == "holomorphic")
+    return Sizes(prob.n, k_of(mode), p, itemsize, forward, rank, mode == "holomorphic", passes)
 
 
 def modelled_flops(route: str, s: Sizes, chunk: int | None) -> float:
@@ -103,7 +105,8 @@ def modelled_flops(route: str, s: Sizes, chunk: int | None) -> float:
       block), the kernel :math:`2(NK)^2P` (half of it in blocks, the other half filled), its factor
       :math:`(NK)^3/3` and one vjp pass;
     * ``"parameter"``: N Jacobians, :math:`S` :math:`2NKP^2`, its factor :math:`P^3/3`, one vjp pass;
-    * ``"cg"``: the Nyström preconditioner of rank r (:math:`N + r` Jacobians, :math:`2NK\,rK\,P`)
+    * ``"cg"``: the Nyström preconditioner of rank r built in m passes over the rows (:math:`mN + r`
+      Jacobians, :math:`2NK\,rK\,P`)
       and :data:`CG_ITERATIONS` iterations of one jvp and one vjp pass and the preconditioner's
       :math:`4NK\,rK`.
 
@@ -121,7 +124,7 @@ def modelled_flops(route: str, s: Sizes, chunk: int | None) -> float:
     if route == "parameter":
         return n * jac + alg * (2 * nk * p * p + p**3 / 3) + n * one_pass
     r = s.rank
-    build = (n + r) * jac + alg * 2 * nk * r * k * p if r else 0.0
+    build = (s.passes * n + r) * jac + alg * 2 * nk * r * k * p if r else 0.0
     return build + CG_ITERATIONS * (2 * n * one_pass + alg * 4 * nk * r * k)
 
 
