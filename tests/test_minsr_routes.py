@@ -96,9 +96,10 @@ def _what_ran(f, *args):
 #: budget (bytes) -> the route and what it runs, for 'complex' mode at N = 18 (NK = 36) and P = 29: at
 #: 1 MiB every route fits and the modelled cost (routes.modelled_flops) is least for the kernel (its
 #: blocks, 36²·29 multiply-adds, and factor against S's 2·36·29² and its factor; the model's passes are
-#: cheap here); at 13 000 bytes no dense program fits (each needs its matrix and its factor, 2·36²·8
-#: and 2·29²·8 = 13 456 bytes, and more), and matrix-free CG does.
-BUDGET_ROUTES = [(2**20, "dense", [36], False), (13_000, "cg", [], True)]
+#: cheap here); at 15 000 bytes no dense program fits (each needs its matrix and its factor, 2·36²·8
+#: and 2·29²·8 = 13 456 bytes, and more: 23 976 and 24 112 compiled at one sample per chunk), and
+#: matrix-free CG does (with its Nyström preconditioner of rank 4, whose arrays take half the budget).
+BUDGET_ROUTES = [(2**20, "dense", [36], False), (15_000, "cg", [], True)]
 
 
 @pytest.mark.parametrize("budget,route,sides,loop", BUDGET_ROUTES)
@@ -301,6 +302,21 @@ def test_cg_with_a_block_wise_preconditioner_equals_the_dense_route():
     t_norm = float(jnp.linalg.norm(vmcgrad.NTK(lp, params, x, mode="complex").to_dense(), 2))
     b_norm = 2 * float(jnp.linalg.norm(e - e.mean())) / np.sqrt(N)
     assert _tree_max_diff(got, ref) <= np.sqrt(t_norm) * 1e-12 * b_norm / DIAG + 1e-10
+
+
+def test_each_nystrom_rank_has_its_own_chunk():
+    """The automatic chunk is chosen per Nyström rank: after plain CG's update (rank 0) chose its
+    chunk, the preconditioned update at the same budget is compiled within the budget (it does not
+    take plain CG's chunk, too large beside the preconditioner's arrays; P = 2 000 ≫ NK = 64)."""
+    kw = jax.random.split(jax.random.key(7), 2)
+    params = {"w": 0.1 * jax.random.normal(kw[0], (L, 400))}
+    wide = lambda p, x: jnp.sum(jnp.tanh(x @ p["w"]), axis=-1) * (1.0 + 0.5j)
+    x, e = _data(32)
+    budget = 300_000
+    opts = dict(diag_shift=DIAG, chunk_size="auto", memory_budget=budget, route="cg")
+    for rank in (None, "auto"):
+        f = jax.jit(lambda p, x, e, r=rank: vmcgrad.minsr_update(wide, p, x, e, nystrom_rank=r, **opts)[0])
+        assert vmcgrad.program_bytes(f.lower(params, x, e).compile()) <= budget, rank
 
 
 @slow

@@ -193,7 +193,9 @@ def _prepared(logpsi: Any, params: Any, samples: Any, local_energies: Any, optio
     cg_opts = (tol, atol, maxiter)
 
     def args_at(route: str) -> tuple:
-        how = (route, None if solver == "cg" else solver, rank if route == "cg" else 0)
+        # (the rank as a string: the automatic chunk's key, vmcgrad._chunks.budget.signature, keys a
+        # string by its value and a Python int by its type only, and each rank needs its own chunk)
+        how = (route, None if solver == "cg" else solver, str(rank if route == "cg" else 0))
         return (op, local_energies, proj_reg, momentum, old_updates, how, cg_opts)
 
     if route is None:
@@ -250,7 +252,7 @@ def _update_program(
 
 
 def _update(op: NTKOperator, e_loc, proj_reg, momentum, old_updates, how, cg_opts):
-    route, solver, rank = how
+    route, solver, rank = how[0], how[1], int(how[2])
     n, k, mode = op.problem.n, k_of(op.mode), op.mode
     sqrt_n = math.sqrt(n)
     dv = components(mode, 2.0 * (e_loc - jnp.mean(e_loc)) / sqrt_n).astype(op.dtype)
