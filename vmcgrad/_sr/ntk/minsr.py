@@ -219,7 +219,9 @@ def _prepared(
     cg_opts = (tol, atol, maxiter)
 
     def args_at(route: str) -> tuple:
-        how = (route, None if solver == "cg" else solver, rank if route == "cg" else 0)
+        # (the rank as a string: the automatic chunk's key, vmcgrad._chunks.budget.signature, keys a
+        # string by its value and a Python int by its type only, and each rank needs its own chunk)
+        how = (route, None if solver == "cg" else solver, str(rank if route == "cg" else 0))
         return (op, local_energies, proj_reg, momentum, old_updates, how, cg_opts)
 
     sizes = routes.sizes_of(mode, prob, inputs, rank)
@@ -250,6 +252,14 @@ def _check_rank(where: str, rank: Any, route: str, mode: str, prob: Problem, par
     return rank
 
 
+def _block(mode: str, prob: Problem, params: Any, rank: int) -> int:
+    """The Nyström block of ``rank`` at the problem's budget
+    (:func:`~vmcgrad._sr.ntk.nystrom.nystrom_block`)."""
+    _, p, itemsize = system_sizes(mode, prob.n, params)
+    budget = budget_or_default(prob.memory_budget)
+    return nystrom.nystrom_block(prob.n, k_of(mode), p, itemsize, budget, rank)
+
+
 def _refuse_jvp(primals, tangents):
     del primals, tangents
     raise TypeError(
@@ -277,7 +287,7 @@ KEPT_JACOBIAN_PROGRAMS.add(_update_program)  # its dense route keeps the Jacobia
 
 
 def _update(op: NTKOperator, e_loc, proj_reg, momentum, old_updates, how, cg_opts):
-    route, solver, rank = how
+    route, solver, rank = how[0], how[1], int(how[2])
     n, k, mode = op.problem.n, k_of(op.mode), op.mode
     sqrt_n = math.sqrt(n)
     dv = components(mode, 2.0 * (e_loc - jnp.mean(e_loc)) / sqrt_n).astype(op.dtype)
@@ -397,7 +407,8 @@ def _cg(op: NTKOperator, dv: jax.Array, proj_reg, rank: int, cg_opts):
     else:
         apply = lambda v: unsplit_explicit(kernel_product(op, v)) + proj_reg / n * jnp.sum(v)
     cols = min(op.problem.plan.size, n)
-    build = nystrom.build(op, rank, cols) if rank > 0 else None
+    block = _block(op.mode, op.problem, op.params, rank) if rank > 0 else 0
+    build = nystrom.build(op, rank, cols, block) if rank > 0 else None
     precondition = None if build is None else (lambda r: unsplit_explicit(build(r)))
     with expected_trips(routes.CG_ITERATIONS):  # the route's modelled time counts the loop so often
         return cg(apply, unsplit_explicit(dv), None, tol=tol, atol=atol, maxiter=maxiter, M=precondition)

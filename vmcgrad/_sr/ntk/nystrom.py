@@ -31,10 +31,15 @@ scale of the complement). The directions :math:`T` has and :math:`\hat T` captur
 the rest (eigenvalues below :math:`\theta_\text{min}`) keep a spread of :math:`(\theta_\text{min} +
 \lambda)/\lambda` at most.
 
-Cost: the Jacobians of the ``r`` samples, held (``rKP`` numbers, computed ``c`` at a time), one pass
-over every device's rows deriving each row chunk's Jacobian once (:math:`N` per-sample Jacobians,
-about two CG iterations' work) and contracting it with them, and the :math:`NK \times rK` matrices
-:math:`C` and :math:`Z`. :func:`nystrom_rank` sizes ``r`` to a memory budget.
+:math:`C` is built a block of ``b`` subset samples at a time (:func:`columns`): the block's Jacobians
+(:math:`bKP` numbers, the only Jacobians held), then one pass over every device's rows deriving each row
+chunk's Jacobian and contracting it with the block, which fills the block's :math:`b K` columns of
+:math:`C`; :math:`\lceil r/b \rceil` blocks in all (the last one overlaps its predecessor where ``b``
+does not divide ``r``: it recomputes columns, never pads). :math:`W` is :math:`C`'s rows at the subset
+(before centring, :math:`\tilde J_S \tilde J_S^\dagger` exactly in the algebra; made Hermitian), so no
+pass builds it. The rank is thus bounded by the :math:`NK \times rK` matrices (:math:`C`, its QR
+factor and :math:`Z`), not by held Jacobians; each block costs a pass over the N rows (N per-sample
+Jacobians). :func:`nystrom_plan` trades the two (rank against passes) within a memory budget.
 """
 
 from __future__ import annotations
@@ -53,6 +58,19 @@ from vmcgrad._sr.ntk.modes import contract, jacobian_batch, k_of, mean_jacobian,
 #: Fraction of the memory budget the preconditioner's own arrays may take (the rest: the CG passes).
 BUDGET_FRACTION = 0.5
 
+#: The model of preconditioned CG's iterations against the rank r, :math:`I(r) = I_1 r^{-a}`
+#: (:func:`nystrom_plan`): the exponent ``a`` and the scale ``I_1``. Fitted to the 1-D GCNN of
+#: ``docs/performance.md`` (tol 1e-10, λ = 1e-3: 69, 30 and 19 iterations at r = 19, 64 and 128); the
+#: plan's time is flat near its optimum, so the choice does not hinge on the fit.
+ITERATIONS_POWER = 2 / 3
+ITERATIONS_AT_ONE = 500.0
+
+#: CG iterations one pass over the rows that builds a block of columns costs (N per-sample
+#: Jacobians against an iteration's jvp and vjp passes over N): about 3 measured on the 1-D GCNN on
+#: a CPU (``docs/performance.md``), where a Jacobian derived a few samples at a time is dearer per FLOP
+#: than a pass; its FLOPs alone, :math:`(1 + 2K)F` against :math:`6F` per sample, would say 5/6.
+PASS_ITERATIONS = 3.0
+
 
 class Nystrom(NamedTuple):
     """The preconditioner :math:`M` (see the module): ``z`` the ``(NK, q)`` orthonormal directions,
@@ -68,10 +86,44 @@ class Nystrom(NamedTuple):
         return (self.z @ (self.scale * zv) + self.rest * (v - self.z @ zv)).astype(v.dtype)
 
 
-def nystrom_rank(n: int, k: int, p: int, itemsize: int, budget: float) -> int:
-    """Samples ``r`` of the preconditioner: at most N/2, and as many as fit
-    :data:`BUDGET_FRACTION` of ``budget`` bytes: the held Jacobians (:math:`rKP` numbers) and three
-    :math:`NK \\times rK` matrices (:math:`C`, its QR factor and :math:`Z`); 0 (plain CG) when none fit.
+class Plan(NamedTuple):
+    """The preconditioner's ``rank`` (samples r) and ``block`` (samples b whose Jacobians are held at
+    once); ``passes`` :math:`\\lceil r/b \\rceil` over the rows (0 at rank 0, plain CG)."""
+
+    rank: int
+    block: int
+
+    @property
+    def passes(self) -> int:
+        return -(-self.rank // self.block) if self.rank else 0
+
+
+def _bytes(n: int, k: int, p: int, itemsize: int, budget: float) -> tuple[float, int, int]:
+    """The preconditioner's share of ``budget``, one held sample Jacobian (:math:`KP` numbers) and one
+    sample's columns of the three :math:`NK \\times rK` matrices (:math:`3NK^2`), in bytes."""
+    return BUDGET_FRACTION * budget, itemsize * k * p, itemsize * 3 * n * k * k
+
+
+def nystrom_plan(n: int, k: int, p: int, itemsize: int, budget: float) -> Plan:
+    r"""The rank r and block b of least modelled time whose arrays fit :data:`BUDGET_FRACTION` of
+    ``budget`` bytes: the block's Jacobians and the three :math:`NK \times rK` matrices,
+
+    .. math::
+
+        itemsize\,(bKP + 3NK^2 r) \le \tfrac12\,\mathrm{budget},\qquad r \le N/2,
+
+    minimising the build's passes and the iterations, in CG iterations,
+
+    .. math::
+
+        t(b) = \lceil r/b \rceil\,\rho + I(r),\qquad I(r) = I_1 r^{-a},
+
+    each block a pass over the N rows worth :math:`\rho` = :data:`PASS_ITERATIONS` iterations, and
+    :math:`I(r)` the iterations (:data:`ITERATIONS_AT_ONE`, :data:`ITERATIONS_POWER`): a larger block
+    means fewer passes but, in the same bytes, a smaller rank and more iterations. For each b the rank
+    is the largest that fits; among equal times the larger rank. The subset's own Jacobians (r) and
+    the algebra (:math:`2NK\,rK\,P`, as many FLOPs at any b) are left out. Rank 0 (plain CG) when
+    not even one sample's fits.
 
     Args:
         n: N, the samples. k: output components per sample (2 in 'complex' mode).
@@ -79,34 +131,91 @@ def nystrom_rank(n: int, k: int, p: int, itemsize: int, budget: float) -> int:
         itemsize: bytes per entry of the kernel (16 for complex).
         budget: bytes per device.
     """
-    per_sample = itemsize * (k * p + 3 * n * k * k)
-    return int(max(0, min(n // 2, (BUDGET_FRACTION * budget) // per_sample)))
+    share, jac, col = _bytes(n, k, p, itemsize, budget)
+    rho = PASS_ITERATIONS
+    best, best_key = Plan(0, 1), None
+    for b in range(1, max(1, n // 2) + 1):
+        r = int(min(n // 2, (share - b * jac) // col))
+        if r < 1:
+            break
+        plan = Plan(r, min(b, r))
+        key = (plan.passes * rho + ITERATIONS_AT_ONE * r**-ITERATIONS_POWER, -r)
+        if best_key is None or key < best_key:
+            best, best_key = plan, key
+    return best
+
+
+def nystrom_rank(n: int, k: int, p: int, itemsize: int, budget: float) -> int:
+    """Samples ``r`` of the preconditioner at ``budget`` bytes (:func:`nystrom_plan`): at most N/2; 0
+    (plain CG) when not even one sample's Jacobian and columns fit. Arguments as :func:`nystrom_plan`."""
+    return nystrom_plan(n, k, p, itemsize, budget).rank
+
+
+def nystrom_block(n: int, k: int, p: int, itemsize: int, budget: float, rank: int) -> int:
+    """Samples whose Jacobians are held at once for a preconditioner of ``rank``: the most (at most
+    ``rank``, so the fewest passes) that fit :data:`BUDGET_FRACTION` of ``budget`` beside its three
+    :math:`NK \\times rK` matrices; for a rank whose matrices alone are over that share (one given by
+    hand), as many as the share holds alone; at least 1. At the rank of :func:`nystrom_plan` it is at
+    least the plan's block (the rank was the largest fitting beside it)."""
+    share, jac, col = _bytes(n, k, p, itemsize, budget)
+    room = share - rank * col if rank * col + jac <= share else share
+    return int(max(1, min(rank, room // jac)))
 
 
 def nystrom_chunk(fun, params, x, w, js, shift, *, mode: str) -> tuple[tuple, jax.Array]:
-    r"""One chunk of rows of :math:`C = \tilde J \tilde J_S^\dagger`: ``(c, K, r, K)``."""
+    r"""One chunk of rows of :math:`C = \tilde J \tilde J_S^\dagger`: ``(c, K, b, K)``."""
     f = rows_fun(fun, mode, params)
     # (w: padded rows are cut after the pass)
     rows = jacobian(f, theta_of(mode, params), x, mode, jacobian_batch(w.shape[0]), shift)
     return (), contract(rows, js, k_of(mode))
 
 
-def build(op: Any, rank: int, cols: int) -> Nystrom:
-    """The preconditioner of ``op`` (an :class:`~vmcgrad.NTKOperator` at a concrete chunk, traced)
-    from ``rank`` evenly strided samples, their Jacobians taken ``cols`` at a time."""
+def columns(op: Any, rank: int, cols: int, block: int) -> tuple[jax.Array, jax.Array]:
+    r"""``(C, idx)``: :math:`C = \tilde J \tilde J_S^\dagger` uncentred, ``(N, K, r, K)``, and the subset
+    ``idx`` (``r`` evenly strided samples), built ``block`` subset samples at a time: the block's
+    Jacobians (``cols`` at a time), then one pass over every device's rows contracting each row
+    chunk's Jacobian with them, written into the block's columns (a loop over the blocks carrying
+    :math:`C`; the last block starts at ``r - b``, overlapping the one before where ``b`` does not
+    divide ``r``)."""
     prob, mode = op.problem, op.mode
-    n, k = prob.n, k_of(mode)
+    n = prob.n
+    b = max(1, min(block, rank))
     f = rows_fun(op._fun(), mode, op.params)
     theta = theta_of(mode, op.params)
     samples = unsplit_explicit(op.samples)
     shift = mean_jacobian(f, theta, samples, n, mode, cols)
-    subset = jax.tree.map(lambda a: a[(jnp.arange(rank) * n) // rank], samples)
+    idx = (jnp.arange(rank) * n) // rank
 
-    js = jax.lax.stop_gradient(jacobian(f, theta, subset, mode, jacobian_batch(min(cols, rank)), shift))
-    _, c = map_reduce_problem(prob, op.inputs, _partial_chunk(mode), (js, REPLICATED), (shift, REPLICATED))
-    c = unsplit_explicit(c)
+    def block_columns(start):
+        at = jax.lax.dynamic_slice_in_dim(idx, start, b)
+        subset = jax.tree.map(lambda a: a[at], samples)
+        js = jax.lax.stop_gradient(jacobian(f, theta, subset, mode, jacobian_batch(min(cols, b)), shift))
+        chunk = _partial_chunk(mode)
+        _, c = map_reduce_problem(prob, op.inputs, chunk, (js, REPLICATED), (shift, REPLICATED))
+        return unsplit_explicit(c)
+
+    blocks = -(-rank // b)
+    if blocks == 1:
+        return block_columns(0), idx
+    shape = jax.eval_shape(block_columns, 0)
+    c = jnp.zeros((*shape.shape[:2], rank, shape.shape[3]), shape.dtype)
+
+    def body(i, c):
+        start = jnp.minimum(i * b, rank - b)
+        return jax.lax.dynamic_update_slice_in_dim(c, block_columns(start), start, axis=2)
+
+    return jax.lax.fori_loop(0, blocks, body, c), idx
+
+
+def build(op: Any, rank: int, cols: int, block: int | None = None) -> Nystrom:
+    """The preconditioner of ``op`` (an :class:`~vmcgrad.NTKOperator` at a concrete chunk, traced)
+    from ``rank`` evenly strided samples, their Jacobians taken ``block`` at a time (:func:`columns`;
+    None: all at once) and ``cols`` at a time within a block."""
+    n, k = op.problem.n, k_of(op.mode)
+    c, idx = columns(op, rank, cols, rank if block is None else block)
+    w = c[idx].reshape(rank * k, rank * k)  # W = J̃_S J̃_S^†: C's rows at the subset
+    w = 0.5 * (w + jnp.conj(w).T)
     c = (c - jnp.mean(c, axis=0, keepdims=True)).reshape(n * k, rank * k)  # Q C
-    w = contract(js, js, k).reshape(rank * k, rank * k)
     eps = jnp.finfo(w.dtype).eps
     sigma, v = jnp.linalg.eigh(w)
     keep = sigma > jnp.max(sigma) * rank * k * eps
