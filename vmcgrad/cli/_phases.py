@@ -47,6 +47,47 @@ def route_of(driver: Any) -> str:
     return str(getattr(driver, "route", None) or "dense")
 
 
+def stand_in_samples(vstate: Any, n: int) -> Any:
+    """``n`` zero configurations laid out as the sampler's samples (:func:`abstract_samples`, as an
+    array): what a choice of chunks that compiles, or reads only the shapes, runs on before anything
+    is sampled."""
+    import jax
+    import jax.numpy as jnp
+
+    x = abstract_samples(vstate, n)
+    return jax.device_put(jnp.zeros(x.shape, x.dtype), x.sharding)
+
+
+def chunks_or_exit(args, choose: Any) -> Any:
+    """``choose()`` (the run's chunks, chosen within ``--memory-budget`` before anything is sampled);
+    where no chunk of a program fits the budget, a usage error (exit 2) with a budget that holds one
+    sample per chunk, in the option's terms."""
+    try:
+        return choose()
+    except MemoryError as error:
+        need = getattr(error, "need", None)
+        if need is None:
+            raise
+        budget = "the default budget" if args.memory_budget is None else _size(args.memory_budget)
+        program = str(error).split(":")[0]  # vmcgrad.auto_chunk_size (the gradient) or vmcgrad.QGT
+        what = "the QGT products" if "QGT" in program else "the gradient"
+        unit, scale = ("MiB", 2**20) if 2 * need >= 2**20 else ("KiB", 2**10)
+        args._parser.error(
+            f"argument --memory-budget: no chunk of {what} fits {budget} per device; one sample per "
+            f"chunk needs {_size(need)}. Fix: pass --memory-budget {math.ceil(2 * need / scale)}{unit}"
+        )
+
+
+def _size(nbytes: int) -> str:
+    """``"64.0 MiB"``, or ``"4.5 KiB"`` below a MiB.
+
+    Examples:
+        >>> _size(64 * 2**20), _size(4608)
+        ('64.0 MiB', '4.5 KiB')
+    """
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
+
+
 def route_or_exit(args, driver, n: int) -> str:
     """The route of ``--driver minsr`` at ``n`` samples (compiled, not run: nothing is sampled); where
     no route fits the budget, a usage error (exit 2) with the budget that fits and the samples this
