@@ -160,7 +160,7 @@ def key(r: dict) -> tuple:
     return (r["system"], r["model"], r["budget_mib"], r["driver"], r.get("samples"), r.get("verify_of"))
 
 
-def table(records: list[dict]) -> str:
+def markdown_table(records: list[dict]) -> str:
     lines = [
         "| system | model | P | budget | --driver | taken | route | chunks (gradient/qgt or kernel) "
         "| rc | wall s | verdict |",
@@ -242,7 +242,7 @@ def main(argv=None) -> None:
         done[key(r)] = r
         with path.open("a") as f:
             f.write(json.dumps(r) + "\n")
-        (out / "table.md").write_text(table(records))
+        (out / "table.md").write_text(markdown_table(records))
         print(f"{key(r)}: {verdict(r)} in {r['wall_s']:.0f} s", flush=True)
 
     if not (args.table_only or args.verify_only):
@@ -259,8 +259,8 @@ def main(argv=None) -> None:
                             record(vmc(system, model, budget, other, args.steps, args.timeout))
     if not args.table_only and (args.verify or args.verify_only):
         verify(records, done, record, args)
-    (out / "table.md").write_text(table(records))
-    print(table(records))
+    (out / "table.md").write_text(markdown_table(records))
+    print(markdown_table(records))
 
 
 if __name__ == "__main__":
