@@ -88,10 +88,10 @@ def _size(nbytes: int) -> str:
     return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
 
 
-def route_or_exit(args, driver, n: int) -> str:
+def route_or_exit(args, driver, n: int, min_samples: int = 1) -> str:
     """The route of ``--driver minsr`` at ``n`` samples (compiled, not run: nothing is sampled); where
     no route fits the budget, a usage error (exit 2) with the budget that fits and the samples this
-    one holds."""
+    one holds, where those are at least ``min_samples`` (the fewest ``--samples`` takes)."""
     try:
         return driver.route_at(n)
     except MemoryError as error:
@@ -100,7 +100,7 @@ def route_or_exit(args, driver, n: int) -> str:
             raise
         budget = "the default budget" if args.memory_budget is None else f"{_mib(args.memory_budget)} MiB"
         fewer = getattr(error, "max_samples", None)
-        fewer = f", or at most --samples {fewer} at this budget" if fewer else ""
+        fewer = f", or at most --samples {fewer} at this budget" if fewer and fewer >= min_samples else ""
         enough = math.ceil(2 * need / 2**20)  # vmcgrad._sr.ntk.routes.enough
         args._parser.error(
             f"argument --memory-budget: no route of the MinSR update fits {budget} per device at "

@@ -42,7 +42,7 @@ from . import (
     _systems,
     _user_problem,
 )
-from ._vmc_options import _CHAINS_PER_DEVICE, DRIVERS, FILES, choose_driver
+from ._vmc_options import _CHAINS_PER_DEVICE, DRIVERS, FILES, MIN_SAMPLES, choose_driver
 from ._vmc_options import REQUIRES as REQUIRES  # the command's interface (vmcgrad.cli.main)
 from ._vmc_options import check as check  # the command's interface (vmcgrad.cli.main)
 
@@ -146,7 +146,7 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
     if taken == "minsr":  # its route, before anything is sampled: a budget no route fits stops here
         kernel = args.chunk_size if snap is None else snap["info"]["chunk_size"]["kernel"]
         driver = _driver(args, taken, system, vstate, {"kernel": kernel}, "-")
-        route = _phases.route_or_exit(args, driver, n_samples)
+        route = _phases.route_or_exit(args, driver, n_samples, MIN_SAMPLES)
     if snap is None:  # before anything is sampled: a budget no chunk fits stops here
         chunks, qgt_design = _phases.chunks_or_exit(
             args, lambda: _chunk_sizes(args.chunk_size, vstate, args.memory_budget, taken)
