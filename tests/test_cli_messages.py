@@ -167,7 +167,7 @@ def test_a_budget_no_route_fits_names_only_samples_the_option_takes(max_samples,
     with pytest.raises(SystemExit) as exit_:
         _phases.route_or_exit(args, NoRoute(), 1024, _vmc_options.MIN_SAMPLES)
     message = str(exit_.value.code)
-    assert "Fix: pass --memory-budget 6MiB" in message, message
+    assert "fits 1.0 MiB per device" in message and "Fix: pass --memory-budget 6MiB" in message, message
     assert ("--samples" in message) == named, message
     if named:
         assert f"at most --samples {max_samples} at this budget" in message

@@ -71,11 +71,22 @@ def chunks_or_exit(args, choose: Any) -> Any:
         budget = "the default budget" if args.memory_budget is None else _size(args.memory_budget)
         program = str(error).split(":")[0]  # vmcgrad.auto_chunk_size (the gradient) or vmcgrad.QGT
         what = "the QGT products" if "QGT" in program else "the gradient"
-        unit, scale = ("MiB", 2**20) if 2 * need >= 2**20 else ("KiB", 2**10)
         args._parser.error(
             f"argument --memory-budget: no chunk of {what} fits {budget} per device; one sample per "
-            f"chunk needs {_size(need)}. Fix: pass --memory-budget {math.ceil(2 * need / scale)}{unit}"
+            f"chunk needs {_size(need)}. Fix: pass --memory-budget {_enough(need)}"
         )
+
+
+def _enough(need: int) -> str:
+    """``--memory-budget``'s value that holds a program needing ``need`` bytes at the budget it failed:
+    ``2 * need`` (:func:`vmcgrad._sr.ntk.routes.enough`), rounded up to a whole MiB, or KiB below one.
+
+    Examples:
+        >>> _enough(3 * 2**20), _enough(4608)
+        ('6MiB', '9KiB')
+    """
+    unit, scale = ("MiB", 2**20) if 2 * need >= 2**20 else ("KiB", 2**10)
+    return f"{math.ceil(2 * need / scale)}{unit}"
 
 
 def _size(nbytes: int) -> str:
@@ -98,19 +109,14 @@ def route_or_exit(args, driver, n: int, min_samples: int = 1) -> str:
         need = getattr(error, "need", None)
         if need is None:
             raise
-        budget = "the default budget" if args.memory_budget is None else f"{_mib(args.memory_budget)} MiB"
+        budget = "the default budget" if args.memory_budget is None else _size(args.memory_budget)
         fewer = getattr(error, "max_samples", None)
         fewer = f", or at most --samples {fewer} at this budget" if fewer and fewer >= min_samples else ""
-        enough = math.ceil(2 * need / 2**20)  # vmcgrad._sr.ntk.routes.enough
         args._parser.error(
             f"argument --memory-budget: no route of the MinSR update fits {budget} per device at "
-            f"{n} samples; the smallest, matrix-free CG, needs {_mib(need)} MiB. Fix: pass "
-            f"--memory-budget {enough}MiB{fewer}"
+            f"{n} samples; the smallest, matrix-free CG, needs {_size(need)}. Fix: pass "
+            f"--memory-budget {_enough(need)}{fewer}"
         )
-
-
-def _mib(nbytes: int) -> str:
-    return f"{nbytes / 2**20:.1f}"
 
 
 def bytes_of_phases(
