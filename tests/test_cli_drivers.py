@@ -169,17 +169,23 @@ def test_a_budget_no_route_fits_is_one_line_exit_2_before_sampling_with_a_budget
 
 
 @pytest.mark.slow
-def test_a_budget_no_chunk_fits_is_one_line_and_exit_1(tmp_path):
-    """A budget below what one sample per chunk of the gradient needs: vmcgrad's MemoryError with its
-    fix, as one line (no traceback), exit 1, and the log says the run failed."""
+def test_a_budget_no_chunk_fits_is_exit_2_before_sampling_with_a_budget_that_fits(tmp_path):
+    """A budget below what one sample per chunk of the gradient or of the QGT products needs (--driver
+    sr; here the product CG iterates with, on the flat representation, which the run chooses its chunk
+    for at the call): one usage line naming --memory-budget with a budget that holds it, exit 2, before
+    anything is sampled or logged (issue 48: a budget nothing fits stops before sampling, with the
+    budget that would fit); the budget it names then runs."""
     out = tmp_path / "run"
-    run = [*RUN, "--memory-budget", "4KiB", "--steps", "2", "--out", str(out)]
-    rc, _stdout, err = _vmcgrad(run, tmp_path)
-    assert rc == 1, err
-    assert "Traceback" not in err and "found no chunk that fits the memory budget of 4096 bytes" in err, err
-    lines = [line for line in err.strip().splitlines() if not line.startswith("step ")]  # the bar's
-    assert lines == [err.strip().splitlines()[-1]] and lines[0].startswith("vmcgrad vmc: error: "), err
-    assert _log(out)["status"] == "failed"
+    run = [*RUN, "--driver", "sr", "--steps", "1"]
+    rc, stdout, err = _vmcgrad([*run, "--memory-budget", "4KiB", "--out", str(out)], tmp_path)
+    assert rc == 2, err
+    (line,) = [line for line in err.strip().splitlines() if line]
+    assert line.startswith("vmcgrad vmc: error: argument --memory-budget: no chunk of the "), line
+    assert "Traceback" not in err and not (out / "log.json").exists() and "step " not in stdout, err
+    fix = line.split("Fix: pass --memory-budget ")[1].split()[0]
+    rc, stdout, err = _vmcgrad([*run, "--memory-budget", fix, "--out", str(tmp_path / "ok")], tmp_path)
+    assert rc == 0, err
+    assert _log(tmp_path / "ok")["status"] == "finished"
 
 
 @pytest.mark.slow

@@ -147,3 +147,27 @@ def test_third_party_log_lines_go_to_the_run_folder_unless_verbose(tmp_path):
     assert shown == b"".join(OURS), shown
     assert log.read_bytes() == b"".join(THEIRS)
     assert _relayed(tmp_path, None, chunks) == data  # --verbose: all of it, in order
+
+
+@pytest.mark.parametrize("max_samples, named", [(16, False), (32, True), (None, False)])
+def test_a_budget_no_route_fits_names_only_samples_the_option_takes(max_samples, named, capsys):
+    """The exit 2 of a budget no MinSR route fits names ``--samples K`` only where K is at least
+    ``--samples``' own minimum (32): a fix the command would refuse is no fix."""
+    from vmcgrad.cli import _phases
+
+    class NoRoute:
+        def route_at(self, n):
+            error = MemoryError("no route fits")
+            error.need, error.max_samples = 3 * 2**20, max_samples
+            raise error
+
+    p = argparse.ArgumentParser(prog="vmcgrad vmc")
+    p.error = lambda message: (_ for _ in ()).throw(SystemExit(message))
+    args = argparse.Namespace(memory_budget=2**20, _parser=p)
+    with pytest.raises(SystemExit) as exit_:
+        _phases.route_or_exit(args, NoRoute(), 1024, _vmc_options.MIN_SAMPLES)
+    message = str(exit_.value.code)
+    assert "fits 1.0 MiB per device" in message and "Fix: pass --memory-budget 6MiB" in message, message
+    assert ("--samples" in message) == named, message
+    if named:
+        assert f"at most --samples {max_samples} at this budget" in message

@@ -47,24 +47,75 @@ def route_of(driver: Any) -> str:
     return str(getattr(driver, "route", None) or "dense")
 
 
-def route_or_exit(args, driver, n: int) -> str:
+def stand_in_samples(vstate: Any, n: int) -> Any:
+    """``n`` zero configurations laid out as the sampler's samples (:func:`abstract_samples`, as an
+    array): what a choice of chunks that compiles, or reads only the shapes, runs on before anything
+    is sampled."""
+    import jax
+    import jax.numpy as jnp
+
+    x = abstract_samples(vstate, n)
+    return jax.device_put(jnp.zeros(x.shape, x.dtype), x.sharding)
+
+
+def chunks_or_exit(args, choose: Any) -> Any:
+    """``choose()`` (the run's chunks, chosen within ``--memory-budget`` before anything is sampled);
+    where no chunk of a program fits the budget, a usage error (exit 2) with a budget that holds one
+    sample per chunk, in the option's terms."""
+    try:
+        return choose()
+    except MemoryError as error:
+        need = getattr(error, "need", None)
+        if need is None:
+            raise
+        budget = "the default budget" if args.memory_budget is None else _size(args.memory_budget)
+        program = str(error).split(":")[0]  # vmcgrad.auto_chunk_size (the gradient) or vmcgrad.QGT
+        what = "the QGT products" if "QGT" in program else "the gradient"
+        args._parser.error(
+            f"argument --memory-budget: no chunk of {what} fits {budget} per device; one sample per "
+            f"chunk needs {_size(need)}. Fix: pass --memory-budget {_enough(need)}"
+        )
+
+
+def _enough(need: int) -> str:
+    """``--memory-budget``'s value that holds a program needing ``need`` bytes at the budget it failed:
+    ``2 * need`` (:func:`vmcgrad._sr.ntk.routes.enough`), rounded up to a whole MiB, or KiB below one.
+
+    Examples:
+        >>> _enough(3 * 2**20), _enough(4608)
+        ('6MiB', '9KiB')
+    """
+    unit, scale = ("MiB", 2**20) if 2 * need >= 2**20 else ("KiB", 2**10)
+    return f"{math.ceil(2 * need / scale)}{unit}"
+
+
+def _size(nbytes: int) -> str:
+    """``"64.0 MiB"``, or ``"4.5 KiB"`` below a MiB.
+
+    Examples:
+        >>> _size(64 * 2**20), _size(4608)
+        ('64.0 MiB', '4.5 KiB')
+    """
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
+
+
+def route_or_exit(args, driver, n: int, min_samples: int = 1) -> str:
     """The route of ``--driver minsr`` at ``n`` samples (compiled, not run: nothing is sampled); where
     no route fits the budget, a usage error (exit 2) with the budget that fits and the samples this
-    one holds."""
+    one holds, where those are at least ``min_samples`` (the fewest ``--samples`` takes)."""
     try:
         return driver.route_at(n)
     except MemoryError as error:
         need = getattr(error, "need", None)
         if need is None:
             raise
-        budget = "the default budget" if args.memory_budget is None else f"{_mib(args.memory_budget)} MiB"
+        budget = "the default budget" if args.memory_budget is None else _size(args.memory_budget)
         fewer = getattr(error, "max_samples", None)
-        fewer = f", or at most --samples {fewer} at this budget" if fewer else ""
-        enough = math.ceil(2 * need / 2**20)  # vmcgrad._sr.ntk.routes.enough
+        fewer = f", or at most --samples {fewer} at this budget" if fewer and fewer >= min_samples else ""
         args._parser.error(
             f"argument --memory-budget: no route of the MinSR update fits {budget} per device at "
-            f"{n} samples; the smallest, matrix-free CG, needs {_mib(need)} MiB. Fix: pass "
-            f"--memory-budget {enough}MiB{fewer}"
+            f"{n} samples; the smallest, matrix-free CG, needs {_size(need)}. Fix: pass "
+            f"--memory-budget {_enough(need)}{fewer}"
         )
 
 
@@ -81,10 +132,6 @@ def modelled_time_of(driver: Any) -> float | None:
     """The modelled seconds of the route the driver's last step took (``VMC_SR``'s record), else None."""
     choice = getattr(driver, "route_choice", None)
     return None if choice is None else choice.seconds
-
-
-def _mib(nbytes: int) -> str:
-    return f"{nbytes / 2**20:.1f}"
 
 
 def bytes_of_phases(

@@ -42,7 +42,7 @@ from . import (
     _systems,
     _user_problem,
 )
-from ._vmc_options import _CHAINS_PER_DEVICE, DRIVERS, FILES, choose_driver
+from ._vmc_options import _CHAINS_PER_DEVICE, DRIVERS, FILES, MIN_SAMPLES, choose_driver
 from ._vmc_options import REQUIRES as REQUIRES  # the command's interface (vmcgrad.cli.main)
 from ._vmc_options import check as check  # the command's interface (vmcgrad.cli.main)
 
@@ -146,10 +146,12 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
     if taken == "minsr":  # its route, before anything is sampled: a budget no route fits stops here
         kernel = args.chunk_size if snap is None else snap["info"]["chunk_size"]["kernel"]
         driver = _driver(args, taken, system, vstate, {"kernel": kernel}, "-")
-        route = _phases.route_or_exit(args, driver, n_samples)
+        route = _phases.route_or_exit(args, driver, n_samples, MIN_SAMPLES)
         route_choice = _phases.route_choice(driver, n_samples)
-    if snap is None:
-        chunks, qgt_design = _chunk_sizes(args.chunk_size, vstate, args.memory_budget, taken)
+    if snap is None:  # before anything is sampled: a budget no chunk fits stops here
+        chunks, qgt_design = _phases.chunks_or_exit(
+            args, lambda: _chunk_sizes(args.chunk_size, vstate, args.memory_budget, taken)
+        )
     else:  # the chunks the run was started with (auto's pick could differ now, and change the numbers)
         chunks, qgt_design = snap["info"]["chunk_size"], snap["info"]["qgt_design"]
     vstate.vmcgrad_chunk_size = chunks["gradient"]
@@ -341,7 +343,13 @@ def _chunk_sizes(
     ``chunk_size`` and ``design`` of ``vmcgrad.QGT(..., chunk_size="auto")``, which picks the pair
     that is fastest within the budget), on this state's parameters and samples as they are sharded.
     The run's QGT is built with this chunk and design. The shapes do not change during the run, so
-    neither does the choice."""
+    neither does the choice; it is made on zeros laid out as the samples (:func:`_phases.stand_in_samples`),
+    before anything is sampled, so that a budget no chunk fits stops the run before its first
+    sampling, and the choice leaves the sampler's chains where they are.
+
+    Raises:
+        MemoryError: (with ``need``, the bytes at one sample per chunk) when no chunk fits the budget.
+    """
     if chunk_size != "auto":
         if driver == "minsr":
             return {"gradient": chunk_size, "kernel": chunk_size}, "-"
@@ -349,12 +357,16 @@ def _chunk_sizes(
     import jax
 
     logpsi = _phases.log_psi(vstate)
-    samples = jax.jit(lambda s: s.reshape(-1, s.shape[-1]))(vstate.samples)
+    samples = _phases.stand_in_samples(vstate, vstate.n_samples)
     budget = {"memory_budget": memory_budget}
     gradient = vmcgrad.auto_chunk_size(logpsi, vstate.parameters, samples, estimator="expect_grad", **budget)
     if driver == "minsr":  # the kernel's blocks: chosen by vmcgrad.minsr_update at each N, in the budget
         return {"gradient": gradient, "kernel": "auto"}, "-"
     qgt = vmcgrad.QGT(logpsi, vstate.parameters, samples, chunk_size="auto", **budget)  # builds O-bar once
+    # the product the run's CG iterates with, on the flat representation: its chunk is chosen at the
+    # call within the budget (traced here, compiled, not run), so one that no chunk fits stops here
+    rep = jax.ShapeDtypeStruct((qgt.dim,), qgt.views.rep_dtype)
+    jax.eval_shape(lambda v: qgt @ v, rep)
     return {"gradient": gradient, "qgt": qgt.chunk_size, "qgt_solve": qgt.kept_solve}, qgt.design
 
 
