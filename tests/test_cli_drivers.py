@@ -83,6 +83,7 @@ def test_minsr_equals_netkets_vmc_sr(tmp_path):
     assert log["route_modelled_time"] == [choice["seconds"]] * 6
     assert dict(choice["priced"])["parameter"] == choice["seconds"] == min(t for _, t in choice["priced"])
     assert "route parameter: " in stdout and "ms on cpu (" in stdout, stdout
+    assert f"; chunk {choice['value'][1]} per device, modelled " in stdout, stdout  # a number, not "auto"
     assert all(set(b) == {"gradient", "kernel"} and min(b.values()) > 0 for b in log["temp_bytes"])
     system = _systems.build("heisenberg1d", 8)
     chains = log["info"]["n_chains"]

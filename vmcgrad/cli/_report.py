@@ -111,17 +111,21 @@ def print_header(args, info: dict, exact: float | None, exact_source: str | None
 
 
 def _modelled(choice: dict | None) -> str:
-    """``"; modelled 1.2 ms on tpu (dense 1.2 ms, cg 3.4 ms)"``: the route's modelled time and each
+    """``"; chunk 256 per device, modelled 1.2 ms on tpu (dense 1.2 ms, cg 3.4 ms)"``: the chunk the
+    route takes (a number, also where ``--chunk-size auto`` chose it), its modelled time and each
     route's that fits, from the route's record (``info["route_choice"]``); "" without one.
 
     Examples:
-        >>> _modelled({"seconds": 0.0012, "platform": "tpu", "priced": [["dense", 0.0012], ["cg", 0.0034]]})
-        '; modelled 1.2 ms on tpu (dense 1.2 ms, cg 3.4 ms)'
+        >>> _modelled({"value": ["dense", 256], "seconds": 0.0012, "platform": "tpu",
+        ...            "priced": [["dense", 0.0012], ["cg", 0.0034]]})
+        '; chunk 256 per device, modelled 1.2 ms on tpu (dense 1.2 ms, cg 3.4 ms)'
     """
     if not choice or choice.get("seconds") is None:
         return ""
+    chunk = (choice.get("value") or [None, None])[1]
+    at = f"; chunk {chunk} per device," if isinstance(chunk, int) else ";"
     each = ", ".join(f"{route} {_ms(t)}" for route, t in choice.get("priced", ()))
-    return f"; modelled {_ms(choice['seconds'])} on {choice['platform']}" + (f" ({each})" if each else "")
+    return f"{at} modelled {_ms(choice['seconds'])} on {choice['platform']}" + (f" ({each})" if each else "")
 
 
 def _ms(seconds: float) -> str:
