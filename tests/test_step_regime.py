@@ -10,21 +10,24 @@ from helpers import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The probe in a process of its own (it sets one CPU device), with vmcgrad's dense kernel spied on:
-# every call of its per-sample Jacobian records the batch it derives at once (its ``batch`` argument,
-# or all the rows it is given), so the test sees the programs the split actually traced.
+# The probe in a process of its own (it sets one CPU device), with vmcgrad's MinSR kernel spied on:
+# every call of its per-sample Jacobians (the dense blocks' and the kept Jacobian's, taken where the
+# N x P Jacobian fits the budget, as here) records the batch it derives at once (its ``batch``
+# argument, or all the rows it is given), so the test sees the programs the split actually traced.
 SPY = """
 import json, sys
 import step_regime
-from vmcgrad._sr.ntk import dense as ntk_dense
+from vmcgrad._sr.ntk import dense as ntk_dense, minsr as ntk_minsr
 seen = []
-real = ntk_dense.jacobian
-def spy(f, theta, x, mode, batch=None, shift=None):
-    import jax
-    rows = jax.tree.leaves(x)[0].shape[0]
-    seen.append(rows if batch is None else min(batch, rows))
-    return real(f, theta, x, mode, batch, shift)
-ntk_dense.jacobian = spy
+def spying(real):
+    def spy(f, theta, x, mode, batch=None, shift=None):
+        import jax
+        rows = jax.tree.leaves(x)[0].shape[0]
+        seen.append(rows if batch is None else min(batch, rows))
+        return real(f, theta, x, mode, batch, shift)
+    return spy
+ntk_dense.jacobian = spying(ntk_dense.jacobian)
+ntk_minsr.flat_jacobian = spying(ntk_minsr.flat_jacobian)
 marks = []
 real_main_step = step_regime.step
 def step(*args):
@@ -70,6 +73,6 @@ def test_the_probe_times_each_run_by_phase_and_the_split_sets_the_jacobian_batch
     assert len(marks) == 6
     assert seen[: marks[2]] == [], seen
     split2, split16 = seen[marks[2] : marks[4]], seen[marks[4] :]
-    # a chunk of 16 in two parts: 8 samples at a time (rows and column blocks); in sixteen: 1
+    # a chunk of 16 in two parts: 8 samples at a time (the kept Jacobian's chunks); in sixteen: 1
     assert split2 and set(split2) == {8}, split2
     assert split16 and set(split16) == {1}, split16
