@@ -49,7 +49,7 @@ ROUTES = ("dense", "parameter", "cg")
 #: traced inside :func:`vmcgrad._hlo.cost.expected_trips` with this count, so that the modelled time of
 #: the ``"cg"`` program counts its body this many times (its real count depends on the state and the
 #: shift; a run logs it as ``cg_iterations``): the bound the issue set for it; ``docs/performance.md``'s
-#: measured counts on the 1-D GCNN (42 to 70 at the budget's Nyström rank) sit below it.
+#: measured counts on the 1-D GCNN (36 at the budget's Nyström rank, 30 to 70 at others) sit below it.
 CG_ITERATIONS = 50
 
 
