@@ -65,18 +65,26 @@ def test_parameter_sharded_hlo_gathers_once_and_reduce_scatters_after_the_loop()
     assert report.outside == {"all-gather": 2, "reduce-scatter": 2}, report
 
 
-def test_auto_chunk_is_the_largest_power_of_two_that_fits():
+def split_vjp_case(mesh):
+    """The r2c case of 512 samples per device, split over ``mesh``'s samples axis (parameters
+    replicated), a cotangent of ones, and ``need(c)``: the compiled bytes of its ``batched_vjp`` at
+    chunk ``c``. Call within ``jax.set_mesh(mesh)``."""
     fun, params, samples = make_case("r2c", 512 * N_DEV)
+    x = jax.device_put(samples, NamedSharding(mesh, P("S")))
+    ct = jax.device_put(jnp.ones(512 * N_DEV, jnp.complex128), NamedSharding(mesh, P("S")))
+    params = jax.device_put(params, NamedSharding(mesh, P()))
+
+    def need(c):
+        lowered = vmcgrad.lower(vmcgrad.batched_vjp, fun, params, x, ct, chunk_size=c)
+        return vmcgrad.program_bytes(lowered.compile())
+
+    return fun, params, x, ct, need
+
+
+def test_auto_chunk_is_the_largest_power_of_two_that_fits():
     mesh = auto_mesh()
     with jax.set_mesh(mesh):
-        x = jax.device_put(samples, NamedSharding(mesh, P("S")))
-        ct = jax.device_put(jnp.ones(512 * N_DEV, jnp.complex128), NamedSharding(mesh, P("S")))
-        params = jax.device_put(params, NamedSharding(mesh, P()))
-
-        def need(c):
-            lowered = vmcgrad.lower(vmcgrad.batched_vjp, fun, params, x, ct, chunk_size=c)
-            return vmcgrad.program_bytes(lowered.compile())
-
+        fun, params, x, _, need = split_vjp_case(mesh)
         b64, b128 = need(64), need(128)
         assert b64 < b128  # temp memory grows with the chunk
         budget = (b64 + b128) // 2
@@ -95,7 +103,6 @@ def test_the_auto_call_runs_the_program_its_search_compiled():
     """Compile time (issue 47): an eager ``chunk_size="auto"`` call compiles only the candidates its
     search compiled (``Choice.compiled``, here several: the budget lies between chunks 64 and 128):
     the run reuses the chosen candidate's executable, and its result is the call's at that chunk."""
-    fun, params, samples = make_case("r2c", 512 * N_DEV)
     mesh = auto_mesh()
     names = []
 
@@ -104,14 +111,7 @@ def test_the_auto_call_runs_the_program_its_search_compiled():
             names.append(fun_name)
 
     with jax.set_mesh(mesh):
-        x = jax.device_put(samples, NamedSharding(mesh, P("S")))
-        ct = jax.device_put(jnp.ones(512 * N_DEV, jnp.complex128), NamedSharding(mesh, P("S")))
-        params = jax.device_put(params, NamedSharding(mesh, P()))
-
-        def need(c):
-            lowered = vmcgrad.lower(vmcgrad.batched_vjp, fun, params, x, ct, chunk_size=c)
-            return vmcgrad.program_bytes(lowered.compile())
-
+        fun, params, x, ct, need = split_vjp_case(mesh)
         budget = (need(64) + need(128)) // 2
         jax.monitoring.register_event_duration_secs_listener(listen)
         try:
