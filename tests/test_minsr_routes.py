@@ -144,7 +144,7 @@ def test_the_rule_takes_the_route_of_least_modelled_time(monkeypatch):
     # dense: many ops, few FLOPs; parameter: few ops, many FLOPs; cg: many of both
     cost = {"dense": _stub_cost(1000, 1e6), "parameter": _stub_cost(10, 1e8), "cg": _stub_cost(5000, 1e9)}
 
-    def fake_fit(program, prob, args, route, floor=0):
+    def fake_fit(program, prob, args, route, floor=0, rank=0):
         compiled.append(route)
         fits_, chunk, need = fits[route]
         return routes.Fit(fits_, chunk, need, cost[route] if fits_ else None, need, 1)
@@ -378,6 +378,47 @@ def test_each_nystrom_rank_has_its_own_chunk():
     for rank in (None, "auto"):
         f = jax.jit(lambda p, x, e, r=rank: vmcgrad.minsr_update(wide, p, x, e, nystrom_rank=r, **opts)[0])
         assert vmcgrad.program_bytes(f.lower(params, x, e).compile()) <= budget, rank
+
+
+def test_the_preconditioners_jacobians_do_not_bound_the_chunk_on_an_accelerator():
+    """Priced for a TPU (a Jacobian batch is the whole chunk), the matrix-free update's automatic
+    chunk is searched apart from the Nyström build's Jacobian batch (nystrom.cg_choice), and the
+    build holds a batch's Jacobians, not the chunk's rows (nystrom.nystrom_chunk). On a model whose
+    per-sample Jacobians (P = 2 000 ≫ 400 activations) outweigh its passes, at a budget between the
+    programs at chunks c and 2c (c = N_local / 4; each at a chunk given, so its build derives the
+    whole chunk's Jacobians at once), the chosen chunk is over c, and its program with the whole
+    chunk's Jacobians at once is over the budget: the build no longer bounds the chunk of every
+    iteration's passes. The program run fits the budget, and the update equals the dense route
+    within CG's bound (test_routes_equal_the_dense_kernel)."""
+    kw = jax.random.split(jax.random.key(7), 2)
+    params = {"w": 0.1 * jax.random.normal(kw[0], (L, 400))}
+    wide = lambda p, x: jnp.sum(jnp.tanh(x @ p["w"]), axis=-1) * (1.0 + 0.5j)
+    n, rank = 128, 16
+    x, e = _data(n)
+    n_local = n // jax.device_count()
+    opts = dict(diag_shift=DIAG, route="cg", nystrom_rank=rank, tol=1e-12)
+
+    def need(chunk, budget=None):  # the program at a chunk given: its Jacobians at the whole chunk
+        run = lambda p, x, e: vmcgrad.minsr_update(
+            wide, p, x, e, chunk_size=chunk, memory_budget=budget, **opts
+        )
+        return vmcgrad.program_bytes(jax.jit(lambda p, x, e: run(p, x, e)[0]).lower(params, x, e).compile())
+
+    c = n_local // 4
+    with vmcgrad.cost_platform("tpu"):
+        budget = (need(c) + need(2 * c)) // 2
+        chosen = minsr.update_choice(wide, params, x, e, chunk_size="auto", memory_budget=budget, **opts)
+        chunk = chosen.value[1]
+        assert chosen.value[0] == "cg" and chunk > c, chosen
+        assert chosen.memory <= budget < need(chunk, budget), (chosen.memory, budget)
+        auto = dict(chunk_size="auto", memory_budget=budget, **opts)
+        run = jax.jit(lambda p, x, e: vmcgrad.minsr_update(wide, p, x, e, **auto)[0])
+        assert vmcgrad.program_bytes(run.lower(params, x, e).compile()) <= budget
+        got = run(params, x, e)
+    ref, _, _ = vmcgrad.minsr_update(wide, params, x, e, diag_shift=DIAG, chunk_size=n_local, route="dense")
+    t_norm = float(jnp.linalg.norm(vmcgrad.NTK(wide, params, x, mode="complex").to_dense(), 2))
+    b_norm = 2 * float(jnp.linalg.norm(e - e.mean())) / np.sqrt(n)
+    assert _tree_max_diff(got, ref) <= np.sqrt(t_norm) * 1e-12 * b_norm / DIAG + 1e-10
 
 
 @slow

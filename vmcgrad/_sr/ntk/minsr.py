@@ -146,7 +146,9 @@ def minsr_update(
         maxiter=maxiter,
     )
     prob, args_at, route, _ = _prepared(logpsi, params, samples, local_energies, options)
-    return call(_update_program, prob, *args_at(route), choose=routes.chooser(route))
+    args = args_at(route)
+    rank = int(args[5][2])  # (how: the route, the solver, the preconditioner's rank)
+    return call(_update_program, prob, *args, choose=routes.chooser(route, rank))
 
 
 def update_route(logpsi: Any, params: Any, samples: Any, local_energies: Any, **options: Any) -> str:

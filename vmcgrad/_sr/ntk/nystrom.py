@@ -44,16 +44,27 @@ Jacobians). :func:`nystrom_plan` trades the two (rank against passes) within a m
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from vmcgrad._chunks.budget import Choice
+from vmcgrad._problem.problem import Problem, auto_choice, auto_knob
 from vmcgrad._problem.sharding import unsplit_explicit
 from vmcgrad._runner.primitive import map_reduce_problem
 from vmcgrad._runner.runner import REPLICATED
 from vmcgrad._sr.jacobian import jacobian
-from vmcgrad._sr.ntk.modes import contract, jacobian_batch, k_of, mean_jacobian, rows_fun, theta_of
+from vmcgrad._sr.ntk.modes import (
+    contract,
+    jacobian_batch,
+    jacobian_split,
+    k_of,
+    mean_jacobian,
+    rows_fun,
+    theta_of,
+)
 
 #: Fraction of the memory budget the preconditioner's own arrays may take (the rest: the CG passes).
 BUDGET_FRACTION = 0.5
@@ -162,21 +173,72 @@ def nystrom_block(n: int, k: int, p: int, itemsize: int, budget: float, rank: in
     return int(max(1, min(rank, room // jac)))
 
 
-def nystrom_chunk(fun, params, x, w, js, shift, *, mode: str) -> tuple[tuple, jax.Array]:
-    r"""One chunk of rows of :math:`C = \tilde J \tilde J_S^\dagger`: ``(c, K, b, K)``."""
+def choose_cg(program: Any, prob: Problem, op: Any, *args: Any, rank: int) -> tuple[int, tuple]:
+    """``chunk_size="auto"`` for a matrix-free update with a preconditioner of ``rank`` samples (the
+    ``choose`` of :func:`vmcgrad._problem.problem.call`): ``(chunk, (op, *args))``, as
+    :func:`cg_choice`."""
+    chunk, args, _ = cg_choice(program, prob, op, *args, rank=rank)
+    return chunk, args
+
+
+def cg_choice(program: Any, prob: Problem, op: Any, *args: Any, rank: int) -> tuple[int, tuple, Choice]:
+    r""":func:`choose_cg`'s ``(chunk, args)`` and the record of the search that settled them
+    (:class:`vmcgrad._chunks.budget.Choice`). Compile only, cached.
+
+    Two knobs, searched apart, as the dense kernel's (:func:`~vmcgrad._sr.ntk.dense.choose_dense`):
+    the chunk sets the trips of CG's jvp and vjp passes, run every iteration; the Jacobian batch
+    :math:`b` (:attr:`~vmcgrad.NTKOperator.jacobian_batch`) the trips of the preconditioner's build,
+    run once, whose per-sample Jacobians hold the model's intermediates of :math:`b` samples, many
+    times a pass's. Derived at the whole chunk, as an accelerator's batch would have them
+    (:func:`~vmcgrad._sr.ntk.modes.jacobian_split` 1), those Jacobians would bound the chunk of
+    every iteration's passes by the build's bytes. So on an accelerator, with a preconditioner: the
+    largest chunk that fits with the build's Jacobians one sample at a time, then at that chunk the
+    largest batch among the powers of two up to it (and the chunk itself) that fits (the build and
+    the iterations run one after the other, so the two hardly compete for the budget). Elsewhere
+    (a CPU: a fixed part of the chunk; plain CG; a batch given) the chunk alone, as for any program.
+    """
+    if rank == 0 or op.jacobian_batch is not None or jacobian_split() != 1:
+        found = auto_choice(program, prob, op, *args)
+        return found.value, (op, *args), found
+    single = dataclasses.replace(op, jacobian_batch=1)
+    found = auto_choice(program, prob, single, *args)
+    chunk = found.value
+    rows = min(prob.at_chunk(chunk).plan.size, prob.n)
+    batches = sorted({2**i for i in range(rows.bit_length())} | {rows})
+    at = lambda b: (chunk, (dataclasses.replace(op, jacobian_batch=b), *args))
+    name = "the Nyström build's Jacobian batch"
+    best = auto_knob(program, prob.at_chunk(chunk), (op, *args), batches, at, name=name, info=True)
+    if best is None:  # (batch 1 fits: it was searched)
+        return chunk, (single, *args), found
+    return (*at(best.value), best._replace(compiled=found.compiled + best.compiled))
+
+
+def nystrom_chunk(
+    fun, params, x, w, js, shift, *, mode: str, batch: int | None = None
+) -> tuple[tuple, jax.Array]:
+    r"""One chunk of rows of :math:`C = \tilde J \tilde J_S^\dagger`: ``(c, K, b, K)``, the rows'
+    Jacobians derived ``batch`` samples at a time (:func:`~vmcgrad._sr.ntk.modes.jacobian_batch`)
+    and each batch contracted with the block's ``js`` at once: the chunk holds a batch's Jacobians,
+    never its c rows', so its bytes beyond the batch's are those of the chunk's samples and columns."""
     f = rows_fun(fun, mode, params)
+    theta, k = theta_of(mode, params), k_of(mode)
+
+    def one(xi):  # one sample's row of C
+        row = jacobian(f, theta, jax.tree.map(lambda a: a[None], xi), mode, None, shift)
+        return contract(row, js, k)[0]
+
     # (w: padded rows are cut after the pass)
-    rows = jacobian(f, theta_of(mode, params), x, mode, jacobian_batch(w.shape[0]), shift)
-    return (), contract(rows, js, k_of(mode))
+    return (), jax.lax.map(one, x, batch_size=jacobian_batch(w.shape[0], batch))
 
 
 def columns(op: Any, rank: int, cols: int, block: int) -> tuple[jax.Array, jax.Array]:
     r"""``(C, idx)``: :math:`C = \tilde J \tilde J_S^\dagger` uncentred, ``(N, K, r, K)``, and the subset
     ``idx`` (``r`` evenly strided samples), built ``block`` subset samples at a time: the block's
-    Jacobians (``cols`` at a time), then one pass over every device's rows contracting each row
-    chunk's Jacobian with them, written into the block's columns (a loop over the blocks carrying
-    :math:`C`; the last block starts at ``r - b``, overlapping the one before where ``b`` does not
-    divide ``r``)."""
+    Jacobians (``cols`` at a time, at most the operator's Jacobian batch), then one pass over every
+    device's rows contracting each row chunk's Jacobian (derived a Jacobian batch at a time:
+    :attr:`~vmcgrad.NTKOperator.jacobian_batch`, None for the whole chunk) with them, written into
+    the block's columns (a loop over the blocks carrying :math:`C`; the last block starts at
+    ``r - b``, overlapping the one before where ``b`` does not divide ``r``)."""
     prob, mode = op.problem, op.mode
     n = prob.n
     b = max(1, min(block, rank))
@@ -189,8 +251,9 @@ def columns(op: Any, rank: int, cols: int, block: int) -> tuple[jax.Array, jax.A
     def block_columns(start):
         at = jax.lax.dynamic_slice_in_dim(idx, start, b)
         subset = jax.tree.map(lambda a: a[at], samples)
-        js = jax.lax.stop_gradient(jacobian(f, theta, subset, mode, jacobian_batch(min(cols, b)), shift))
-        chunk = _partial_chunk(mode)
+        at_once = jacobian_batch(min(cols, b), op.jacobian_batch)
+        js = jax.lax.stop_gradient(jacobian(f, theta, subset, mode, at_once, shift))
+        chunk = _partial_chunk(mode, op.jacobian_batch)
         _, c = map_reduce_problem(prob, op.inputs, chunk, (js, REPLICATED), (shift, REPLICATED))
         return unsplit_explicit(c)
 
@@ -231,8 +294,8 @@ def build(op: Any, rank: int, cols: int, block: int | None = None) -> Nystrom:
     return Nystrom(z=q @ u, scale=scale.astype(c.dtype), rest=rest.astype(jnp.finfo(c.dtype).dtype))
 
 
-def _partial_chunk(mode: str):
+def _partial_chunk(mode: str, batch: int | None):
     def chunk(fun, params, x, w, js, shift):
-        return nystrom_chunk(fun, params, x, w, js, shift, mode=mode)
+        return nystrom_chunk(fun, params, x, w, js, shift, mode=mode, batch=batch)
 
     return chunk

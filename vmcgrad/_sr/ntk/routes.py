@@ -22,6 +22,7 @@ caller gave (the one place every entry point checks it).
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -42,6 +43,7 @@ from vmcgrad._problem.problem import (
 )
 from vmcgrad._sr.ntk.dense import choose_dense, dense_choice
 from vmcgrad._sr.ntk.modes import k_of, vector_dtype
+from vmcgrad._sr.ntk.nystrom import cg_choice, choose_cg
 
 ROUTES = ("dense", "parameter", "cg")
 
@@ -104,10 +106,16 @@ def floor_bytes(route: str, s: Sizes) -> int:
     return side * side * s.itemsize
 
 
-def chooser(route: str) -> Callable | None:
+def chooser(route: str, rank: int = 0) -> Callable | None:
     """The ``choose`` of :func:`vmcgrad._problem.problem.call` for ``chunk_size="auto"`` on ``route``:
-    the dense kernel's (:func:`~vmcgrad._sr.ntk.dense.choose_dense`), else the powers of two."""
-    return choose_dense if route == "dense" else None
+    the dense kernel's (:func:`~vmcgrad._sr.ntk.dense.choose_dense`), the matrix-free one's with a
+    preconditioner of ``rank`` samples (:func:`~vmcgrad._sr.ntk.nystrom.choose_cg`), else the powers
+    of two."""
+    if route == "dense":
+        return choose_dense
+    if route == "cg":
+        return partial(choose_cg, rank=rank)
+    return None
 
 
 class Fit(NamedTuple):
@@ -129,7 +137,7 @@ class Fit(NamedTuple):
 TIGHT_FLOOR = 0.25
 
 
-def fit(program: Any, prob: Problem, args: tuple, route: str, floor: int = 0) -> Fit:
+def fit(program: Any, prob: Problem, args: tuple, route: str, floor: int = 0, rank: int = 0) -> Fit:
     """:class:`Fit` of ``program(prob, *args)`` on ``route`` (compile only). With ``chunk_size="auto"``
     the chunk is searched as :func:`vmcgrad._problem.problem.call` searches it, largest candidate
     first (cached: the update's own call compiles nothing more): a route that fits whole costs one
@@ -137,8 +145,10 @@ def fit(program: Any, prob: Problem, args: tuple, route: str, floor: int = 0) ->
     the one-sample chunk's bytes. Where the route's ``floor`` (its dense matrix's bytes) is over
     :data:`TIGHT_FLOOR` of the budget, the one-sample chunk is compiled first instead: a route over
     the budget is then out after one compilation (the search, which would descend to it through
-    larger chunks, compiles it no more: the same lowering is cached). The cost is the search's record
-    of the program it chose: no program is compiled twice."""
+    larger chunks, compiles it no more: the same lowering is cached). The matrix-free route with a
+    preconditioner of ``rank`` samples searches its build's Jacobian batch apart from the chunk
+    (:func:`~vmcgrad._sr.ntk.nystrom.cg_choice`). The cost is the search's record of the program it
+    chose: no program is compiled twice."""
     budget, platform = budget_of(prob), cost_platform_of(prob)
     if prob.chunk_size != "auto":
         compiled = compile_only(program, prob, *args)
@@ -155,6 +165,8 @@ def fit(program: Any, prob: Problem, args: tuple, route: str, floor: int = 0) ->
     try:
         if route == "dense":
             chunk, at_args, found = dense_choice(program, prob, *args)
+        elif route == "cg" and rank:  # (its preconditioner's batch searched apart from the chunk)
+            chunk, at_args, found = cg_choice(program, prob, *args, rank=rank)
         else:
             at_args, found = args, auto_choice(program, prob, *args)
             chunk = found.value
@@ -249,7 +261,7 @@ def choose(
         if floor > budget:
             needs[route] = floor
             raise _Over(floor)
-        found = fit(program, prob, args_at(route), route, floor)
+        found = fit(program, prob, args_at(route), route, floor, sizes.rank)
         needs[route] = found.need
         if not found.fits:
             raise _Over(found.need)
