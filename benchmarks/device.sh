@@ -36,6 +36,9 @@
 # meant for that: a first call with short minutes compiles every contender's programs, and a second
 # call while the machine is warm races on them (not yet tried on an accelerator).
 #
+# NetKet is not in the accelerator machines' images: `bash benchmarks/device_wheels.sh gpu` (or tpu)
+# fetches its wheels here, and that script's header gives the install line that starts a call.
+#
 # PYTHON defaults to `python`. Every step has its own timeout (seconds: calib 120; core, grad, qgt and
 # qgt_eqmem 90 each, large 200, so at most 680 s in all: with calib the defaults can pass a 10-minute
 # call, leave a step out where they must fit; regime 540; race 450; SMOKE: calib 120, 300, large 600,
