@@ -197,8 +197,8 @@ def test_the_route_is_the_least_program_cost_of_the_programs_that_run(platform):
     least vmcgrad.program_cost time on the platform of vmcgrad.cost_platform; its record holds that
     time and each route's, and the platform. CG's loop, whose trip count only a run decides, counts
     routes.CG_ITERATIONS trips (an assumed count, reported as such), no loop is of unknown count.
-    (Within one process jax.jit's trace cache keeps each program as first traced, with the Jacobian
-    batch of the platform then in force: the claim holds for the programs that run either way.)"""
+    (Each platform's programs are its own in one process: the problem keys the platform,
+    test_pricing_two_platforms_in_one_process_prices_each_platforms_program.)"""
     apply, _ = MODELS["r2c"]
     params = _params(False)
     x, e = _data(N)
@@ -673,3 +673,56 @@ def test_fit_compiles_the_largest_chunk_first_unless_the_route_is_tight():
     lowered.clear()
     tight = routes.fit(Program(), prob, (), "cg", floor=int(routes.TIGHT_FLOOR * budget) + 1)
     assert tight[:3] == (False, None, 1001) and tight.compiled == 1 and lowered == [1], lowered
+
+
+def _fresh_state():
+    """Every trace and every choice forgotten: jax.jit's caches and vmcgrad's own (_cache.registry)."""
+    from vmcgrad._cache import registry
+
+    jax.clear_caches()
+    for cache in registry():
+        cache.clear()
+
+
+def test_pricing_two_platforms_in_one_process_prices_each_platforms_program():
+    """The program MinSR's update runs depends on the platform its choices are made for: the chunk's
+    Jacobians a sixteenth at a time on a CPU, the whole chunk at once on an accelerator
+    (ntk_modes.jacobian_split), read when the program is traced. jax.jit keys a trace by its static
+    arguments and avals, not by vmcgrad.cost_platform, so the platform must be part of the program's
+    key (the Problem's field): in one process, the update lowered and its route priced for a TPU and
+    then for the CPU (and the reverse) are each what a fresh process gives for that platform, and the
+    two lowered programs differ (a batch of the chunk of 8 against one of 1). Red before the fix: the
+    second platform's program was the first's, traced again from jax.jit's cache."""
+    apply, _ = MODELS["r2c"]
+    params = _params(False)
+    x, e = _data(N)
+    lp = _logpsi(apply)
+    fixed = dict(diag_shift=DIAG, route="parameter", chunk_size=8)
+    auto = dict(diag_shift=DIAG, chunk_size="auto", memory_budget=2**20)
+
+    def lowered():
+        token = LOWERING.set(True)
+        try:
+            return vmcgrad.minsr_update(lp, params, x, e, **fixed).as_text()
+        finally:
+            LOWERING.reset(token)
+
+    def priced():
+        choice = minsr.update_choice(lp, params, x, e, **auto)
+        return choice.value, choice.seconds, dict(choice.priced)
+
+    fresh = {}
+    for platform in ("tpu", "cpu"):
+        _fresh_state()
+        with vmcgrad.cost_platform(platform):
+            fresh[platform] = (lowered(), priced())
+    assert fresh["tpu"][0] != fresh["cpu"][0]  # the chunk at once against a sixteenth of it
+    for order in (("tpu", "cpu"), ("cpu", "tpu")):
+        _fresh_state()
+        for platform in order:
+            with vmcgrad.cost_platform(platform):
+                text, (value, seconds, each) = lowered(), priced()
+            assert text == fresh[platform][0], (order, platform)
+            assert value == fresh[platform][1][0], (order, platform)
+            np.testing.assert_allclose(seconds, fresh[platform][1][1], rtol=1e-12)
+            assert each.keys() == fresh[platform][1][2].keys()

@@ -40,6 +40,7 @@ from netket.utils import struct, timing
 import vmcgrad
 from vmcgrad._problem import validation as check
 from vmcgrad._sr.ntk import minsr, routes
+from vmcgrad._sr.ntk import modes as ntk_modes
 
 from . import _driver_state
 from . import _nk_private as nkp
@@ -350,6 +351,9 @@ class VMC_SR(nk.driver.VMC_SR):
             route=route,
             chunk_size=self.chunk_size_bwd,
             memory_budget=self._memory_budget,
+            # what the update's trace reads of the platform the choices are made for: jax.jit keys
+            # its trace by this, so that a step priced for another platform is that platform's program
+            platform=ntk_modes.platform_key(),
         )
         return args, static
 
@@ -423,10 +427,13 @@ def _minsr(
     old_updates,
     *,
     apply_fun,
+    platform,
     **static,
 ):
     """``fun`` (:func:`vmcgrad.minsr_update` or its route, :func:`minsr.update_route`) on the
-    driver's arguments (:meth:`VMC_SR._update_arguments`)."""
+    driver's arguments (:meth:`VMC_SR._update_arguments`); ``platform`` is only the trace's key (the
+    update reads the platform in force itself: :func:`vmcgrad._sr.ntk.modes.pinned`)."""
+    del platform
     return fun(
         log_psi(apply_fun, model_state),
         params,
@@ -440,7 +447,10 @@ def _minsr(
     )
 
 
-@partial(jax.jit, static_argnames=("apply_fun", "mode", "solver", "route", "chunk_size", "memory_budget"))
+@partial(
+    jax.jit,
+    static_argnames=("apply_fun", "mode", "solver", "route", "chunk_size", "memory_budget", "platform"),
+)
 def _update(*args, **static):
     """:func:`vmcgrad.minsr_update` as the driver runs it, traced: each step and the check of a raised
     N (:meth:`VMC_SR._update_fits`, which lowers this at the new N) reach ``chunk_size="auto"``'s

@@ -53,7 +53,15 @@ from vmcgrad._problem.sharding import unsplit_explicit
 from vmcgrad._runner.primitive import map_reduce_problem
 from vmcgrad._runner.runner import REPLICATED
 from vmcgrad._sr.jacobian import jacobian
-from vmcgrad._sr.ntk.modes import contract, jacobian_batch, k_of, mean_jacobian, rows_fun, theta_of
+from vmcgrad._sr.ntk.modes import (
+    contract,
+    jacobian_batch,
+    jacobian_split,
+    k_of,
+    mean_jacobian,
+    rows_fun,
+    theta_of,
+)
 
 #: Fraction of the memory budget the preconditioner's own arrays may take (the rest: the CG passes).
 BUDGET_FRACTION = 0.5
@@ -162,11 +170,11 @@ def nystrom_block(n: int, k: int, p: int, itemsize: int, budget: float, rank: in
     return int(max(1, min(rank, room // jac)))
 
 
-def nystrom_chunk(fun, params, x, w, js, shift, *, mode: str) -> tuple[tuple, jax.Array]:
+def nystrom_chunk(fun, params, x, w, js, shift, *, mode: str, split: int) -> tuple[tuple, jax.Array]:
     r"""One chunk of rows of :math:`C = \tilde J \tilde J_S^\dagger`: ``(c, K, b, K)``."""
     f = rows_fun(fun, mode, params)
     # (w: padded rows are cut after the pass)
-    rows = jacobian(f, theta_of(mode, params), x, mode, jacobian_batch(w.shape[0]), shift)
+    rows = jacobian(f, theta_of(mode, params), x, mode, jacobian_batch(w.shape[0], None, split), shift)
     return (), contract(rows, js, k_of(mode))
 
 
@@ -185,12 +193,14 @@ def columns(op: Any, rank: int, cols: int, block: int) -> tuple[jax.Array, jax.A
     samples = unsplit_explicit(op.samples)
     shift = mean_jacobian(f, theta, samples, n, mode, cols)
     idx = (jnp.arange(rank) * n) // rank
+    split = jacobian_split(prob)
 
     def block_columns(start):
         at = jax.lax.dynamic_slice_in_dim(idx, start, b)
         subset = jax.tree.map(lambda a: a[at], samples)
-        js = jax.lax.stop_gradient(jacobian(f, theta, subset, mode, jacobian_batch(min(cols, b)), shift))
-        chunk = _partial_chunk(mode)
+        batch = jacobian_batch(min(cols, b), None, split)
+        js = jax.lax.stop_gradient(jacobian(f, theta, subset, mode, batch, shift))
+        chunk = _partial_chunk(mode, split)
         _, c = map_reduce_problem(prob, op.inputs, chunk, (js, REPLICATED), (shift, REPLICATED))
         return unsplit_explicit(c)
 
@@ -231,8 +241,8 @@ def build(op: Any, rank: int, cols: int, block: int | None = None) -> Nystrom:
     return Nystrom(z=q @ u, scale=scale.astype(c.dtype), rest=rest.astype(jnp.finfo(c.dtype).dtype))
 
 
-def _partial_chunk(mode: str):
+def _partial_chunk(mode: str, split: int):
     def chunk(fun, params, x, w, js, shift):
-        return nystrom_chunk(fun, params, x, w, js, shift, mode=mode)
+        return nystrom_chunk(fun, params, x, w, js, shift, mode=mode, split=split)
 
     return chunk
