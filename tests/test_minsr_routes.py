@@ -529,6 +529,48 @@ def test_vmc_sr_stops_before_sampling_where_no_route_fits():
     assert driver(enough)[0].route_at(120) in routes.ROUTES
 
 
+@slow
+def test_the_samples_a_budget_holds_are_found_in_one_compilation_per_count(monkeypatch):
+    """Where no route fits at N, VMC_SR's error names the largest N of the halvings that a route fits
+    (in multiples of the chains): 480 samples of the 6-site RBM at 5 000 bytes fit no route, and the
+    suggestion, 120, really fits (route_at chooses a route there in a fresh driver) while 240, the
+    halving before it, does not. The search compiles one program per count it tries (the matrix-free
+    route's at one sample per chunk; the dense routes' matrices alone are over the budget at these
+    counts, so they are not compiled), not a route's choice per count. Red before: the counts were
+    checked by choosing a route at each (7 compilations for the 2 counts, the chunk search descending
+    through larger chunks; 155 s for the CLI's exit 2 at 64 KiB, docs/cli.md)."""
+    import optax
+
+    with jax.set_mesh(None):
+        import netket as nk
+
+        import vmcgrad.netket as vnk
+
+    hi = nk.hilbert.Spin(0.5, 6)
+    sampler = nk.sampler.MetropolisLocal(hi, n_chains=2 * jax.device_count())
+    H = nk.operator.Ising(hi, nk.graph.Chain(6), h=1.0)
+
+    def driver(n):
+        vs = vnk.MCState(sampler, nk.models.RBM(alpha=1), n_samples=n, seed=3)
+        kw = dict(diag_shift=1e-3, variational_state=vs, use_ntk=True, memory_budget=5_000)
+        return vnk.VMC_SR(H, optax.sgd(0.02), **kw)
+
+    drv = driver(480)
+    compiled = []
+    compile_ = jax.stages.Lowered.compile
+    monkeypatch.setattr(
+        jax.stages.Lowered, "compile", lambda *a, **k: compiled.append(1) or compile_(*a, **k)
+    )
+    stub = routes.NoRouteFits("no route", need=1, budget=5_000, n=480, needs={})
+    err = drv._no_route(480, stub)
+    assert err.max_samples == 120 and "at most n_samples=120" in str(err), str(err)
+    assert len(compiled) == 2, len(compiled)  # the counts 240 (fits none) and 120 (fits)
+    monkeypatch.undo()
+    assert driver(120).route_at(120) in routes.ROUTES  # the suggestion fits: a route is chosen there
+    with pytest.raises(MemoryError, match="no route"):
+        driver(240).route_at(240)  # and the halving before it does not
+
+
 @pytest.mark.parametrize("chunk", [None, 8])
 def test_update_runs_few_sequential_ops(chunk, monkeypatch):
     """On an accelerator a program costs about the ops it runs one after another, so MinSR's kernel

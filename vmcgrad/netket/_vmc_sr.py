@@ -303,10 +303,11 @@ class VMC_SR(nk.driver.VMC_SR):
 
     def _no_route(self, n: int, err: routes.NoRouteFits) -> MemoryError:
         """The error for a budget no route fits at N = ``n``: the budget that holds it, and the largest
-        N this budget holds (halving N, in multiples of the chains)."""
+        N this budget holds (halving N, in multiples of the chains; :meth:`_fits_at_all`: one
+        compilation per N that fits no route, not a route's choice)."""
         granule = self.state.sampler.n_chains
         smaller = n // 2 // granule * granule
-        while smaller >= granule and not self._update_fits(smaller):
+        while smaller >= granule and not self._fits_at_all(smaller):
             smaller = smaller // 2 // granule * granule
         fewer = f", or at most n_samples={smaller}" if smaller >= granule else ""
         out = MemoryError(
@@ -316,6 +317,19 @@ class VMC_SR(nk.driver.VMC_SR):
         )
         out.need, out.budget, out.n, out.max_samples = err.need, err.budget, n, smaller or None
         return out
+
+    def _fits_at_all(self, n: int) -> bool:
+        """Whether the update at N = ``n`` fits ``memory_budget`` on some route (the one given, else
+        any) at some chunk (True without a budget): :func:`vmcgrad._sr.ntk.minsr.update_fits`, on
+        abstract samples; compile only, a route's program at one sample per chunk, the route not
+        chosen (the step at that N chooses it, as :meth:`route_at`)."""
+        if self._memory_budget is None:
+            return True
+        fixed = routes.check_route(NAME, self._route, "cg" if self._cg else None)
+        args, static = self._update_arguments(*self._abstract_rows(n), fixed)
+        found = []
+        jax.eval_shape(lambda *a: found.append(_minsr(minsr.update_fits, *a, **static)), *args)
+        return found[0]
 
     def _abstract_rows(self, n: int) -> tuple[Any, Any]:
         """Samples and local energies at N = ``n`` as shapes, laid out as the state's (nothing sampled)."""

@@ -184,13 +184,34 @@ def _with_defaults(options: dict) -> dict:
     return {**defaults, **options}
 
 
+def update_fits(logpsi: Any, params: Any, samples: Any, local_energies: Any, **options: Any) -> bool:
+    """Whether :func:`vmcgrad.minsr_update` on these arguments (its keywords) fits the memory budget on
+    some route (the one given, else any) at some chunk, without choosing the route: a route whose
+    matrix alone is over the budget is out uncompiled, and one fits exactly when its program at one
+    sample per chunk does (:func:`vmcgrad._sr.ntk.routes.fits_at_all`; one compilation per route
+    tried, the matrix-free one first). What a search of the largest sample count a budget holds asks
+    at each count (:meth:`vmcgrad.netket.VMC_SR.route_at`'s error), where most counts fit no route."""
+    options = _with_defaults(options)
+    prob, args_at, route, sizes = _prepared(logpsi, params, samples, local_energies, options, decide=False)
+    among = routes.ROUTES if route is None else (route,)
+    return routes.fits_at_all(_update_program, prob, args_at, sizes, among)
+
+
 def _prepared(
-    logpsi: Any, params: Any, samples: Any, local_energies: Any, options: dict, price: bool = False
+    logpsi: Any,
+    params: Any,
+    samples: Any,
+    local_energies: Any,
+    options: dict,
+    price: bool = False,
+    decide: bool = True,
 ) -> tuple:
     """``(problem, args_at, route, choice)`` of an update: the inputs checked (before anything is
     traced), ``args_at(route)`` the program's arguments on a route, the route taken, and the rule's
     record (:func:`vmcgrad._sr.ntk.routes.choose`); for a route given, that route priced alone where
-    ``price`` (None where it does not fit), else None."""
+    ``price`` (None where it does not fit), else None. Without ``decide``, nothing is chosen or
+    priced: the route given or None, and in the record's place the update's
+    :class:`vmcgrad._sr.ntk.routes.Sizes`."""
     name = _UPDATE
     o = options
     budget = {"chunk_size": o["chunk_size"], "memory_budget": o["memory_budget"]}
@@ -229,6 +250,8 @@ def _prepared(
 
     sizes = routes.sizes_of(mode, prob, inputs, rank)
     choice = None
+    if not decide:
+        return prob, args_at, route, sizes
     if route is None:
         choice = routes.choose(name, _update_program, prob, args_at, sizes)
         route = choice.value[0]
