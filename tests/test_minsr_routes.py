@@ -197,8 +197,8 @@ def test_the_route_is_the_least_program_cost_of_the_programs_that_run(platform):
     least vmcgrad.program_cost time on the platform of vmcgrad.cost_platform; its record holds that
     time and each route's, and the platform. CG's loop, whose trip count only a run decides, counts
     routes.CG_ITERATIONS trips (an assumed count, reported as such), no loop is of unknown count.
-    (Within one process jax.jit's trace cache keeps each program as first traced, with the Jacobian
-    batch of the platform then in force: the claim holds for the programs that run either way.)"""
+    (Each platform's programs are its own in one process: the problem keys the platform,
+    test_pricing_two_platforms_in_one_process_prices_each_platforms_program.)"""
     apply, _ = MODELS["r2c"]
     params = _params(False)
     x, e = _data(N)
@@ -570,6 +570,48 @@ def test_vmc_sr_stops_before_sampling_where_no_route_fits():
     assert driver(enough)[0].route_at(120) in routes.ROUTES
 
 
+@slow
+def test_the_samples_a_budget_holds_are_found_in_one_compilation_per_count(monkeypatch):
+    """Where no route fits at N, VMC_SR's error names the largest N of the halvings that a route fits
+    (in multiples of the chains): 480 samples of the 6-site RBM at 5 000 bytes fit no route, and the
+    suggestion, 120, really fits (route_at chooses a route there in a fresh driver) while 240, the
+    halving before it, does not. The search compiles one program per count it tries (the matrix-free
+    route's at one sample per chunk; the dense routes' matrices alone are over the budget at these
+    counts, so they are not compiled), not a route's choice per count. Red before: the counts were
+    checked by choosing a route at each (7 compilations for the 2 counts, the chunk search descending
+    through larger chunks; 155 s for the CLI's exit 2 at 64 KiB, docs/cli.md)."""
+    import optax
+
+    with jax.set_mesh(None):
+        import netket as nk
+
+        import vmcgrad.netket as vnk
+
+    hi = nk.hilbert.Spin(0.5, 6)
+    sampler = nk.sampler.MetropolisLocal(hi, n_chains=2 * jax.device_count())
+    H = nk.operator.Ising(hi, nk.graph.Chain(6), h=1.0)
+
+    def driver(n):
+        vs = vnk.MCState(sampler, nk.models.RBM(alpha=1), n_samples=n, seed=3)
+        kw = dict(diag_shift=1e-3, variational_state=vs, use_ntk=True, memory_budget=5_000)
+        return vnk.VMC_SR(H, optax.sgd(0.02), **kw)
+
+    drv = driver(480)
+    compiled = []
+    compile_ = jax.stages.Lowered.compile
+    monkeypatch.setattr(
+        jax.stages.Lowered, "compile", lambda *a, **k: compiled.append(1) or compile_(*a, **k)
+    )
+    stub = routes.NoRouteFits("no route", need=1, budget=5_000, n=480, needs={})
+    err = drv._no_route(480, stub)
+    assert err.max_samples == 120 and "at most n_samples=120" in str(err), str(err)
+    assert len(compiled) == 2, len(compiled)  # the counts 240 (fits none) and 120 (fits)
+    monkeypatch.undo()
+    assert driver(120).route_at(120) in routes.ROUTES  # the suggestion fits: a route is chosen there
+    with pytest.raises(MemoryError, match="no route"):
+        driver(240).route_at(240)  # and the halving before it does not
+
+
 @pytest.mark.parametrize("chunk", [None, 8])
 def test_update_runs_few_sequential_ops(chunk, monkeypatch):
     """On an accelerator a program costs about the ops it runs one after another, so MinSR's kernel
@@ -714,3 +756,56 @@ def test_fit_compiles_the_largest_chunk_first_unless_the_route_is_tight():
     lowered.clear()
     tight = routes.fit(Program(), prob, (), "cg", floor=int(routes.TIGHT_FLOOR * budget) + 1)
     assert tight[:3] == (False, None, 1001) and tight.compiled == 1 and lowered == [1], lowered
+
+
+def _fresh_state():
+    """Every trace and every choice forgotten: jax.jit's caches and vmcgrad's own (_cache.registry)."""
+    from vmcgrad._cache import registry
+
+    jax.clear_caches()
+    for cache in registry():
+        cache.clear()
+
+
+def test_pricing_two_platforms_in_one_process_prices_each_platforms_program():
+    """The program MinSR's update runs depends on the platform its choices are made for: the chunk's
+    Jacobians a sixteenth at a time on a CPU, the whole chunk at once on an accelerator
+    (ntk_modes.jacobian_split), read when the program is traced. jax.jit keys a trace by its static
+    arguments and avals, not by vmcgrad.cost_platform, so the platform must be part of the program's
+    key (the Problem's field): in one process, the update lowered and its route priced for a TPU and
+    then for the CPU (and the reverse) are each what a fresh process gives for that platform, and the
+    two lowered programs differ (a batch of the chunk of 8 against one of 1). Red before the fix: the
+    second platform's program was the first's, traced again from jax.jit's cache."""
+    apply, _ = MODELS["r2c"]
+    params = _params(False)
+    x, e = _data(N)
+    lp = _logpsi(apply)
+    fixed = dict(diag_shift=DIAG, route="parameter", chunk_size=8)
+    auto = dict(diag_shift=DIAG, chunk_size="auto", memory_budget=2**20)
+
+    def lowered():
+        token = LOWERING.set(True)
+        try:
+            return vmcgrad.minsr_update(lp, params, x, e, **fixed).as_text()
+        finally:
+            LOWERING.reset(token)
+
+    def priced():
+        choice = minsr.update_choice(lp, params, x, e, **auto)
+        return choice.value, choice.seconds, dict(choice.priced)
+
+    fresh = {}
+    for platform in ("tpu", "cpu"):
+        _fresh_state()
+        with vmcgrad.cost_platform(platform):
+            fresh[platform] = (lowered(), priced())
+    assert fresh["tpu"][0] != fresh["cpu"][0]  # the chunk at once against a sixteenth of it
+    for order in (("tpu", "cpu"), ("cpu", "tpu")):
+        _fresh_state()
+        for platform in order:
+            with vmcgrad.cost_platform(platform):
+                text, (value, seconds, each) = lowered(), priced()
+            assert text == fresh[platform][0], (order, platform)
+            assert value == fresh[platform][1][0], (order, platform)
+            np.testing.assert_allclose(seconds, fresh[platform][1][1], rtol=1e-12)
+            assert each.keys() == fresh[platform][1][2].keys()

@@ -650,6 +650,42 @@ def _budget_state(memory_budget=None):
     return vs
 
 
+def test_the_qgt_phase_of_vmcgrad_vmc_is_what_sr_runs_and_fits_the_budget():
+    """``vmcgrad vmc --driver sr`` runs ``nk.optimizer.SR`` on ``vmcgrad.netket.QGTOnTheFly(chunk_size=
+    "auto", memory_budget=B)``: the operator's build (O-bar's pass, at its own automatic chunk) and
+    NetKet's solver on it, one compiled program (``QGTOnTheFlyT._solve``: NetKet's CG, its vectors,
+    the products). A GCNN (complex output, whose O-bar pass holds more per row than the product), B
+    the product's bytes at chunk 8 (its automatic chunk then 8): the QGT phase the run logs
+    (``cli._phases.bytes_of_phases``, the largest of those programs, compiled) is within B, and so is
+    the solve as SR calls it (``jax.scipy.sparse.linalg.cg``, ``x0`` the previous solution), which
+    solves as the dense QGT does. Red before: the phase measured one program that built the operator
+    at the product's chunk and applied it, which the driver never runs, over B by its O-bar pass
+    (120 816 bytes against 98 136; a 2-D GCNN at 16 MiB logged 24.4 MB, issue 48)."""
+    from vmcgrad.cli import _phases
+    from vmcgrad.netket._qgt import _solve
+
+    hi = nk.hilbert.Spin(0.5, 8)
+    model = nk.models.GCNN(symmetries=nk.graph.Chain(8), layers=2, features=4, param_dtype=np.float64)
+    sampler = nk.sampler.MetropolisLocal(hi, n_chains=N_CHAINS)
+    vs = vnk.MCState(sampler, model, n_samples=64 * N_DEV, seed=7, chunk_size="auto")
+    vs.sample()
+    probe = vnk.QGTOnTheFly(vs, chunk_size=8, design="jvp_vjp").qgt
+    budget = qgt_bytes(probe, "jvp_vjp", 8)
+    S = vnk.QGTOnTheFly(vs, design="jvp_vjp", memory_budget=budget, diag_shift=0.01)
+    assert S.qgt.chunk_size == 8 and S.qgt.kept_solve is None  # the product's chunk; nothing kept
+    chunks = {"gradient": 8, "qgt": 8, "qgt_solve": None}  # as vmcgrad vmc's _chunk_sizes gives them
+    phases = _phases.bytes_of_phases(vs, vs.n_samples, chunks, "jvp_vjp", budget, 0.01, None)
+    assert phases["qgt"] <= budget, (phases, budget)
+    g = vs.parameters
+    cg = functools.partial(jax.scipy.sparse.linalg.cg, tol=1e-12)
+    held = vmcgrad.program_bytes(_solve.lower(S, jax.tree_util.Partial(cg), g, x0=g).compile())
+    assert held <= budget, (held, budget)
+    x, _ = S.solve(cg, g, x0=g)  # (its residual within 1e-12 of g's norm; S + 0.01 is well conditioned)
+    dense = nkqgt.QGTOnTheFly(vs, diag_shift=0.01).to_dense()
+    ref = jnp.linalg.solve(dense, ravel_pytree(g)[0])
+    np.testing.assert_allclose(ravel_pytree(x)[0], ref, rtol=1e-8, atol=1e-10)
+
+
 @pytest.mark.slow  # about 25 s: a budget search per state
 def test_memory_budget_changes_the_pick():
     """A tight ``memory_budget`` (the jvp-then-vjp program of all rows fits, the fused one does not)

@@ -76,6 +76,14 @@ class Problem:
         out_dtype: the dtype of ``fun``'s per-sample output.
         chunk_size: rows per chunk on each device, None for one chunk, or ``"auto"``.
         memory_budget: bytes per device for ``"auto"``, or None for the default.
+        platform: the platform its automatic choices are priced for, fixed when the problem was made
+            for a program whose trace depends on it (:func:`vmcgrad._sr.ntk.modes.pinned`), else None:
+            the platform in force at each choice (:func:`cost_platform_of`).
+        jacobian_split: what a trace reads from that platform: the parts a chunk's per-sample
+            Jacobians are derived in (:func:`vmcgrad._sr.ntk.modes.jacobian_split`), or None where
+            no trace reads it. A field, so that ``jax.jit``, which keys a trace by its static
+            arguments and not by :func:`vmcgrad.cost_platform`, traces each platform's program anew,
+            and so that the automatic chunk's cache (:func:`program_key`) keys it.
     """
 
     name: str
@@ -87,6 +95,8 @@ class Problem:
     out_dtype: Any
     chunk_size: int | str | None
     memory_budget: int | None = None
+    platform: Platform | None = None
+    jacobian_split: int | None = None
 
     @property
     def space(self) -> Space:
@@ -310,9 +320,12 @@ def auto_knob(
 
 def cost_platform_of(prob: Problem) -> Platform:
     """The platform ``prob``'s automatic choices are priced for
-    (:func:`vmcgrad._hlo.platform.resolve_platform`): an override in context or in
+    (:func:`vmcgrad._hlo.platform.resolve_platform`): the one fixed when it was made (its
+    ``platform``, where the program's trace depends on it), else an override in context or in
     ``$VMCGRAD_COST_PLATFORM``, else the platform of the devices of its sample mesh, else of the
     default device."""
+    if prob.platform is not None:
+        return prob.platform
     return resolve_platform(mesh=prob.where.mesh if prob.where is not None else None)
 
 

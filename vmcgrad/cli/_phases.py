@@ -144,7 +144,8 @@ def bytes_of_phases(
     driver: Any,
 ) -> dict[str, int]:
     """The compiled temp bytes per device of the gradient pass and of the preconditioner's program
-    (``"qgt"``: the QGT built and applied once; ``"kernel"``: the MinSR update on the driver's route)
+    (``"qgt"``: the largest of the programs the driver runs with the QGT, :func:`qgt_bytes`;
+    ``"kernel"``: the MinSR update on the driver's route)
     at ``n`` samples laid out as the sampler's, at the run's chunks (``"auto"`` chunks chosen within
     ``memory_budget``). Compiled, not run: abstract samples, nothing sampled."""
     import jax
@@ -158,15 +159,11 @@ def bytes_of_phases(
         return vmcgrad.expect_grad(logpsi, w, x, e, chunk_size=chunks["gradient"], **budget)
 
     phases = {"gradient": jax.jit(gradient).lower(w, x, e).compile()}
-    if "qgt" in chunks:
-
-        def qgt(w, x):
-            S = vmcgrad.QGT(
-                logpsi, w, x, chunk_size=chunks["qgt"], design=design, diag_shift=diag_shift, **budget
-            )
-            return S @ w
-
-        phases["qgt"] = jax.jit(qgt).lower(w, x).compile()
+    if "qgt" in chunks:  # the largest of the programs the driver runs: O-bar's pass and NetKet's solve
+        return {
+            "gradient": vmcgrad.program_bytes(phases["gradient"]),
+            "qgt": qgt_bytes(logpsi, w, x, chunks, design, memory_budget, diag_shift),
+        }
     else:
         route = getattr(driver, "route", None)
         options = {"route": route} if route is not None else {}
@@ -186,6 +183,48 @@ def bytes_of_phases(
 
         phases["kernel"] = jax.jit(kernel).lower(w, x, e).compile()
     return {name: vmcgrad.program_bytes(compiled) for name, compiled in phases.items()}
+
+
+def qgt_bytes(
+    logpsi: Any, w: Any, x: Any, chunks: dict, design: str, memory_budget: int | None, diag_shift: float
+) -> int:
+    r"""The compiled bytes per device of the largest program of ``--driver sr``'s QGT phase, as the
+    driver runs them (``vmcgrad vmc``'s ``_driver``: ``nk.optimizer.SR`` on
+    :func:`vmcgrad.netket.QGTOnTheFly`), compiled, not run (``x`` abstract samples):
+
+    1. the operator's build, :math:`\bar O`'s pass, at its own automatic chunk within the budget
+       where the run's chunks are automatic (``chunks`` holds ``"qgt_solve"``), else at the given one;
+    2. NetKet's solve of :math:`(S + \lambda) x = g` (``LinearOperator.solve`` with ``SR``'s default
+       ``jax.scipy.sparse.linalg.cg``, from the previous step's solution), its products at the
+       product's chunk, or on every chunk's linearisation kept where ``kept_solve`` is set.
+
+    Not one program that builds the operator and applies it: the driver never runs that, and at the
+    product's chunk its :math:`\bar O` pass can be over the budget the chunk was chosen for (a
+    2-D GCNN at 16 MiB: 24.4 MB, docs/performance.md)."""
+    import jax
+
+    # deferred, each: `vmcgrad vmc --help` imports this module, and must import neither JAX nor NetKet
+    from vmcgrad._problem.problem import auto_chunk, compile_only  # (deferred: JAX)
+    from vmcgrad._sr.qgt.qgt import _mean_program  # (deferred: JAX)
+    from vmcgrad.netket._qgt import QGTOnTheFlyT, _solve  # (deferred: NetKet)
+
+    auto = "qgt_solve" in chunks
+    chunk = "auto" if auto else chunks["qgt"]
+
+    def build(w, x):
+        return vmcgrad.QGT(
+            logpsi, w, x, chunk_size=chunk, design=design, diag_shift=0.0, memory_budget=memory_budget
+        )
+
+    op = jax.eval_shape(build, w, x)  # the operator, its arrays as shapes (O-bar's chunk chosen)
+    prob = op.problem
+    mean_at = prob.at_chunk(auto_chunk(_mean_program, prob, op) if auto else chunk)
+    programs = [compile_only(_mean_program, mean_at, op)]
+    lhs = QGTOnTheFlyT(diag_shift=diag_shift, qgt=op)
+    g = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), w)
+    solver = jax.tree_util.Partial(jax.scipy.sparse.linalg.cg)
+    programs.append(_solve.lower(lhs, solver, g, x0=g).compile())
+    return max(vmcgrad.program_bytes(c) for c in programs)
 
 
 class PhaseBytes:

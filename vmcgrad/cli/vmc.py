@@ -367,6 +367,15 @@ def _chunk_sizes(
     # call within the budget (traced here, compiled, not run), so one that no chunk fits stops here
     rep = jax.ShapeDtypeStruct((qgt.dim,), qgt.views.rep_dtype)
     jax.eval_shape(lambda v: qgt @ v, rep)
+    if qgt.kept_solve is None:
+        # and the solve nk.optimizer.SR runs, NetKet's CG on the operator, at its own chunk within the
+        # budget (its vectors besides the products): one that no chunk fits stops here too
+        # deferred: `vmcgrad vmc --help` imports no JAX or NetKet (tests/test_package.py)
+        from vmcgrad.netket._qgt import QGTOnTheFlyT, _solve
+
+        lhs = QGTOnTheFlyT(diag_shift=0.0, qgt=qgt)
+        solver = jax.tree_util.Partial(jax.scipy.sparse.linalg.cg)
+        jax.eval_shape(lambda g: _solve(lhs, solver, g, x0=g), vstate.parameters)
     return {"gradient": gradient, "qgt": qgt.chunk_size, "qgt_solve": qgt.kept_solve}, qgt.design
 
 

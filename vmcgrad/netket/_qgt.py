@@ -27,6 +27,7 @@ the same operation everywhere (solvers, ``error_norm="qgt"``, user code). Dense 
 from __future__ import annotations
 
 import warnings
+from functools import partial
 from typing import Any
 
 import jax
@@ -47,6 +48,7 @@ import vmcgrad
 from vmcgrad._checks.holomorphy import holomorphic_violation
 from vmcgrad._jax_private import linear_call
 from vmcgrad._problem import validation as check
+from vmcgrad._problem.problem import call
 from vmcgrad._sr.modes import to_rep
 from vmcgrad._sr.qgt.qgt import DESIGNS
 from vmcgrad._sr.qgt.views import Views
@@ -404,10 +406,25 @@ def _diagonal(self: QGTOnTheFlyT) -> jax.Array:
 def _solve(self: QGTOnTheFlyT, solve_fun: Any, y: Any, *, x0: Any) -> tuple[Any, Any]:
     """Solves in the flat representation of the mode (as QGTJacobianDense does): iterative solvers
     see ``self @ flat`` and dense ones ``to_dense()``, in the same basis. ``info`` is the solver's
-    own (None for ``jax.scipy``'s ``cg``/``gmres``, which report no convergence). Where the wrapped
-    operator's ``kept_solve`` is set (``chunk_size="auto"`` and the budget holds every chunk's
-    linearisation at some chunk), the solver is handed the operator with its linearisations kept
-    (:class:`vmcgrad.LinearizedQGT`), taken once here."""
+    own (None for ``jax.scipy``'s ``cg``/``gmres``, which report no convergence).
+
+    With ``chunk_size="auto"`` the chunk is the solve's own (:func:`vmcgrad._problem.problem.call`:
+    the largest power of two at which this whole program, the solver's vectors and its products
+    included, fits the memory budget; compile only, cached), not the product's alone, which a solve
+    of a small model exceeds by its vectors (a 1-D GCNN at 128 KiB: 160 against 125 KB, the
+    product's chunk 8). Where the wrapped operator's ``kept_solve`` is set (the budget holds every
+    chunk's linearisation at some chunk), the solver is handed the operator with its
+    linearisations kept (:class:`vmcgrad.LinearizedQGT`), taken once here, at that chunk."""
+    prob = self.qgt.problem
+    if prob.chunk_size == "auto" and self.qgt.kept_solve is None:
+        return call(_solve_program, prob, self, solve_fun, y, x0)
+    return _solve_program(prob, self, solve_fun, y, x0)
+
+
+@partial(jax.jit, static_argnums=0)
+def _solve_program(prob: Any, self: QGTOnTheFlyT, solve_fun: Any, y: Any, x0: Any) -> tuple[Any, Any]:
+    """:func:`_solve`'s program, the wrapped operator at ``prob`` (its chunk)."""
+    self = self.replace(qgt=self.qgt._at(prob))
     params, mode = self.qgt.params, self.mode
     y_rep, back = _as_rep_flat(params, mode, y)
     x0_rep = jnp.zeros_like(y_rep) if x0 is None else _as_rep_flat(params, mode, x0)[0]

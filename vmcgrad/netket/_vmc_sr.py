@@ -40,6 +40,7 @@ from netket.utils import struct, timing
 import vmcgrad
 from vmcgrad._problem import validation as check
 from vmcgrad._sr.ntk import minsr, routes
+from vmcgrad._sr.ntk import modes as ntk_modes
 
 from . import _driver_state
 from . import _nk_private as nkp
@@ -302,10 +303,11 @@ class VMC_SR(nk.driver.VMC_SR):
 
     def _no_route(self, n: int, err: routes.NoRouteFits) -> MemoryError:
         """The error for a budget no route fits at N = ``n``: the budget that holds it, and the largest
-        N this budget holds (halving N, in multiples of the chains)."""
+        N this budget holds (halving N, in multiples of the chains; :meth:`_fits_at_all`: one
+        compilation per N that fits no route, not a route's choice)."""
         granule = self.state.sampler.n_chains
         smaller = n // 2 // granule * granule
-        while smaller >= granule and not self._update_fits(smaller):
+        while smaller >= granule and not self._fits_at_all(smaller):
             smaller = smaller // 2 // granule * granule
         fewer = f", or at most n_samples={smaller}" if smaller >= granule else ""
         out = MemoryError(
@@ -315,6 +317,19 @@ class VMC_SR(nk.driver.VMC_SR):
         )
         out.need, out.budget, out.n, out.max_samples = err.need, err.budget, n, smaller or None
         return out
+
+    def _fits_at_all(self, n: int) -> bool:
+        """Whether the update at N = ``n`` fits ``memory_budget`` on some route (the one given, else
+        any) at some chunk (True without a budget): :func:`vmcgrad._sr.ntk.minsr.update_fits`, on
+        abstract samples; compile only, a route's program at one sample per chunk, the route not
+        chosen (the step at that N chooses it, as :meth:`route_at`)."""
+        if self._memory_budget is None:
+            return True
+        fixed = routes.check_route(NAME, self._route, "cg" if self._cg else None)
+        args, static = self._update_arguments(*self._abstract_rows(n), fixed)
+        found = []
+        jax.eval_shape(lambda *a: found.append(_minsr(minsr.update_fits, *a, **static)), *args)
+        return found[0]
 
     def _abstract_rows(self, n: int) -> tuple[Any, Any]:
         """Samples and local energies at N = ``n`` as shapes, laid out as the state's (nothing sampled)."""
@@ -350,6 +365,9 @@ class VMC_SR(nk.driver.VMC_SR):
             route=route,
             chunk_size=self.chunk_size_bwd,
             memory_budget=self._memory_budget,
+            # what the update's trace reads of the platform the choices are made for: jax.jit keys
+            # its trace by this, so that a step priced for another platform is that platform's program
+            platform=ntk_modes.platform_key(),
         )
         return args, static
 
@@ -423,10 +441,13 @@ def _minsr(
     old_updates,
     *,
     apply_fun,
+    platform,
     **static,
 ):
     """``fun`` (:func:`vmcgrad.minsr_update` or its route, :func:`minsr.update_route`) on the
-    driver's arguments (:meth:`VMC_SR._update_arguments`)."""
+    driver's arguments (:meth:`VMC_SR._update_arguments`); ``platform`` is only the trace's key (the
+    update reads the platform in force itself: :func:`vmcgrad._sr.ntk.modes.pinned`)."""
+    del platform
     return fun(
         log_psi(apply_fun, model_state),
         params,
@@ -440,7 +461,10 @@ def _minsr(
     )
 
 
-@partial(jax.jit, static_argnames=("apply_fun", "mode", "solver", "route", "chunk_size", "memory_budget"))
+@partial(
+    jax.jit,
+    static_argnames=("apply_fun", "mode", "solver", "route", "chunk_size", "memory_budget", "platform"),
+)
 def _update(*args, **static):
     """:func:`vmcgrad.minsr_update` as the driver runs it, traced: each step and the check of a raised
     N (:meth:`VMC_SR._update_fits`, which lowers this at the new N) reach ``chunk_size="auto"``'s

@@ -65,7 +65,7 @@ def column_chunk(prob: Problem, batch: int | None = None) -> int:
     block's Jacobians are derived at once, so a block as wide as a batch holds the intermediates the
     rows' batches hold, no more."""
     c = prob.plan.size
-    return prob.n if c >= prob.n else jacobian_batch(c, batch)
+    return prob.n if c >= prob.n else jacobian_batch(c, batch, jacobian_split(prob))
 
 
 #: The programs whose dense route keeps every sample's Jacobian over chunks too, not only in one block
@@ -123,12 +123,14 @@ def dense_choice(program: Any, prob: Problem, op: Any, *args: Any) -> tuple[int,
     budget = budget_or_default(prob.memory_budget)
     if prob.n_local == prob.n and jacobian_bytes(prob, op) <= budget:
         at = lambda b: (prob.n, (dataclasses.replace(op, jacobian_batch=b), *args))
-        most = jacobian_batch(prob.n)  # the whole block, or the platform's part of it
+        most = jacobian_batch(
+            prob.n, None, jacobian_split(prob)
+        )  # the whole block, or the platform's part of it
         batches = sorted({2**i for i in range(most.bit_length())} | {most})
         name = "one block's Jacobian batch"
         one_block = auto_knob(program, prob, (op, *args), batches, at, name=name, info=True)
         kept_chunks = program in KEPT_JACOBIAN_PROGRAMS
-        if kept_chunks and one_block is not None and jacobian_split() == 1 and one_block.value < prob.n:
+        if kept_chunks and one_block is not None and jacobian_split(prob) == 1 and one_block.value < prob.n:
             # a trip costs its ops whatever its size: the Jacobian kept over fewer, larger chunks, each
             # derived at once (the last shifted back), than one block's batches
             kept = dataclasses.replace(op, jacobian_batch=None, keep_jacobian=True)
@@ -155,7 +157,7 @@ def dense_choice(program: Any, prob: Problem, op: Any, *args: Any) -> tuple[int,
     found = auto_choice(program, prob, op, *args)  # b = c (on an accelerator): the chunk at once
     chunk = found.value
     plan = prob.at_chunk(chunk).plan
-    fixed = dataclasses.replace(op, jacobian_batch=jacobian_batch(plan.size))
+    fixed = dataclasses.replace(op, jacobian_batch=jacobian_batch(plan.size, None, jacobian_split(prob)))
     if plan.count == 1:  # the operator compiled (its batch None is the chunk's): the run reuses it
         return chunk, (op, *args), found
     fewer = sorted({-(-prob.n_local // m) for m in range(1, plan.count + 1)})
@@ -192,6 +194,7 @@ def dense_chunk(
     mode: str,
     cols: int,
     n: int,
+    split: int,
     batch: int | None = None,
 ) -> tuple[tuple, jax.Array]:
     r"""One chunk of rows of the uncentred kernel on and above the diagonal: ``(c, K, N, K)``.
@@ -211,7 +214,7 @@ def dense_chunk(
     theta = theta_of(mode, params)
     k = k_of(mode)
     c = jax.tree.leaves(x)[0].shape[0]
-    b = jacobian_batch(c, batch)
+    b = jacobian_batch(c, batch, split)
     # one traced function for the rows and the column blocks (the same shapes when b = c): its program
     # is lowered once and called twice
     derive = jax.jit(lambda t, s, xs: jacobian(f, t, xs, mode, b, s))
@@ -262,7 +265,9 @@ def dense_program(prob: Problem, op: Any) -> jax.Array:
     shift = mean_jacobian(f, theta, samples, n, mode, row_chunk(prob))
     n_pad = -(-n // cols) * cols
     all_x = jax.tree.map(lambda a: jnp.concatenate([a, jnp.repeat(a[-1:], n_pad - n, axis=0)]), samples)
-    chunk = partial(dense_chunk, mode=mode, cols=cols, n=n, batch=op.jacobian_batch)
+    chunk = partial(
+        dense_chunk, mode=mode, cols=cols, n=n, split=jacobian_split(prob), batch=op.jacobian_batch
+    )
     index = (jnp.arange(n), SAMPLES)
     _, t = map_reduce_problem(prob, op.inputs, chunk, index, (all_x, REPLICATED), (shift, REPLICATED))
     if n_pad > cols:  # (with one column block every chunk took all its columns)

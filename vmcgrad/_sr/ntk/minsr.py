@@ -47,9 +47,11 @@ from vmcgrad._sr.ntk.dense import KEPT_JACOBIAN_PROGRAMS, dense_program, dense_s
 from vmcgrad._sr.ntk.modes import (
     choose_ntk_mode,
     jacobian_batch,
+    jacobian_split,
     k_of,
     mean_jacobian,
     params_of,
+    pinned,
     rows_fun,
     theta_of,
     vector_dtype,
@@ -184,17 +186,39 @@ def _with_defaults(options: dict) -> dict:
     return {**defaults, **options}
 
 
+def update_fits(logpsi: Any, params: Any, samples: Any, local_energies: Any, **options: Any) -> bool:
+    """Whether :func:`vmcgrad.minsr_update` on these arguments (its keywords) fits the memory budget on
+    some route (the one given, else any) at some chunk, without choosing the route: a route whose
+    matrix alone is over the budget is out uncompiled, and one fits exactly when its program at one
+    sample per chunk does (:func:`vmcgrad._sr.ntk.routes.fits_at_all`; one compilation per route
+    tried, the matrix-free one first). What a search of the largest sample count a budget holds asks
+    at each count (:meth:`vmcgrad.netket.VMC_SR.route_at`'s error), where most counts fit no route."""
+    options = _with_defaults(options)
+    prob, args_at, route, sizes = _prepared(logpsi, params, samples, local_energies, options, decide=False)
+    among = routes.ROUTES if route is None else (route,)
+    return routes.fits_at_all(_update_program, prob, args_at, sizes, among)
+
+
 def _prepared(
-    logpsi: Any, params: Any, samples: Any, local_energies: Any, options: dict, price: bool = False
+    logpsi: Any,
+    params: Any,
+    samples: Any,
+    local_energies: Any,
+    options: dict,
+    price: bool = False,
+    decide: bool = True,
 ) -> tuple:
     """``(problem, args_at, route, choice)`` of an update: the inputs checked (before anything is
     traced), ``args_at(route)`` the program's arguments on a route, the route taken, and the rule's
     record (:func:`vmcgrad._sr.ntk.routes.choose`); for a route given, that route priced alone where
-    ``price`` (None where it does not fit), else None."""
+    ``price`` (None where it does not fit), else None. Without ``decide``, nothing is chosen or
+    priced: the route given or None, and in the record's place the update's
+    :class:`vmcgrad._sr.ntk.routes.Sizes`."""
     name = _UPDATE
     o = options
     budget = {"chunk_size": o["chunk_size"], "memory_budget": o["memory_budget"]}
     prob, inputs, _ = problem(name, logpsi, params, samples, arg="logpsi", **budget)
+    prob = pinned(prob)  # the platform in force: its programs (their Jacobian batch) and prices
     mode = choose_ntk_mode(name, inputs.params, prob.out_dtype, o["mode"])
     real = jnp.finfo(vector_dtype(mode, inputs.params)).dtype
     local_energies = check.as_arrays(name, "local_energies", local_energies)
@@ -228,6 +252,8 @@ def _prepared(
 
     sizes = routes.sizes_of(mode, prob, inputs, rank)
     choice = None
+    if not decide:
+        return prob, args_at, route, sizes
     if route is None:
         choice = routes.choose(name, _update_program, prob, args_at, sizes)
         route = choice.value[0]
@@ -338,11 +364,11 @@ def keeps_jacobian(op: NTKOperator) -> bool:
     return op.keep_jacobian and jacobian_bytes(prob, op) <= budget_or_default(prob.memory_budget)
 
 
-def jacobian_rows(fun, params, x, w, *, mode: str, batch: int | None) -> tuple[tuple, jax.Array]:
+def jacobian_rows(fun, params, x, w, *, mode: str, batch: int | None, split: int) -> tuple[tuple, jax.Array]:
     """One chunk's per-sample Jacobians in the mode's flat parametrisation, ``(c, K, P)``, derived a
     Jacobian batch at a time (:func:`~vmcgrad._sr.ntk.modes.jacobian_batch`)."""
     f = rows_fun(fun, mode, params)
-    return (), flat_jacobian(f, theta_of(mode, params), x, mode, jacobian_batch(w.shape[0], batch))
+    return (), flat_jacobian(f, theta_of(mode, params), x, mode, jacobian_batch(w.shape[0], batch, split))
 
 
 def _whole_jacobian(op: NTKOperator, dv: jax.Array, proj_reg, momentum, old_updates, solver):
@@ -355,7 +381,7 @@ def _whole_jacobian(op: NTKOperator, dv: jax.Array, proj_reg, momentum, old_upda
     prob, mode = op.problem, op.mode
     n, k = prob.n, k_of(mode)
     sqrt_n = math.sqrt(n)
-    chunk = partial(jacobian_rows, mode=mode, batch=op.jacobian_batch)
+    chunk = partial(jacobian_rows, mode=mode, batch=op.jacobian_batch, split=jacobian_split(prob))
     _, j = map_reduce_problem(prob, op.inputs, chunk)
     j = unsplit_explicit(j)  # (on an Explicit mesh of one device: its rows are all of them)
     j = _centred_in_place(j.reshape(n, -1)).reshape(n * k, -1)  # ΔJ, exactly centred
@@ -416,12 +442,12 @@ def _cg(op: NTKOperator, dv: jax.Array, proj_reg, rank: int, cg_opts):
         return cg(apply, unsplit_explicit(dv), None, tol=tol, atol=atol, maxiter=maxiter, M=precondition)
 
 
-def gram_chunk(fun, params, x, w, shift, *, mode: str) -> tuple[tuple, tuple]:
+def gram_chunk(fun, params, x, w, shift, *, mode: str, split: int) -> tuple[tuple, tuple]:
     r"""One chunk's :math:`\sum_i w_i \tilde J_i^\dagger \tilde J_i` (``(P, P)``) and
     :math:`\sum_i w_i \tilde J_i` (``(K, P)``), with :math:`\tilde J = J - s` in the mode's flat
     parametrisation (:func:`vmcgrad._sr.jacobian.gram`, the dense QGT's too)."""
     f = rows_fun(fun, mode, params)
-    rows = flat_jacobian(f, theta_of(mode, params), x, mode, jacobian_batch(w.shape[0]), shift)
+    rows = flat_jacobian(f, theta_of(mode, params), x, mode, jacobian_batch(w.shape[0], None, split), shift)
     return gram(rows, w), ()
 
 
@@ -438,7 +464,7 @@ def _parameter_space(op: NTKOperator, x: jax.Array, solver: Any) -> tuple[Any, A
     k = k_of(mode)
     shift = jnp.concatenate([s.reshape(k, -1) for s in jax.tree.leaves(shift)], axis=-1)  # flat, (K, P)
     (gram, total), _ = map_reduce_problem(
-        prob, op.inputs, partial(gram_chunk, mode=mode), (shift, REPLICATED)
+        prob, op.inputs, partial(gram_chunk, mode=mode, split=jacobian_split(prob)), (shift, REPLICATED)
     )
     mean = total / n
     s = gram / n - jnp.conj(mean).T @ mean

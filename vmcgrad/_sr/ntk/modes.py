@@ -16,6 +16,7 @@ all use it (and the QGT's dense matrix, in the shared base).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +24,9 @@ import jax
 import jax.numpy as jnp
 
 from vmcgrad._chunks.plan import cast_like
+from vmcgrad._hlo.cost import Platform
 from vmcgrad._hlo.platform import resolve_platform
+from vmcgrad._problem.problem import Problem, cost_platform_of
 from vmcgrad._sr.jacobian import components
 from vmcgrad._sr.modes import MODES, from_rep, is_complex, to_rep
 
@@ -86,7 +89,8 @@ def rows_fun(fun: Callable, mode: str, params: Any) -> Callable:
 
 #: Parts a chunk's per-sample Jacobians are derived in where nothing fixed the batch, or None for the
 #: platform's (:func:`jacobian_split`). A setting for benchmarks and for modelling one platform's
-#: program on another (``benchmarks/step_regime.py``'s ``@SPLIT``), read when a program is traced.
+#: program on another (``benchmarks/step_regime.py``'s ``@SPLIT``), read when an operator or an update
+#: is made (:func:`pinned`): a problem made before it changed keeps its split.
 JACOBIAN_SPLIT: int | None = None
 
 #: The parts of :func:`jacobian_split` per platform: on a CPU a chunk's Jacobians a sixteenth at a time
@@ -95,21 +99,50 @@ JACOBIAN_SPLIT: int | None = None
 PLATFORM_SPLIT = {"cpu": 16}
 
 
-def jacobian_split() -> int:
-    """The parts a chunk's Jacobians are derived in: :data:`JACOBIAN_SPLIT`, else the platform's the
-    choices are made for (:func:`vmcgrad._hlo.platform.resolve_platform`: the devices' own, or
+def pinned(prob: Problem) -> Problem:
+    """``prob`` with the platform its choices are made for and the Jacobian split its programs are
+    traced with fixed as its fields (:attr:`vmcgrad._problem.problem.Problem.platform`,
+    ``jacobian_split``): the platform in force now (:func:`vmcgrad._problem.problem.cost_platform_of`:
+    :func:`vmcgrad.cost_platform`, ``$VMCGRAD_COST_PLATFORM``, else the devices'), and its split.
+
+    The NTK's programs read the split when they are traced; ``jax.jit`` keys a trace by its static
+    arguments (the problem among them), not by :func:`vmcgrad.cost_platform`. Fixed in the problem,
+    the split keys the trace and the automatic chunk's search: a program priced for a TPU and then for
+    a CPU in one process is each platform's own, never the first one's trace again. A problem already
+    pinned is returned as it is."""
+    if prob.platform is not None and prob.jacobian_split is not None:
+        return prob
+    platform, split = platform_key(cost_platform_of(prob))
+    return dataclasses.replace(prob, platform=platform, jacobian_split=split)
+
+
+def platform_key(platform: Platform | None = None) -> tuple[Platform, int]:
+    """``(platform, split)``: the platform the choices are made for (``platform``, else the one in
+    force: :func:`vmcgrad._hlo.platform.resolve_platform`) and the Jacobian split its programs are
+    traced with (:data:`JACOBIAN_SPLIT`, else :data:`PLATFORM_SPLIT`'s): what :func:`pinned` fixes,
+    and the static key of a caller's own ``jax.jit`` around :func:`vmcgrad.minsr_update` (the NetKet
+    driver's), whose trace would otherwise be reused for another platform."""
+    platform = resolve_platform() if platform is None else platform
+    split = JACOBIAN_SPLIT if JACOBIAN_SPLIT is not None else PLATFORM_SPLIT.get(platform.name, 1)
+    return platform, split
+
+
+def jacobian_split(prob: Problem | None = None) -> int:
+    """The parts a chunk's Jacobians are derived in: ``prob``'s, fixed when it was made
+    (:func:`pinned`); else :data:`JACOBIAN_SPLIT`, else the platform's the choices are made for
+    (:func:`vmcgrad._hlo.platform.resolve_platform`: the devices' own, or
     :func:`vmcgrad.cost_platform`'s; :data:`PLATFORM_SPLIT`, 1 — the whole chunk — on an
     accelerator)."""
-    if JACOBIAN_SPLIT is not None:
-        return JACOBIAN_SPLIT
-    return PLATFORM_SPLIT.get(resolve_platform().name, 1)
+    if prob is not None and prob.jacobian_split is not None:
+        return prob.jacobian_split
+    return platform_key(None if prob is None else cost_platform_of(prob))[1]
 
 
-def jacobian_batch(rows: int, fixed: int | None = None) -> int:
+def jacobian_batch(rows: int, fixed: int | None = None, split: int | None = None) -> int:
     """Samples whose Jacobians a chunk of ``rows`` derives at once: ``fixed`` (at most ``rows``) where
     the chunk choice set it (:func:`vmcgrad._sr.ntk.dense.choose_dense`, the largest batch whose
-    program fits the budget), else ``rows / jacobian_split()``, at least 1: the whole chunk on an
-    accelerator.
+    program fits the budget), else ``rows / split`` (the problem's :func:`jacobian_split`; None: the
+    one in force now), at least 1: the whole chunk on an accelerator.
 
     A per-sample Jacobian's intermediates (a reverse pass per output component) can outweigh the
     Jacobian itself many times, so under a budget a smaller batch buys larger chunks; but each batch
@@ -118,7 +151,7 @@ def jacobian_batch(rows: int, fixed: int | None = None) -> int:
     """
     if fixed is not None:
         return min(rows, fixed)
-    return min(rows, max(1, rows // jacobian_split()))
+    return min(rows, max(1, rows // (jacobian_split() if split is None else split)))
 
 
 def contract(a: Any, b: Any, k: int) -> jax.Array:

@@ -50,7 +50,7 @@ from vmcgrad._sr.base import AbstractOperator
 from vmcgrad._sr.jacobian import components
 from vmcgrad._sr.modes import is_complex
 from vmcgrad._sr.ntk.dense import choose_dense, dense_program, dense_solve
-from vmcgrad._sr.ntk.modes import choose_ntk_mode, k_of, vector_dtype
+from vmcgrad._sr.ntk.modes import choose_ntk_mode, k_of, pinned, vector_dtype
 from vmcgrad._sr.solve import CGInfo, differentiable_cg
 
 _NAME = "vmcgrad.NTK"
@@ -276,6 +276,7 @@ def NTK(
     prob, inputs, _ = problem(
         _NAME, logpsi, params, samples, chunk_size=chunk_size, memory_budget=memory_budget, arg="logpsi"
     )
+    prob = pinned(prob)  # the platform in force: its programs (their Jacobian batch) and prices
     mode = choose_ntk_mode(_NAME, inputs.params, prob.out_dtype, mode)
     real = jnp.finfo(vector_dtype(mode, inputs.params)).dtype
     diag_shift = check.check_nonnegative_scalar(_NAME, "diag_shift", diag_shift, real)

@@ -197,7 +197,7 @@ def cg_choice(program: Any, prob: Problem, op: Any, *args: Any, rank: int) -> tu
     the iterations run one after the other, so the two hardly compete for the budget). Elsewhere
     (a CPU: a fixed part of the chunk; plain CG; a batch given) the chunk alone, as for any program.
     """
-    if rank == 0 or op.jacobian_batch is not None or jacobian_split() != 1:
+    if rank == 0 or op.jacobian_batch is not None or jacobian_split(prob) != 1:
         found = auto_choice(program, prob, op, *args)
         return found.value, (op, *args), found
     single = dataclasses.replace(op, jacobian_batch=1)
@@ -214,7 +214,7 @@ def cg_choice(program: Any, prob: Problem, op: Any, *args: Any, rank: int) -> tu
 
 
 def nystrom_chunk(
-    fun, params, x, w, js, shift, *, mode: str, batch: int | None = None
+    fun, params, x, w, js, shift, *, mode: str, split: int, batch: int | None = None
 ) -> tuple[tuple, jax.Array]:
     r"""One chunk of rows of :math:`C = \tilde J \tilde J_S^\dagger`: ``(c, K, b, K)``, the rows'
     Jacobians derived ``batch`` samples at a time (:func:`~vmcgrad._sr.ntk.modes.jacobian_batch`)
@@ -228,7 +228,7 @@ def nystrom_chunk(
         return contract(row, js, k)[0]
 
     # (w: padded rows are cut after the pass)
-    return (), jax.lax.map(one, x, batch_size=jacobian_batch(w.shape[0], batch))
+    return (), jax.lax.map(one, x, batch_size=jacobian_batch(w.shape[0], batch, split))
 
 
 def columns(op: Any, rank: int, cols: int, block: int) -> tuple[jax.Array, jax.Array]:
@@ -247,13 +247,14 @@ def columns(op: Any, rank: int, cols: int, block: int) -> tuple[jax.Array, jax.A
     samples = unsplit_explicit(op.samples)
     shift = mean_jacobian(f, theta, samples, n, mode, cols)
     idx = (jnp.arange(rank) * n) // rank
+    split = jacobian_split(prob)
 
     def block_columns(start):
         at = jax.lax.dynamic_slice_in_dim(idx, start, b)
         subset = jax.tree.map(lambda a: a[at], samples)
-        at_once = jacobian_batch(min(cols, b), op.jacobian_batch)
+        at_once = jacobian_batch(min(cols, b), op.jacobian_batch, split)
         js = jax.lax.stop_gradient(jacobian(f, theta, subset, mode, at_once, shift))
-        chunk = _partial_chunk(mode, op.jacobian_batch)
+        chunk = _partial_chunk(mode, split, op.jacobian_batch)
         _, c = map_reduce_problem(prob, op.inputs, chunk, (js, REPLICATED), (shift, REPLICATED))
         return unsplit_explicit(c)
 
@@ -294,8 +295,8 @@ def build(op: Any, rank: int, cols: int, block: int | None = None) -> Nystrom:
     return Nystrom(z=q @ u, scale=scale.astype(c.dtype), rest=rest.astype(jnp.finfo(c.dtype).dtype))
 
 
-def _partial_chunk(mode: str, batch: int | None):
+def _partial_chunk(mode: str, split: int, batch: int | None):
     def chunk(fun, params, x, w, js, shift):
-        return nystrom_chunk(fun, params, x, w, js, shift, mode=mode, batch=batch)
+        return nystrom_chunk(fun, params, x, w, js, shift, mode=mode, split=split, batch=batch)
 
     return chunk

@@ -181,6 +181,31 @@ def fit(program: Any, prob: Problem, args: tuple, route: str, floor: int = 0, ra
     return Fit(True, chunk, None, found.cost, found.memory, spent + found.compiled)
 
 
+def fits_at_all(
+    program: Any,
+    prob: Problem,
+    args_at: Callable[[str], tuple],
+    sizes: Sizes,
+    among: tuple[str, ...] = ROUTES,
+) -> bool:
+    """Whether some route of ``among`` fits the budget at some chunk, without choosing one: a route
+    whose matrix alone is over the budget (:func:`floor_bytes`) is out uncompiled; another fits
+    exactly when its program at one sample per chunk does (``chunk_size="auto"``: the chunk search
+    takes the bytes as non-decreasing in the chunk, so the smallest candidate decides whether any
+    fits; at a chunk given, that chunk's program). One compilation per route compiled, the
+    matrix-free one first (its floor is the lowest), stopping at the first that fits: where
+    :func:`choose` descends through larger chunks of every route before it knows that none fits.
+    Compile only."""
+    budget = budget_of(prob)
+    at = prob.at_chunk(1) if prob.chunk_size == "auto" else prob
+    for route in sorted(among, key=lambda r: floor_bytes(r, sizes)):
+        if floor_bytes(route, sizes) > budget:
+            continue
+        if program_bytes(compile_only(program, at, *args_at(route))) <= budget:
+            return True
+    return False
+
+
 class NoRouteFits(MemoryError):
     """No route of the update fits the memory budget. Attributes: ``need`` (the bytes of the smallest
     route, the matrix-free one, at one sample per chunk), ``budget``, ``n`` and ``needs`` (route ->
