@@ -70,7 +70,7 @@ class NTKOperator(AbstractOperator):
     """
 
     _builder = _NAME
-    _described = ("jacobian_batch", "components_in_turn")
+    _described = ("jacobian_batch",)
 
     #: Samples whose Jacobians the dense kernel derives at once, or None for the whole chunk
     #: (:func:`~vmcgrad._sr.ntk.modes.jacobian_batch`). Static; ``chunk_size="auto"`` sets it
