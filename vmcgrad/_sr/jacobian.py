@@ -54,8 +54,8 @@ def jacobian(
     once (jacrev's vmap over the K cotangents): a sample's reverse-pass intermediates are held for
     one component at a time, not K, so about K times the samples fit a trip of the model's
     derivative in the same bytes, each trip one forward and K reverse passes in sequence instead of
-    one forward and one reverse pass (more ops a trip). The same numbers (each row is the same
-    pullback of the same cotangent)."""
+    one forward and one reverse pass (more ops a trip). The same rows to rounding (each is the same
+    pullback of the same cotangent; XLA fuses the two programs differently)."""
 
     def one(xi):
         row = lambda t: f(t, jax.tree.map(lambda a: a[None], xi))[0]
