@@ -42,6 +42,9 @@ ALLOWED["step_regime.py"] = {"vmcgrad._sr", "vmcgrad._sr.ntk", "vmcgrad._cache"}
 #: The route probe prints the rule's record of MinSR's route (``_sr.ntk.minsr.update_choice``: each
 #: route's modelled time), which the package does not export.
 ALLOWED["minsr_route_probe.py"] = {"vmcgrad._sr.ntk"}
+#: The per-sample Jacobian's bytes derive the rows as MinSR's kept Jacobian does
+#: (``_sr.jacobian.flat_jacobian``, ``_sr.ntk.modes``' parametrisation): the internals it measures.
+ALLOWED["jacobian_bytes.py"] = {"vmcgrad._sr", "vmcgrad._sr.jacobian", "vmcgrad._sr.ntk"}
 #: The calibration prints the cost model's constants beside the ones it measured (``PLATFORMS``).
 ALLOWED["calibrate_op_cost.py"] = {"vmcgrad._hlo.cost"}
 #: The harness's log-amplitude of a model is vmcgrad.netket's own (one definition: its apply functions

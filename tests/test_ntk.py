@@ -11,6 +11,8 @@ and CG; the ``slow`` tier adds the other model/mode pairs and the two-step momen
 program here is tiny: the cost is compilation, so the default tier keeps the number of programs low.
 """
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -415,6 +417,155 @@ def test_auto_chunk_keeps_the_jacobian_over_fewer_trips_on_an_accelerator(monkey
     assert held <= budget, (held, budget)
     trips = -(-n // chunk)
     assert sum(seen) == trips * chunk, (sum(seen), trips, chunk)
+    assert_tree_allclose(ours, whole, rtol=0, atol=1e-12)
+
+
+def test_auto_chunk_kept_jacobian_takes_every_trip_count(monkeypatch):
+    """The kept Jacobian's chunk under chunk_size="auto" on an accelerator is the largest that fits
+    among every trip count between N/2b and N/b (ntk_dense.choose_dense), not only a few of them: each
+    trip fewer is one trip of the model's derivative saved, and a sample's derivative intermediates
+    set how many a trip holds. N = 128, one block fitting at batch b = 8 and not at 16, and a budget
+    of exactly the kept chunk of 15's bytes (9 trips): the chunk taken is 15, and the update equal
+    to chunk_size=None's. Red with the candidates of about 1.25, 1.5 and 1.75 b (10, 12, 13: 13)."""
+    import dataclasses
+
+    from vmcgrad._sr.ntk import dense as ntk_dense
+    from vmcgrad._sr.ntk import modes as ntk_modes
+    from vmcgrad._sr.ntk import routes
+
+    monkeypatch.setattr(ntk_modes, "JACOBIAN_SPLIT", 1)
+
+    def apply(v, x):
+        h = jnp.tanh(x[:, :, None, None] * v["params"]["w"][None, :, :, None] + v["params"]["u"])
+        return jnp.mean(h, axis=(1, 2, 3)) + 1e-3 * jnp.sum(v["params"]["c"])
+
+    k = jax.random.split(jax.random.key(4), 2)
+    params = {"w": 0.3 * jax.random.normal(k[0], (L, 16)), "u": 0.1 * jax.random.normal(k[1], (64,))}
+    params["c"] = jnp.ones(512)
+    n = 128
+    params, (x, e) = jax.device_put((params, _data(n)), jax.devices()[0])
+    choices = []
+
+    def program_bytes(program, prob, op, *args, chunk, batch, kept):
+        op = dataclasses.replace(op, jacobian_batch=batch, keep_jacobian=kept)
+        return vmcgrad.program_bytes(program.lower(prob.at_chunk(chunk), op, *args).compile())
+
+    monkeypatch.setattr(routes, "choose_dense", lambda *a: choices.append(a) or ntk_dense.choose_dense(*a))
+    one = Mesh(np.array(jax.devices()[:1]), ("S",), axis_types=(AxisType.Auto,))
+    with jax.set_mesh(one):
+        kw = dict(diag_shift=DIAG, route="dense", solver=solve)
+        whole, _, _ = vmcgrad.minsr_update(_logpsi(apply), params, x, e.real, chunk_size=None, **kw)
+        vmcgrad.minsr_update(_logpsi(apply), params, x, e.real, chunk_size="auto", memory_budget=2**40, **kw)
+        sizing = choices[-1]  # (program, problem, operator, *arguments)
+        budget = program_bytes(*sizing, chunk=15, batch=None, kept=True)
+        assert program_bytes(*sizing, chunk=n, batch=8, kept=True) <= budget  # one block at b = 8
+        assert program_bytes(*sizing, chunk=n, batch=16, kept=True) > budget  # not at 16
+        assert program_bytes(*sizing, chunk=16, batch=None, kept=True) > budget  # nor 8 trips
+        monkeypatch.setattr(
+            routes, "choose_dense", lambda *a: choices.append(ntk_dense.choose_dense(*a)) or choices[-1]
+        )
+        ours, _, _ = vmcgrad.minsr_update(
+            _logpsi(apply), params, x, e.real, chunk_size="auto", memory_budget=budget, **kw
+        )
+    chunk, (op, *_) = choices[-1]
+    assert (chunk, op.jacobian_batch, op.keep_jacobian) == (15, None, True), (chunk, op)
+    assert_tree_allclose(ours, whole, rtol=0, atol=1e-12)
+
+
+def _small_gcnn(n):
+    """NetKet's GCNN on the 8-site chain (16 symmetries, 2 layers of 4 features, P = 296, float64),
+    its parameters and n samples with complex local energies: a model whose kernel is expanded over
+    the group and FFT'd in its forward pass, so that a sample's reverse pass holds several times its
+    Jacobian row (as the race's GCNN does)."""
+    import netket as nk
+
+    model = nk.models.GCNN(symmetries=nk.graph.Chain(8), layers=2, features=(4, 4), param_dtype=jnp.float64)
+    k = jax.random.split(jax.random.key(5), 4)
+    x = jnp.where(jax.random.bernoulli(k[0], 0.5, (n, 8)), 1.0, -1.0)
+    e = jax.random.normal(k[1], (n,)) + 1j * jax.random.normal(k[2], (n,))
+    params = model.init(k[3], x[:2])["params"]
+    return (lambda w, x: model.apply({"params": w}, x)), params, x, e
+
+
+def test_jacobian_components_in_turn_halve_a_samples_bytes():
+    """A per-sample Jacobian's K components' pullbacks in turn (vmcgrad._sr.jacobian.jacobian's
+    in_turn; the kept Jacobian's rows under NTKOperator.components_in_turn) hold one component's
+    reverse-pass intermediates at a time: on the small GCNN in 'complex' mode (K = 2) the compiled
+    temporaries per sample (the slope between 4 and 8 samples derived at once) are at most 0.7 of
+    those with the components at once (measured 0.62; the forward pass's residuals are shared, so
+    not 1/2), its ops fewer than twice (one forward pass, two reverse passes), and the rows equal
+    jacrev's to rounding. Red with the ordering dependence (_after) taken out: XLA runs the two
+    reverse passes side by side, 0.84 of the bytes."""
+    import vmcgrad._sr.jacobian as jac
+    from vmcgrad._sr.ntk.modes import rows_fun, theta_of
+
+    apply, params, x, _ = _small_gcnn(8)
+    f = rows_fun(apply, "complex", params)
+    theta = theta_of("complex", params)
+
+    def compiled(b, in_turn):
+        program = jax.jit(lambda t, x: jac.flat_jacobian(f, t, x, "complex", None, in_turn=in_turn))
+        return program.lower(theta, x[:b]).compile()
+
+    def per_sample(in_turn):
+        small, large = (compiled(b, in_turn).memory_analysis().temp_size_in_bytes for b in (4, 8))
+        return (large - small) / 4
+
+    at_once, in_turn = per_sample(False), per_sample(True)
+    assert in_turn <= 0.7 * at_once, (in_turn, at_once)
+    ops = [vmcgrad.program_cost(compiled(8, t), "tpu").ops for t in (False, True)]
+    assert ops[1] < 2 * ops[0], ops
+    rows, ref = (jac.flat_jacobian(f, theta, x, "complex", 4, in_turn=t) for t in (True, False))
+    scale = float(jnp.max(jnp.abs(ref)))
+    assert_tree_allclose(rows, ref, rtol=0, atol=64 * np.finfo(np.float64).eps * scale)
+
+
+@pytest.mark.heavy
+def test_auto_chunk_takes_the_components_in_turn_where_faster(monkeypatch):
+    """Under a budget that binds (one block of the small GCNN's N = 64 fits at batch 4, not at 8),
+    chunk_size="auto" on an accelerator searches the kept Jacobian's chunks with the K = 2 components
+    in turn too (ntk_dense.choose_dense) and takes the faster by modelled time: the chosen program
+    within the budget, the Jacobian kept, the update equal to chunk_size=None's. Under XLA's own
+    compiler (VMCGRAD_TEST_XLA=default, .ci/run; users' programs) the components in turn are the
+    faster here (42 -> 68 ops a trip for 0.62 of the bytes a sample) and taken: a chunk above 8.
+    Under the suite's fast compile flags nothing is fused (330 -> 644 ops a trip) and the
+    components at once are the faster. Red (default compiler) with the search in turn off."""
+    import dataclasses
+
+    from vmcgrad._sr.ntk import dense as ntk_dense
+    from vmcgrad._sr.ntk import modes as ntk_modes
+    from vmcgrad._sr.ntk import routes
+
+    monkeypatch.setattr(ntk_modes, "JACOBIAN_SPLIT", 1)
+    n = 64
+    apply, params, x, e = _small_gcnn(n)
+    params, x, e = jax.device_put((params, x, e), jax.devices()[0])
+    choices = []
+
+    def program_bytes(program, prob, op, *args, batch):
+        lowered = program.lower(prob.at_chunk(n), dataclasses.replace(op, jacobian_batch=batch), *args)
+        return vmcgrad.program_bytes(lowered.compile())
+
+    monkeypatch.setattr(routes, "choose_dense", lambda *a: choices.append(a) or ntk_dense.choose_dense(*a))
+    one = Mesh(np.array(jax.devices()[:1]), ("S",), axis_types=(AxisType.Auto,))
+    with jax.set_mesh(one):
+        kw = dict(diag_shift=DIAG, route="dense", mode="complex", solver=solve)
+        whole, _, _ = vmcgrad.minsr_update(apply, params, x, e, chunk_size=None, **kw)
+        vmcgrad.minsr_update(apply, params, x, e, chunk_size="auto", memory_budget=2**40, **kw)
+        sizing = choices[-1]  # (program, problem, operator, *arguments)
+        at_4, at_8 = program_bytes(*sizing, batch=4), program_bytes(*sizing, batch=8)
+        assert at_8 > at_4
+        budget = (at_4 + at_8) // 2
+        monkeypatch.setattr(
+            routes, "choose_dense", lambda *a: choices.append(ntk_dense.choose_dense(*a)) or choices[-1]
+        )
+        ours, _, _ = vmcgrad.minsr_update(apply, params, x, e, chunk_size="auto", memory_budget=budget, **kw)
+        chunk, (op, *rest) = choices[-1]
+        program, prob = sizing[:2]
+        held = vmcgrad.program_bytes(program.lower(prob.at_chunk(chunk), op, *rest).compile())
+    assert op.keep_jacobian and op.jacobian_batch is None and held <= budget, (op, held, budget)
+    if os.environ.get("VMCGRAD_TEST_XLA") == "default":
+        assert op.components_in_turn and chunk > 8, (chunk, op)
     assert_tree_allclose(ours, whole, rtol=0, atol=1e-12)
 
 

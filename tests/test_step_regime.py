@@ -20,11 +20,11 @@ import step_regime
 from vmcgrad._sr.ntk import dense as ntk_dense, minsr as ntk_minsr
 seen = []
 def spying(real):
-    def spy(f, theta, x, mode, batch=None, shift=None):
+    def spy(f, theta, x, mode, batch=None, shift=None, **kw):
         import jax
         rows = jax.tree.leaves(x)[0].shape[0]
         seen.append(rows if batch is None else min(batch, rows))
-        return real(f, theta, x, mode, batch, shift)
+        return real(f, theta, x, mode, batch, shift, **kw)
     return spy
 ntk_dense.jacobian = spying(ntk_dense.jacobian)
 ntk_minsr.flat_jacobian = spying(ntk_minsr.flat_jacobian)

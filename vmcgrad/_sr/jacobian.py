@@ -35,16 +35,34 @@ def components(mode: str, y: jax.Array) -> jax.Array:
     return y[:, None]
 
 
-def jacobian(f: Callable, theta: Any, x: Any, mode: str, batch: int | None = None, shift: Any = None) -> Any:
+def jacobian(
+    f: Callable,
+    theta: Any,
+    x: Any,
+    mode: str,
+    batch: int | None = None,
+    shift: Any = None,
+    in_turn: bool = False,
+) -> Any:
     """Per-sample Jacobians of ``f``: leaves of shape ``(rows, K, *leaf)`` (vmap of one-sample jacrev,
     complex-analytic in 'holomorphic' mode), ``batch`` rows at a time (``lax.map``; None: all at
     once), so that the model's intermediates are held for ``batch`` samples only, next to the
     Jacobians of all ``rows``; less ``shift`` (leaves ``(K, *leaf)``), taken per batch so that no
-    second copy of the rows is made."""
+    second copy of the rows is made.
+
+    ``in_turn``: the K components' pullbacks one after another (:func:`_pullbacks_in_turn`), not at
+    once (jacrev's vmap over the K cotangents): a sample's reverse-pass intermediates are held for
+    one component at a time, not K, so about K times the samples fit a trip of the model's
+    derivative in the same bytes, each trip one forward and K reverse passes in sequence instead of
+    one forward and one reverse pass (more ops a trip). The same rows to rounding (each is the same
+    pullback of the same cotangent; XLA fuses the two programs differently)."""
 
     def one(xi):
         row = lambda t: f(t, jax.tree.map(lambda a: a[None], xi))[0]
-        j = jax.jacrev(row, holomorphic=mode == "holomorphic")(theta)
+        if in_turn:
+            j = _pullbacks_in_turn(row, theta)
+        else:
+            j = jax.jacrev(row, holomorphic=mode == "holomorphic")(theta)
         return j if shift is None else jax.tree.map(jnp.subtract, j, shift)
 
     if batch is None:
@@ -52,15 +70,45 @@ def jacobian(f: Callable, theta: Any, x: Any, mode: str, batch: int | None = Non
     return jax.lax.map(one, x, batch_size=batch)
 
 
+def _pullbacks_in_turn(row: Callable, theta: Any) -> Any:
+    """jacrev of ``row`` (a real ``(K,)`` output), its K pullbacks one after another: one forward pass,
+    then the pullback of each unit cotangent, each made to start after the previous one's result
+    (:func:`_after`), so that XLA's scheduler does not run the K reverse passes side by side (their
+    intermediates live at once), as it may for independent ones."""
+    y, pull = jax.vjp(row, theta)
+    eye = jnp.eye(y.shape[0], dtype=y.dtype)
+    rows: list = []
+    for k in range(y.shape[0]):
+        ct = eye[k] if not rows else _after(eye[k], rows[-1])
+        rows.append(pull(ct)[0])
+    return jax.tree.map(lambda *r: jnp.stack(r), *rows)
+
+
+def _after(ct: jax.Array, previous: Any) -> jax.Array:
+    """``ct`` unchanged, made to depend on ``previous`` (a pytree of arrays): a zero taken from one of
+    its numbers added, finite whatever that number (a non-finite one counts 0, so no NaN leaks into
+    ``ct``). A data dependence orders the two computations where an optimisation barrier does not
+    (XLA's CPU compiler drops barriers); a zero product of a float is not folded away (``0 * x`` is
+    NaN for a non-finite ``x``, which the compiler cannot rule out)."""
+    v = jnp.ravel(jax.tree.leaves(previous)[0])[0]
+    return ct + (jnp.where(jnp.isfinite(v), v, 0) * 0).astype(ct.dtype)
+
+
 def flat_jacobian(
-    f: Callable, theta: Any, x: Any, mode: str, batch: int | None = None, shift: Any = None
+    f: Callable,
+    theta: Any,
+    x: Any,
+    mode: str,
+    batch: int | None = None,
+    shift: Any = None,
+    in_turn: bool = False,
 ) -> jax.Array:
     """:func:`jacobian` as one ``(rows, K, P)`` array of flat rows (``ravel_pytree``'s order of
     ``theta``), ``shift`` flat too (``(K, P)``): differentiated at the flat parameters, so that each
     batch's rows land in the output as they are, with no concatenation of the leaves' rows (a second
     copy)."""
     flat, unravel = ravel_pytree(theta)
-    return jacobian(lambda t, x: f(unravel(t), x), flat, x, mode, batch, shift)
+    return jacobian(lambda t, x: f(unravel(t), x), flat, x, mode, batch, shift, in_turn)
 
 
 def gram(rows: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:

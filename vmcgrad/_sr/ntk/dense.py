@@ -33,6 +33,7 @@ blocks.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -91,13 +92,18 @@ def choose_dense(program: Any, prob: Problem, op: Any, *args: Any) -> tuple[int,
        the Jacobian (N per-sample Jacobians, no mean-Jacobian estimate, no pullback pass).
        For a program of :data:`KEPT_JACOBIAN_PROGRAMS` (the update's, which keeps the Jacobian over
        chunks too), on an accelerator (the chunk's Jacobians at once:
-       :func:`~vmcgrad._sr.ntk.modes.jacobian_split` 1), with :math:`b < N`: the chunks
-       :math:`\lceil N/m \rceil` of about :math:`1.25b`, :math:`1.5b` and :math:`1.75b` (one block
-       did not fit at :math:`2b`; few candidates, each one compilation), the Jacobian kept and each
-       chunk derived at once, the last shifted back: a chunk holds what one block at that batch
-       holds, but its trips are any :math:`\lceil N/c \rceil`, not only :math:`N/b` for a power of
-       two :math:`b`; the one of least modelled time among those that fit (the largest), else one
-       block.
+       :func:`~vmcgrad._sr.ntk.modes.jacobian_split` 1), with :math:`b < N`: every trip count
+       between :math:`N/2b` and :math:`N/b`, as its smallest chunk :math:`\lceil N/m \rceil` in
+       :math:`(b, 2b)` (one block did not fit at :math:`2b`), the Jacobian kept and each chunk
+       derived at once, the last shifted back: a chunk holds what one block at that batch holds,
+       but its trips are any :math:`\lceil N/c \rceil`, not only :math:`N/b` for a power of two
+       :math:`b`; the largest that fits (the budget's search: the largest first, the straight line
+       through the bytes measured, then bisection, a few compilations however many candidates),
+       else one block. With K > 1 components ('complex' mode), the chunks in :math:`(b, 2Kb]` with
+       the components' pullbacks in turn (:attr:`~vmcgrad.NTKOperator.components_in_turn`: a
+       sample's reverse-pass intermediates held for one component at a time, so up to K times the
+       samples a trip, each trip one forward and K reverse passes in sequence) are searched the same
+       way, and taken where their program's modelled time is less.
     2. Else the powers of two for :math:`c` at the platform's batch (:math:`b = c` on an
        accelerator, the whole chunk at once; :math:`c/16` on a CPU); the largest that fits,
        :math:`c^*`, fixes its batch :math:`b^*`. With :math:`b^*` held, a chunk's bytes grow only
@@ -123,32 +129,30 @@ def dense_choice(program: Any, prob: Problem, op: Any, *args: Any) -> tuple[int,
     budget = budget_or_default(prob.memory_budget)
     if prob.n_local == prob.n and jacobian_bytes(prob, op) <= budget:
         at = lambda b: (prob.n, (dataclasses.replace(op, jacobian_batch=b), *args))
-        most = jacobian_batch(
-            prob.n, None, jacobian_split(prob)
-        )  # the whole block, or the platform's part of it
+        # the whole block, or the platform's part of it
+        most = jacobian_batch(prob.n, None, jacobian_split(prob))
         batches = sorted({2**i for i in range(most.bit_length())} | {most})
         name = "one block's Jacobian batch"
         one_block = auto_knob(program, prob, (op, *args), batches, at, name=name, info=True)
         kept_chunks = program in KEPT_JACOBIAN_PROGRAMS
         if kept_chunks and one_block is not None and jacobian_split(prob) == 1 and one_block.value < prob.n:
             # a trip costs its ops whatever its size: the Jacobian kept over fewer, larger chunks, each
-            # derived at once (the last shifted back), than one block's batches
+            # derived at once (the last shifted back), than one block's batches; between b and 2b (one
+            # block did not fit at 2b, a power of two up to N; a chunk of 2b holds as much), and with
+            # the K components in turn (about 1/K of a sample's bytes in 'complex' mode) up to 2Kb
             kept = dataclasses.replace(op, jacobian_batch=None, keep_jacobian=True)
-            # between b and 2b (one block did not fit at 2b, a power of two up to N; a chunk of 2b
-            # holds as much): the chunks of about 1.25, 1.5 and 1.75 b, each one more compilation
             b = one_block.value
-            larger = sorted(
-                {c for f in (5, 6, 7) if b < (c := _chunk_of(prob.n, -(-prob.n * 4 // (f * b)))) < 2 * b}
-            )
-            at_kept = lambda c: (c, (kept, *args))
-            name = "the kept Jacobian's chunk"
-            found = (
-                auto_knob(program, prob, (kept, *args), larger, at_kept, name=name, info=True)
-                if larger
-                else None
-            )
-            if found is not None:
-                return (*at_kept(found.value), found)
+            best = _kept_chunk(program, prob, kept, args, b, 2 * b, "") or (one_block, at(b))
+            k = k_of(op.mode)
+            if k > 1:  # taken where its program's modelled time is less
+                # (a sample's bytes in turn are at least 1/K of its bytes at once: 2Kb does not fit)
+                turn = dataclasses.replace(kept, components_in_turn=True)
+                top = min(prob.n, 2 * k * b) + 1
+                in_turn = _kept_chunk(program, prob, turn, args, b, top, ", components in turn")
+                timed = lambda f: math.inf if f is None or f[0].seconds is None else f[0].seconds
+                best = in_turn if timed(in_turn) < timed(best) else best
+            choice, (chunk, at_args) = best
+            return chunk, at_args, choice
         if one_block is not None:
             return (*at(one_block.value), one_block)
     # (one block did not fit at any batch: neither does keeping the Jacobian over chunks, whose chunk
@@ -163,6 +167,23 @@ def dense_choice(program: Any, prob: Problem, op: Any, *args: Any) -> tuple[int,
     fewer = sorted({-(-prob.n_local // m) for m in range(1, plan.count + 1)})
     found = auto_choice(program, prob, fixed, *args, candidates=fewer)
     return found.value, (fixed, *args), found
+
+
+def _kept_chunk(program: Any, prob: Problem, op: Any, args: tuple, above: int, below: int, what: str):
+    """``(choice, (chunk, (op, *args)))`` of the largest chunk strictly between ``above`` and ``below``
+    whose program, the Jacobian kept (``op``), fits the budget, or None: each trip count's smallest
+    chunk a candidate (one trip fewer is one trip of the model's derivative saved), the budget's
+    search compiling a few of them (:func:`vmcgrad._problem.problem.auto_knob`)."""
+    n = prob.n
+    chunks = sorted(
+        {c for t in range(1, -(-n // max(above, 1)) + 1) if above < (c := _chunk_of(n, t)) < below}
+    )
+    if not chunks:
+        return None
+    at_kept = lambda c: (c, (op, *args))
+    name = "the kept Jacobian's chunk" + what
+    found = auto_knob(program, prob, (op, *args), chunks, at_kept, name=name, info=True)
+    return None if found is None else (found, at_kept(found.value))
 
 
 def _chunk_of(n: int, trips: int) -> int:

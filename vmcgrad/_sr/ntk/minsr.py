@@ -364,11 +364,15 @@ def keeps_jacobian(op: NTKOperator) -> bool:
     return op.keep_jacobian and jacobian_bytes(prob, op) <= budget_or_default(prob.memory_budget)
 
 
-def jacobian_rows(fun, params, x, w, *, mode: str, batch: int | None, split: int) -> tuple[tuple, jax.Array]:
+def jacobian_rows(
+    fun, params, x, w, *, mode: str, batch: int | None, split: int, in_turn: bool = False
+) -> tuple[tuple, jax.Array]:
     """One chunk's per-sample Jacobians in the mode's flat parametrisation, ``(c, K, P)``, derived a
-    Jacobian batch at a time (:func:`~vmcgrad._sr.ntk.modes.jacobian_batch`)."""
+    Jacobian batch at a time (:func:`~vmcgrad._sr.ntk.modes.jacobian_batch`), the K components in
+    turn where ``in_turn`` (:func:`vmcgrad._sr.jacobian.jacobian`)."""
     f = rows_fun(fun, mode, params)
-    return (), flat_jacobian(f, theta_of(mode, params), x, mode, jacobian_batch(w.shape[0], batch, split))
+    b = jacobian_batch(w.shape[0], batch, split)
+    return (), flat_jacobian(f, theta_of(mode, params), x, mode, b, in_turn=in_turn)
 
 
 def _whole_jacobian(op: NTKOperator, dv: jax.Array, proj_reg, momentum, old_updates, solver):
@@ -381,7 +385,8 @@ def _whole_jacobian(op: NTKOperator, dv: jax.Array, proj_reg, momentum, old_upda
     prob, mode = op.problem, op.mode
     n, k = prob.n, k_of(mode)
     sqrt_n = math.sqrt(n)
-    chunk = partial(jacobian_rows, mode=mode, batch=op.jacobian_batch, split=jacobian_split(prob))
+    split, in_turn = jacobian_split(prob), op.components_in_turn
+    chunk = partial(jacobian_rows, mode=mode, batch=op.jacobian_batch, split=split, in_turn=in_turn)
     _, j = map_reduce_problem(prob, op.inputs, chunk)
     j = unsplit_explicit(j)  # (on an Explicit mesh of one device: its rows are all of them)
     j = _centred_in_place(j.reshape(n, -1)).reshape(n * k, -1)  # ΔJ, exactly centred

@@ -84,6 +84,12 @@ class NTKOperator(AbstractOperator):
     #: several chunks, searched where one block, which keeps the Jacobian, does not fit.
     keep_jacobian: bool = dataclasses.field(default=True, metadata={"static": True})
 
+    #: Whether the kept Jacobian's rows take the K components' pullbacks one after another
+    #: (:func:`vmcgrad._sr.jacobian.jacobian`'s ``in_turn``): half a sample's derivative intermediates
+    #: in 'complex' mode, more ops a trip. Static; ``chunk_size="auto"``
+    #: (:func:`~vmcgrad._sr.ntk.dense.choose_dense`) sets it where the budget binds and it is faster.
+    components_in_turn: bool = dataclasses.field(default=False, metadata={"static": True})
+
     @property
     def dim(self) -> int:
         """N·K: the side of the matrix (2N in 'complex' mode)."""
