@@ -185,7 +185,9 @@ def test_dense_blocks_run_no_collective_in_a_loop():
 
 
 def _jacobians_derived(n, devices, chunk, batch=None):
-    """Samples whose Jacobian ``to_dense`` derives: NetKet's mean-Jacobian subset, each row chunk's rows, and,
+    """Samples whose Jacobian ``to_dense`` derives: NetKet's mean-Jacobian subset, each row chunk's rows (in
+    batches, the last shifted back onto the one before: a batch that does not divide the chunk derives
+    the overlap twice), and,
     per row chunk, the column blocks (a sixteenth of the chunk wide on the CPU, or all N for one block)
     from the one holding its first counted row to the last, except the blocks that are the chunk's own
     rows, in order and short of the padding (reused); ``batch``: a Jacobian batch fixed by the chunk
@@ -196,6 +198,8 @@ def _jacobians_derived(n, devices, chunk, batch=None):
     count = -(-n_local // (chunk or n_local))
     size = -(-n_local // count)
     cols = n if size >= n else (min(size, batch) if batch else max(1, size // 16))
+    rb = min(size, batch) if batch else max(1, size // 16)  # the rows' batch; the last one shifted back
+    rows = -(-size // rb) * rb  # (a batch that does not divide the chunk derives the overlap twice)
     blocks = -(-n // cols)
     new = old = min(n, 32, size)
     for d in range(devices):
@@ -205,7 +209,7 @@ def _jacobians_derived(n, devices, chunk, batch=None):
             counted = [d * n_local + r for r in range(k * size, start + size) if d * n_local + r < n]
             own = lambda b, g0=g0: 0 <= b * cols - g0 <= size - cols and (b + 1) * cols <= n
             first = min(counted, default=n) // cols
-            new += size + cols * sum(not own(b) for b in range(first, blocks))
+            new += rows + cols * sum(not own(b) for b in range(first, blocks))
             old += size + size * -(-n // size)
     return new, old
 
