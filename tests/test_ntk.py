@@ -187,7 +187,9 @@ def test_dense_blocks_run_no_collective_in_a_loop():
 
 
 def _jacobians_derived(n, devices, chunk, batch=None):
-    """Samples whose Jacobian ``to_dense`` derives: NetKet's mean-Jacobian subset, each row chunk's rows, and,
+    """Samples whose Jacobian ``to_dense`` derives: NetKet's mean-Jacobian subset, each row chunk's rows (in
+    batches, the last shifted back onto the one before: a batch that does not divide the chunk derives
+    the overlap twice), and,
     per row chunk, the column blocks (a sixteenth of the chunk wide on the CPU, or all N for one block)
     from the one holding its first counted row to the last, except the blocks that are the chunk's own
     rows, in order and short of the padding (reused); ``batch``: a Jacobian batch fixed by the chunk
@@ -198,6 +200,8 @@ def _jacobians_derived(n, devices, chunk, batch=None):
     count = -(-n_local // (chunk or n_local))
     size = -(-n_local // count)
     cols = n if size >= n else (min(size, batch) if batch else max(1, size // 16))
+    rb = min(size, batch) if batch else max(1, size // 16)  # the rows' batch; the last one shifted back
+    rows = -(-size // rb) * rb  # (a batch that does not divide the chunk derives the overlap twice)
     blocks = -(-n // cols)
     new = old = min(n, 32, size)
     for d in range(devices):
@@ -207,7 +211,7 @@ def _jacobians_derived(n, devices, chunk, batch=None):
             counted = [d * n_local + r for r in range(k * size, start + size) if d * n_local + r < n]
             own = lambda b, g0=g0: 0 <= b * cols - g0 <= size - cols and (b + 1) * cols <= n
             first = min(counted, default=n) // cols
-            new += size + cols * sum(not own(b) for b in range(first, blocks))
+            new += rows + cols * sum(not own(b) for b in range(first, blocks))
             old += size + size * -(-n // size)
     return new, old
 
@@ -240,6 +244,36 @@ def test_dense_blocks_derive_each_pair_once(chunk):
         assert_tree_allclose(
             ours, g(params, lambda p: _dense_reference(apply, p, x, "complex")), rtol=0, atol=1e-10
         )
+
+
+def test_blocked_kernel_lowers_the_model_derivative_once(monkeypatch):
+    """The blocked kernel's rows (a loop over the chunk's Jacobian batches, the last shifted back) and
+    its column blocks call one jitted derivative at one shape (ntk_dense.batch_derivative), and the
+    update's pullback pass runs at a chunk that tiles the rows (minsr.pullback_tiling: no stand-in
+    search for re-read rows), so that the program holds the model's derivative once per form:
+    counted as the model's one ``tanh`` per lowered evaluation in the StableHLO, ``to_dense`` holds 2
+    (NetKet's mean-Jacobian estimate, a vjp, and the kernel's per-sample derivative) and the update 3
+    (and the pullback). Red before (rows derived at the chunk, columns at the batch: 3 and 4; on one
+    device the pullback at the shifted chunk 5 of 24 rows adds its stand-ins' forward pass: 5). Chunk
+    5 at a batch of 2 (a split of 2) on one device: the rows' last batch overlaps the one before. The
+    kernel against jax.jacrev, the update against the parameter-space route."""
+    from vmcgrad._sr.ntk import modes as ntk_modes
+
+    monkeypatch.setattr(ntk_modes, "JACOBIAN_SPLIT", 2)
+    apply, _ = MODELS["real"]  # one tanh per evaluation
+    params = _params(False)
+    x, e = _data(24)
+    T = vmcgrad.NTK(_logpsi(apply), params, x, chunk_size=5, mode="real")
+    dense = jax.jit(lambda T: T.to_dense())
+    assert dense.lower(T).as_text().count("stablehlo.tanh") == 2
+    np.testing.assert_allclose(dense(T), _dense_reference(apply, params, x, "real"), rtol=0, atol=1e-12)
+    # (a budget below the Jacobian's bytes: one device blocks too, it does not keep the Jacobian)
+    kw = dict(diag_shift=DIAG, chunk_size=5, mode="real", memory_budget=1024)
+    update = jax.jit(
+        lambda p, route: vmcgrad.minsr_update(_logpsi(apply), p, x, e, route=route, **kw)[0], static_argnums=1
+    )
+    assert update.lower(params, "dense").as_text().count("stablehlo.tanh") == 3
+    assert_tree_allclose(update(params, "dense"), update(params, "parameter"), rtol=0, atol=1e-10)
 
 
 @pytest.mark.heavy

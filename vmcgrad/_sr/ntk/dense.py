@@ -230,16 +230,15 @@ def dense_chunk(
     the chunk's rows hold exactly the block's samples in order (their global ``index`` says so; padded
     rows repeat the last index and never match a block past the last sample): those are reused. A row
     chunk starting at global sample :math:`g` thus derives about :math:`N - g - c` column Jacobians.
+    The rows' batches and the column blocks call one ``derive`` (:func:`batch_derivative`), so that
+    the model's derivative is lowered once in the chunk.
     """
-    f = rows_fun(fun, mode, params)
     theta = theta_of(mode, params)
     k = k_of(mode)
     c = jax.tree.leaves(x)[0].shape[0]
     b = jacobian_batch(c, batch, split)
-    # one traced function for the rows and the column blocks (the same shapes when b = c): its program
-    # is lowered once and called twice
-    derive = jax.jit(lambda t, s, xs: jacobian(f, t, xs, mode, b, s))
-    rows = derive(theta, shift, x)
+    derive = batch_derivative(rows_fun(fun, mode, params), mode)
+    rows = batched_rows(derive, theta, shift, x, b)
     n_pad = jax.tree.leaves(all_x)[0].shape[0]
     blocks = n_pad // cols
     dtype = jax.tree.leaves(rows)[0].dtype
@@ -273,6 +272,38 @@ def dense_chunk(
     # Static bounds (a scan, reverse-differentiable); the blocks before `first` are skipped.
     out = jax.lax.fori_loop(0, blocks, block, jnp.zeros((c, k, n_pad, k), dtype))
     return (), out[:, :, :n, :]
+
+
+def batch_derivative(f: Callable, mode: str) -> Callable:
+    """``derive(theta, shift, xs)``: the per-sample Jacobians of ``f`` at a batch of samples, all at
+    once, less ``shift`` (leaves ``(b, K, *leaf)``), as one jitted function: every call at the same
+    shapes (the blocked kernel's calls are all at its Jacobian batch b) is one lowering of the
+    model's derivative in the program, called from each place (JAX lowers a jitted function once
+    per shapes and caches its trace)."""
+    return jax.jit(lambda t, s, xs: jacobian(f, t, xs, mode, None, s))
+
+
+def batched_rows(derive: Callable, theta: Any, shift: Any, x: Any, b: int) -> Any:
+    r"""``derive(theta, shift, xs)`` (one batch's per-sample Jacobians, leaves ``(b, K, *leaf)``) over
+    the ``c`` samples of ``x``, ``b`` at a time: a loop of :math:`\lceil c/b \rceil` trips (static
+    bounds: reverse-differentiable) writing each batch into the rows, the last batch shifted back
+    onto the rows before it (they are derived twice, written the same), so that every trip calls
+    ``derive`` at one shape, the column blocks' own: the model's derivative is lowered once."""
+    c = jax.tree.leaves(x)[0].shape[0]
+    if c == b:
+        return derive(theta, shift, x)
+    trips = -(-c // b)
+    first = jax.tree.map(lambda a: a[:b], x)
+    out = jax.eval_shape(derive, theta, shift, first)
+    rows = jax.tree.map(lambda o: jnp.zeros((c, *o.shape[1:]), o.dtype), out)
+
+    def batch(i, rows):
+        start = jnp.minimum(i * b, c - b)
+        xs = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, b), x)
+        put = lambda r, j: jax.lax.dynamic_update_slice_in_dim(r, j, start, axis=0)
+        return jax.tree.map(put, rows, derive(theta, shift, xs))
+
+    return jax.lax.fori_loop(0, trips, batch, rows)
 
 
 @partial(jax.jit, static_argnums=0)

@@ -336,8 +336,25 @@ def _update(op: NTKOperator, e_loc, proj_reg, momentum, old_updates, how, cg_opt
             if proj_reg is not None:
                 a = a + proj_reg / n
             x, info = dense_solve(solver, a, dv)
-        updates = op._jdagger(x.reshape(n, k) / sqrt_n)  # one vjp pass at the chunk (centred by _jdagger)
+        # one vjp pass (centred by _jdagger), at a chunk that tiles the rows where the kernel's does not
+        pull = op if route == "cg" else op._at(op.problem.at_chunk(pullback_tiling(op.problem)))
+        updates = pull._jdagger(x.reshape(n, k) / sqrt_n)
     return _with_momentum(updates, info, momentum, old_updates)
+
+
+def pullback_tiling(prob: Problem) -> int | None:
+    r"""The chunk of the dense route's pullback pass :math:`\Delta J^\dagger x`: the kernel's, or
+    where its chunks do not tile a device's rows (a shifted last chunk, no padding to the device
+    count), the largest chunk that tiles them in at most twice as many trips: a chunk holding rows
+    that do not count makes the runner find finite stand-ins for them first
+    (:func:`vmcgrad._runner.refs.pull_chunk`), one more lowering of the model's derivative in the
+    program and a forward pass over that chunk. No larger than the kernel's chunk: no more memory."""
+    plan, where = prob.plan, prob.space.where
+    devices = 1 if where is None else where.size
+    if plan.count == 1 or plan.n % plan.size == 0 or plan.n * devices != prob.n:
+        return prob.chunk_size
+    tiling = [m for m in range(plan.count, 2 * plan.count + 1) if plan.n % m == 0]
+    return plan.n // tiling[0] if tiling else prob.chunk_size
 
 
 def _with_momentum(updates, info, momentum, old_updates):
