@@ -391,6 +391,22 @@ def test_auto_chunk_takes_one_block_at_a_smaller_jacobian_batch(monkeypatch):
     assert_tree_allclose(ours, whole, rtol=0, atol=1e-12)
 
 
+def _kept_jacobian_case(n):
+    """``(apply, params, x, e)`` of the kept-Jacobian chunk tests: a NetKet-style model whose
+    per-sample derivative intermediates (L × 16 × 64 values) outweigh its Jacobian row
+    (P = 16 L + 576), and n samples with their local energies, on the first device."""
+
+    def apply(v, x):
+        h = jnp.tanh(x[:, :, None, None] * v["params"]["w"][None, :, :, None] + v["params"]["u"])
+        return jnp.mean(h, axis=(1, 2, 3)) + 1e-3 * jnp.sum(v["params"]["c"])
+
+    k = jax.random.split(jax.random.key(4), 2)
+    params = {"w": 0.3 * jax.random.normal(k[0], (L, 16)), "u": 0.1 * jax.random.normal(k[1], (64,))}
+    params["c"] = jnp.ones(512)
+    params, (x, e) = jax.device_put((params, _data(n)), jax.devices()[0])
+    return apply, params, x, e
+
+
 def test_auto_chunk_keeps_the_jacobian_over_fewer_trips_on_an_accelerator(monkeypatch):
     """On an accelerator (the chunk's Jacobians at once) each trip of the model's derivative costs
     its ops whatever its size, so where one block fits at a batch b but not at 2b, the update's
@@ -408,15 +424,8 @@ def test_auto_chunk_keeps_the_jacobian_over_fewer_trips_on_an_accelerator(monkey
 
     monkeypatch.setattr(ntk_modes, "JACOBIAN_SPLIT", 1)
 
-    def apply(v, x):
-        h = jnp.tanh(x[:, :, None, None] * v["params"]["w"][None, :, :, None] + v["params"]["u"])
-        return jnp.mean(h, axis=(1, 2, 3)) + 1e-3 * jnp.sum(v["params"]["c"])
-
-    k = jax.random.split(jax.random.key(4), 2)
-    params = {"w": 0.3 * jax.random.normal(k[0], (L, 16)), "u": 0.1 * jax.random.normal(k[1], (64,))}
-    params["c"] = jnp.ones(512)
     n = 64
-    params, (x, e) = jax.device_put((params, _data(n)), jax.devices()[0])
+    apply, params, x, e = _kept_jacobian_case(n)
     seen, choices = [], []
 
     def counted(v, x):
@@ -469,15 +478,8 @@ def test_auto_chunk_kept_jacobian_takes_every_trip_count(monkeypatch):
 
     monkeypatch.setattr(ntk_modes, "JACOBIAN_SPLIT", 1)
 
-    def apply(v, x):
-        h = jnp.tanh(x[:, :, None, None] * v["params"]["w"][None, :, :, None] + v["params"]["u"])
-        return jnp.mean(h, axis=(1, 2, 3)) + 1e-3 * jnp.sum(v["params"]["c"])
-
-    k = jax.random.split(jax.random.key(4), 2)
-    params = {"w": 0.3 * jax.random.normal(k[0], (L, 16)), "u": 0.1 * jax.random.normal(k[1], (64,))}
-    params["c"] = jnp.ones(512)
     n = 128
-    params, (x, e) = jax.device_put((params, _data(n)), jax.devices()[0])
+    apply, params, x, e = _kept_jacobian_case(n)
     choices = []
 
     def program_bytes(program, prob, op, *args, chunk, batch, kept):
