@@ -20,6 +20,7 @@ from helpers import assert_tree_allclose
 from helpers import nk_data as _data
 from helpers import nk_logpsi as _logpsi
 from helpers import nk_params as _params
+from jax.sharding import AxisType, Mesh
 
 import vmcgrad
 from vmcgrad._hlo.cost import ProgramCost
@@ -731,6 +732,42 @@ def test_the_update_compiles_its_program_once_where_it_fits_whole():
     t_norm = float(jnp.linalg.norm(vmcgrad.NTK(lp, params, x, mode="complex").to_dense(), 2))
     bound = n * np.finfo(np.float64).eps * (t_norm + DIAG) / DIAG * _tree_norm(want)
     assert _tree_max_diff(got, want) <= bound, (_tree_max_diff(got, want), bound)
+
+
+def test_the_route_search_at_a_chunk_given_compiles_one_program_where_the_jacobian_is_kept():
+    """Compile time (issue 47; benchmarks/results/cpu-non-regression-47: the race's first step at
+    chunk 64 compiled the update once per route it priced): where one device holds every sample and
+    the dense route keeps their Jacobian over the chunks given (ntk_dense.keeps_jacobian), with
+    NK = 16 ≤ P = 29, that route dominates the others as one block does (routes.choose), and the
+    route search compiles one program, the dense route's; red with the bound for one block only (3
+    programs: the parameter route and CG too)."""
+    n = 8
+    apply, _ = MODELS["r2c"]
+    params = _params(False)
+    x, e = _data(n)
+    lp = _logpsi(apply)
+    names = []
+
+    def listen(event, duration, fun_name="?", **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            names.append(fun_name)
+
+    one = Mesh(np.array(jax.devices()[:1]), ("S",), axis_types=(AxisType.Auto,))
+    with jax.set_mesh(one):
+        params, x, e = jax.device_put((params, x, e), jax.devices()[0])
+        opts = dict(diag_shift=DIAG, chunk_size=2, memory_budget=2**40)
+        jax.monitoring.register_event_duration_secs_listener(listen)
+        try:
+            choice = minsr.update_choice(lp, params, x, e, **opts)
+        finally:
+            jax.monitoring.unregister_event_duration_listener(listen)
+        assert choice.value == ("dense", 2) and [r for r, _ in choice.priced] == ["dense"], choice
+        assert names.count("jit(_update_program)") == 1, names
+        got, _, _ = vmcgrad.minsr_update(lp, params, x, e, **opts)
+        want, _, _ = vmcgrad.minsr_update(lp, params, x, e, diag_shift=DIAG, route="parameter")
+        t_norm = float(jnp.linalg.norm(vmcgrad.NTK(lp, params, x, mode="complex").to_dense(), 2))
+        bound = 4 * n * np.finfo(np.float64).eps * (t_norm + DIAG) / DIAG * _tree_norm(want)
+        assert _tree_max_diff(got, want) <= bound, (_tree_max_diff(got, want), bound)
 
 
 def test_fit_compiles_the_largest_chunk_first_unless_the_route_is_tight():

@@ -70,7 +70,7 @@ def column_chunk(prob: Problem, batch: int | None = None) -> int:
 
 
 #: The programs whose dense route keeps every sample's Jacobian over chunks too, not only in one block
-#: (:func:`vmcgrad.minsr_update`'s: :func:`vmcgrad._sr.ntk.minsr.keeps_jacobian`), for which
+#: (:func:`vmcgrad.minsr_update`'s: :func:`keeps_jacobian`), for which
 #: :func:`choose_dense` searches such chunks.
 KEPT_JACOBIAN_PROGRAMS: set = set()
 
@@ -196,6 +196,23 @@ def jacobian_bytes(prob: Problem, op: Any) -> int:
     split = op.mode != "holomorphic"
     p = sum(x.size * (2 if split and jnp.iscomplexobj(x) else 1) for x in jax.tree.leaves(op.params))
     return prob.n * k_of(op.mode) * p * jnp.dtype(op.dtype).itemsize
+
+
+def keeps_jacobian(prob: Problem, op: Any) -> bool:
+    """Whether the dense route of :func:`vmcgrad.minsr_update` (a program of
+    :data:`KEPT_JACOBIAN_PROGRAMS`) keeps every sample's Jacobian at ``prob``'s chunk
+    (:func:`vmcgrad._sr.ntk.minsr._whole_jacobian`): one device's rows are all N, and either one
+    chunk holds them, or the operator allows it over chunks
+    (:attr:`~vmcgrad.NTKOperator.keep_jacobian`: not for the blocks' candidates of ``"auto"``)
+    and the Jacobian, :math:`NKP` numbers, fits the memory budget (the default budget where none was
+    given). Kept, the N per-sample Jacobians are derived once each, as NetKet's ``srt`` does at any
+    chunk; the blocks derive each column block again per chunk of rows above it, a mean-Jacobian
+    estimate and a pullback pass besides."""
+    if prob.n_local != prob.n:
+        return False
+    if prob.plan.count == 1:
+        return True
+    return op.keep_jacobian and jacobian_bytes(prob, op) <= budget_or_default(prob.memory_budget)
 
 
 def row_chunk(prob: Problem) -> int:

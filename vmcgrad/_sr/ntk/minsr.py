@@ -43,7 +43,7 @@ from vmcgrad._runner.primitive import map_reduce_problem
 from vmcgrad._runner.runner import REPLICATED
 from vmcgrad._sr.jacobian import components, flat_jacobian, gram
 from vmcgrad._sr.ntk import nystrom, routes
-from vmcgrad._sr.ntk.dense import KEPT_JACOBIAN_PROGRAMS, dense_program, dense_solve, jacobian_bytes
+from vmcgrad._sr.ntk.dense import KEPT_JACOBIAN_PROGRAMS, dense_program, dense_solve, keeps_jacobian
 from vmcgrad._sr.ntk.modes import (
     choose_ntk_mode,
     jacobian_batch,
@@ -319,7 +319,7 @@ def _update(op: NTKOperator, e_loc, proj_reg, momentum, old_updates, how, cg_opt
     n, k, mode = op.problem.n, k_of(op.mode), op.mode
     sqrt_n = math.sqrt(n)
     dv = components(mode, 2.0 * (e_loc - jnp.mean(e_loc)) / sqrt_n).astype(op.dtype)
-    if route == "dense" and keeps_jacobian(op):
+    if route == "dense" and keeps_jacobian(op.problem, op):
         updates, info = _whole_jacobian(op, dv, proj_reg, momentum, old_updates, solver)
         return _with_momentum(updates, info, momentum, old_updates)
     if momentum is not None and old_updates is not None:
@@ -365,22 +365,6 @@ def _with_momentum(updates, info, momentum, old_updates):
     return updates, None, info
 
 
-def keeps_jacobian(op: NTKOperator) -> bool:
-    """Whether the dense route keeps every sample's Jacobian (:func:`_whole_jacobian`): one device's
-    rows are all N, and either one chunk holds them, or the operator allows it over chunks
-    (:attr:`~vmcgrad.NTKOperator.keep_jacobian`: not for the blocks' candidates of ``"auto"``)
-    and the Jacobian, :math:`NKP` numbers, fits the memory budget (the default budget where none was
-    given). Kept, the N per-sample Jacobians are derived once each, as NetKet's ``srt`` does at any
-    chunk; the blocks derive each column block again per chunk of rows above it, a mean-Jacobian
-    estimate and a pullback pass besides."""
-    prob = op.problem
-    if prob.n_local != prob.n:
-        return False
-    if prob.plan.count == 1:
-        return True
-    return op.keep_jacobian and jacobian_bytes(prob, op) <= budget_or_default(prob.memory_budget)
-
-
 def jacobian_rows(
     fun, params, x, w, *, mode: str, batch: int | None, split: int, in_turn: bool = False
 ) -> tuple[tuple, jax.Array]:
@@ -393,8 +377,9 @@ def jacobian_rows(
 
 
 def _whole_jacobian(op: NTKOperator, dv: jax.Array, proj_reg, momentum, old_updates, solver):
-    r"""The dense route where one device keeps every sample's Jacobian (:func:`keeps_jacobian`),
-    derived a chunk at a time, as NetKet's ``srt``: :math:`\Delta J` exactly centred once,
+    r"""The dense route where one device keeps every sample's Jacobian
+    (:func:`~vmcgrad._sr.ntk.dense.keeps_jacobian`), derived a chunk at a time, as NetKet's
+    ``srt``: :math:`\Delta J` exactly centred once,
     :math:`T = \Delta J\Delta J^\dagger/N + \lambda`, and :math:`\Delta J\delta_\mathrm{old}`,
     :math:`\Delta J^\dagger x` as products with it. N per-sample Jacobians in all, the model's
     derivative in the program once: no mean-Jacobian estimate, no column blocks derived again and no

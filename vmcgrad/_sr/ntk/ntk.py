@@ -79,7 +79,7 @@ class NTKOperator(AbstractOperator):
 
     #: Whether :func:`vmcgrad.minsr_update`'s dense route may keep every sample's Jacobian across
     #: several chunks (one device holding all N, the Jacobian within the budget:
-    #: :func:`~vmcgrad._sr.ntk.minsr.keeps_jacobian`). Static; ``chunk_size="auto"``
+    #: :func:`~vmcgrad._sr.ntk.dense.keeps_jacobian`). Static; ``chunk_size="auto"``
     #: (:func:`~vmcgrad._sr.ntk.dense.choose_dense`) sets it False for the blocks' candidates of
     #: several chunks, searched where one block, which keeps the Jacobian, does not fit.
     keep_jacobian: bool = dataclasses.field(default=True, metadata={"static": True})

@@ -41,7 +41,7 @@ from vmcgrad._problem.problem import (
     cost_platform_of,
     program_key,
 )
-from vmcgrad._sr.ntk.dense import choose_dense, dense_choice
+from vmcgrad._sr.ntk.dense import KEPT_JACOBIAN_PROGRAMS, choose_dense, dense_choice, keeps_jacobian
 from vmcgrad._sr.ntk.modes import k_of, vector_dtype
 from vmcgrad._sr.ntk.nystrom import cg_choice, choose_cg
 
@@ -122,7 +122,9 @@ class Fit(NamedTuple):
     """Whether a route's update fits the budget, at which chunk; where it does not, the bytes it needs
     at its least (one sample per chunk with ``chunk_size="auto"``, else at the given chunk; None where
     it fits); where it fits, the cost of its program at that chunk
-    (:class:`vmcgrad._hlo.cost.ProgramCost`), its compiled bytes, and the programs compiled to know."""
+    (:class:`vmcgrad._hlo.cost.ProgramCost`), its compiled bytes, the programs compiled to know, and
+    whether the program keeps every sample's Jacobian (:func:`~vmcgrad._sr.ntk.dense.keeps_jacobian`,
+    the dense route of a program of :data:`~vmcgrad._sr.ntk.dense.KEPT_JACOBIAN_PROGRAMS`)."""
 
     fits: bool
     chunk: Any
@@ -130,6 +132,7 @@ class Fit(NamedTuple):
     cost: ProgramCost | None = None
     memory: int = 0
     compiled: int = 0
+    kept: bool = False
 
 
 #: Where a route's floor (:func:`floor_bytes`) is above this part of the budget, :func:`fit` compiles
@@ -155,7 +158,8 @@ def fit(program: Any, prob: Problem, args: tuple, route: str, floor: int = 0, ra
         need = program_bytes(compiled)
         if need > budget:
             return Fit(False, prob.chunk_size, need, compiled=1)
-        return Fit(True, prob.chunk_size, None, program_cost(compiled, platform), need, 1)
+        cost, kept = program_cost(compiled, platform), _kept(program, prob, args, route)
+        return Fit(True, prob.chunk_size, None, cost, need, 1, kept)
     spent = 0
     if floor > TIGHT_FLOOR * budget:
         need = program_bytes(compile_only(program, prob.at_chunk(1), *args))
@@ -175,10 +179,18 @@ def fit(program: Any, prob: Problem, args: tuple, route: str, floor: int = 0, ra
         if need is None:  # (a chooser's own error: the one-sample chunk's bytes)
             need = program_bytes(compile_only(program, prob.at_chunk(1), *args))
         return Fit(False, None, need, compiled=spent + 1)
+    kept = _kept(program, prob.at_chunk(chunk), at_args, route)
     if found is None or found.cost is None:  # a chunk remembered after an out-of-memory error
         compiled = compile_only(program, prob.at_chunk(chunk), *at_args)
-        return Fit(True, chunk, None, program_cost(compiled, platform), program_bytes(compiled), spent + 2)
-    return Fit(True, chunk, None, found.cost, found.memory, spent + found.compiled)
+        cost = program_cost(compiled, platform)
+        return Fit(True, chunk, None, cost, program_bytes(compiled), spent + 2, kept)
+    return Fit(True, chunk, None, found.cost, found.memory, spent + found.compiled, kept)
+
+
+def _kept(program: Any, prob: Problem, args: tuple, route: str) -> bool:
+    """Whether ``program(prob, *args)`` on ``route`` keeps every sample's Jacobian
+    (:func:`~vmcgrad._sr.ntk.dense.keeps_jacobian`; ``args[0]`` the operator)."""
+    return route == "dense" and program in KEPT_JACOBIAN_PROGRAMS and keeps_jacobian(prob, args[0])
 
 
 def fits_at_all(
@@ -256,7 +268,9 @@ def choose(
     count: it is traced inside :func:`vmcgrad._hlo.cost.expected_trips` with :data:`CG_ITERATIONS`,
     and its body is counted that many times (the Nyström build and the final pass once). A route
     whose matrix alone is over the budget (:func:`floor_bytes`) is not compiled, nor, where the dense
-    route fits in one block and :math:`NK \le P`, are the others: that route dominates them (N
+    route fits in one block or keeps every sample's Jacobian over chunks
+    (:func:`~vmcgrad._sr.ntk.dense.keeps_jacobian`) and :math:`NK \le P`, are the others: that
+    route dominates them (N
     Jacobians derived once, as the parameter route derives them and CG twice per iteration; algebra
     :math:`(NK)^2P + (NK)^3/3` against :math:`NKP^2 + P^3/3`; one loop), so the first update compiles
     one program, as NetKet's does. This is
@@ -290,16 +304,23 @@ def choose(
         needs[route] = found.need
         if not found.fits:
             raise _Over(found.need)
+        if found.kept:
+            kept.add(route)
         cost = found.cost
         return Choice(
             (route, found.chunk), None, platform.name, found.memory, cost.ops, (), found.compiled, cost
         )
 
+    kept: set[str] = set()
+
     def bound(route: str, best: Choice) -> float:
-        # dense in one block dominates where NK <= P: N Jacobians derived once (the parameter route
-        # derives as many, CG two passes per iteration), (NK)^2 P + (NK)^3/3 FLOPs of algebra against
-        # NK P^2 + P^3/3, one loop over the samples: the others are not compiled
-        whole = best.value[0] == "dense" and (best.value[1] is None or best.value[1] >= prob.n_local)
+        # dense in one block, or keeping every sample's Jacobian over chunks, dominates where
+        # NK <= P: N Jacobians derived once (the parameter route derives as many, CG two passes per
+        # iteration), (NK)^2 P + (NK)^3/3 FLOPs of algebra against NK P^2 + P^3/3, one loop over the
+        # samples: the others are not compiled
+        whole = best.value[0] == "dense" and (
+            best.value[1] is None or best.value[1] >= prob.n_local or "dense" in kept
+        )
         return float("inf") if whole and sizes.n * sizes.k <= sizes.p else 0.0
 
     try:
