@@ -1,0 +1,300 @@
+r"""Old against new on this CPU: the same benchmark commands, interleaved, in fresh processes.
+
+A non-regression check between two commits: for each case (a benchmark command, below), the command
+runs in a fresh Python process once on each side per pair, the pairs in ABBA order (old, new; new,
+old; ...) so that a machine growing busier or quieter weighs on both sides alike. Each side runs its
+own checkout's script (``PYTHONPATH`` and working directory its own tree), so the measured program is
+the same user-facing call on both sides, as each commit's vmcgrad serves it. The old side is a git
+worktree of ``--old REV``, made on first use (``--old-dir``, by default next to this checkout); the
+new side is this checkout's working tree (or ``--new REV``, another worktree).
+
+Cases (``--cases``):
+
+- ``kernels``: ``benchmarks/run.py`` (the suite: ``batched_vjp``, the VMC gradient, the QGT product
+  and 50-iteration solve, the VMC + SR step) at ``--suite-args``; one metric per benchmark, setting and
+  candidate (its median wall time over the suite's interleaved repeats);
+- ``step-f64``, ``step-f32``: ``benchmarks/step_regime.py`` (the race's driver step, the J1-J2 GCNN of
+  ``time_to_energy.py``) for ``--step-runs`` at ``--budget-mib``: per run the first step (compilation
+  included), the median of the ``--steps`` steps after it, and its phases (sampling, local energies,
+  SR).
+
+Every process appends one JSON line to ``OUT/runs.jsonl`` (case, side, commit, pair, the load
+average before and after, the wall time, the exit status, the rows it measured), so a stopped check
+keeps the processes that finished; ``OUT/table.md`` is written from all the lines at the end (or with
+``--table-only``): per metric, each side's median of the processes with their min-max, the ratio
+new/old of the medians, and, for the step cases, each side's vmcgrad/NetKet ratio in the same runs.
+A ratio above ``1 + --threshold`` is flagged ``SLOWER`` (re-run the case before calling it a
+regression: the flag says only that this run's medians differ by more).
+
+Usage (from a checkout, no PYTHONPATH needed: each side gets its own)::
+
+    python benchmarks/cpu_regression.py --old 4f9f422 --pairs 3 --cases step-f64 kernels \
+        --out benchmarks/results/cpu-non-regression-47
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: ``run.py``'s arguments by default: its four benchmarks at one setting (a few minutes a process on a
+#: shared 2-core machine; the suite's defaults, two N and two chunks, take 8 minutes or more).
+SUITE_ARGS = "--only core grad qgt vmc_step --L 32 --samples 1024 --chunk-sizes 128 --repeats 3 --devices 2"
+
+#: The race's driver step at N = 256: NetKet's VMC_SR (the yardstick) and vmcgrad's at chunk 64 and
+#: at the automatic chunk within the budget.
+STEP_RUNS = ("netket-vmcsr=256:64", "vmcgrad-vmcsr=256:64", "vmcgrad-vmcsr=256:auto")
+
+CASES = ("kernels", "step-f64", "step-f32")
+
+
+def parse(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--old", required=True, metavar="REV", help="the commit before (made a worktree)")
+    ap.add_argument("--old-dir", default=None, help="its worktree (default: <checkout>-old-<REV>)")
+    ap.add_argument("--new", default=None, metavar="REV", help="a commit after (default: this tree)")
+    ap.add_argument("--new-dir", default=None, help="its worktree (default: <checkout>-new-<REV>)")
+    ap.add_argument("--cases", nargs="+", choices=CASES, default=["step-f64", "kernels"])
+    ap.add_argument("--pairs", type=int, default=3, help="processes per side and case (medians over them)")
+    ap.add_argument("--suite-args", default=SUITE_ARGS, help="benchmarks/run.py's arguments (kernels)")
+    ap.add_argument("--step-runs", nargs="+", default=list(STEP_RUNS), metavar="NAME=N:CHUNK")
+    ap.add_argument("--steps", type=int, default=3, help="step_regime.py --steps: steps after the first")
+    ap.add_argument("--budget-mib", type=float, default=64.0)
+    ap.add_argument("--threshold", type=float, default=0.05, help="new/old above 1 + this is flagged")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per process")
+    ap.add_argument("--out", default="cpu-regression", help="the folder of runs.jsonl and table.md")
+    ap.add_argument("--table-only", action="store_true", help="table.md from OUT/runs.jsonl, run nothing")
+    args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # (for the table's command line)
+    if args.pairs < 1:
+        ap.error(f"--pairs {args.pairs}: expected at least 1")
+    return args
+
+
+def git(*a: str, cwd: Path = ROOT) -> str:
+    return subprocess.run(["git", *a], cwd=cwd, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def worktree(rev: str, path: str | None, tag: str) -> tuple[Path, str]:
+    """A detached worktree of ``rev`` at ``path`` (made when missing; one at another commit is an
+    error rather than moved); returns it and its full commit."""
+    commit = git("rev-parse", "--verify", f"{rev}^{{commit}}")
+    where = Path(path) if path else ROOT.parent / f"{ROOT.name}-{tag}-{commit[:7]}"
+    if not where.exists():
+        git("worktree", "add", "--detach", str(where), commit)
+    have = git("rev-parse", "HEAD", cwd=where)
+    if have != commit:
+        raise SystemExit(f"{where} is at {have[:7]}, not {rev} ({commit[:7]}); give another --{tag}-dir")
+    return where, commit
+
+
+def order(pair: int) -> tuple[str, str]:
+    """The sides of pair ``pair`` in the order they run: ABBA (old, new; new, old; ...), so that a
+    load rising or falling through the check slows both sides alike.
+
+    Examples:
+        >>> [order(p) for p in range(3)]
+        [('old', 'new'), ('new', 'old'), ('old', 'new')]
+    """
+    return ("old", "new") if pair % 2 == 0 else ("new", "old")
+
+
+def command(case: str, args: argparse.Namespace, tmp: Path) -> list[str]:
+    if case == "kernels":
+        return ["benchmarks/run.py", *args.suite_args.split(), "--out", str(tmp)]
+    dtype = {"step-f64": "float64", "step-f32": "float32"}[case]
+    return [
+        "benchmarks/step_regime.py",
+        *("--dtype", dtype, "--budget-mib", str(args.budget_mib), "--steps", str(args.steps)),
+        *("--runs", *args.step_runs, "--json", str(tmp / "rows.jsonl")),
+    ]
+
+
+def metrics(case: str, tmp: Path) -> list[dict]:
+    """The rows one process measured: ``{"metric": key, "s": seconds, ...}``."""
+    rows = []
+    if case == "kernels":
+        path = tmp / "bench.json"
+        if not path.exists():
+            return rows
+        for r in json.loads(path.read_text())["rows"]:
+            setting = ",".join(
+                f"{k}={v}"
+                for k, v in r.items()
+                if k not in {"bench", "name", "median_s", "times_s", "cpu_s", "temp_bytes", "devices", "L"}
+                and not k.startswith("collectives")
+            )
+            rows.append({"metric": f"{r['bench']} [{setting}] {r['name']}", "s": r["median_s"]})
+        return rows
+    path = tmp / "rows.jsonl"
+    if not path.exists():
+        return rows
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        for key in ("median_step_s", "first_step_s", "median_sample_s", "median_local_s", "median_sr_s"):
+            if key in r:
+                rows.append({"metric": f"{r['run']} {key}", "s": r[key], "chunk": r.get("chunk_size_bwd")})
+    return rows
+
+
+def run_one(case: str, side: str, tree: Path, commit: str, pair: int, args, out: Path) -> dict:
+    with tempfile.TemporaryDirectory(prefix=f"cpu-regression-{side}-") as tmp:
+        argv = [sys.executable, *command(case, args, Path(tmp))]
+        env = dict(os.environ, PYTHONPATH=str(tree))
+        load0, t0 = os.getloadavg(), time.perf_counter()
+        try:
+            p = subprocess.run(argv, cwd=tree, env=env, capture_output=True, text=True, timeout=args.timeout)
+            rc, tail = p.returncode, (p.stdout + p.stderr)[-2000:]
+        except subprocess.TimeoutExpired as e:
+            rc, tail = "timeout", str(e.stdout or "")[-2000:]
+        line = {
+            "case": case,
+            "side": side,
+            "commit": commit,
+            "pair": pair,
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "load_before": load0,
+            "load_after": os.getloadavg(),
+            "wall_s": time.perf_counter() - t0,
+            "rc": rc,
+            "command": " ".join(argv[1:]),
+            "rows": metrics(case, Path(tmp)),
+        }
+        if rc != 0:
+            line["output_tail"] = tail
+    with open(out / "runs.jsonl", "a") as f:
+        f.write(json.dumps(line) + "\n")
+    return line
+
+
+def summary(lines: list[dict], threshold: float) -> list[dict]:
+    """Per case and metric: each side's values (one per process), median and min-max, new/old."""
+    values: dict[tuple, dict[str, list[float]]] = {}
+    for ln in lines:
+        for r in ln["rows"]:
+            values.setdefault((ln["case"], r["metric"]), {"old": [], "new": []})[ln["side"]].append(r["s"])
+    out = []
+    for (case, metric), v in values.items():
+        if not (v["old"] and v["new"]):
+            continue
+        old, new = statistics.median(v["old"]), statistics.median(v["new"])
+        out.append(
+            {
+                "case": case,
+                "metric": metric,
+                "old": old,
+                "new": new,
+                "old_range": (min(v["old"]), max(v["old"])),
+                "new_range": (min(v["new"]), max(v["new"])),
+                "n": (len(v["old"]), len(v["new"])),
+                "ratio": new / old,
+                "slower": new / old > 1 + threshold,
+            }
+        )
+    return out
+
+
+def netket_ratios(entries: list[dict]) -> dict[tuple, float]:
+    """(case, metric, side) -> vmcgrad's median over NetKet's (netket-vmcsr's same-key metric)."""
+    base = {}
+    for e in entries:
+        run, _, key = e["metric"].partition(" ")
+        if run.startswith("netket"):
+            base[e["case"], key] = e
+    out = {}
+    for e in entries:
+        run, _, key = e["metric"].partition(" ")
+        b = base.get((e["case"], key))
+        if run.startswith("vmcgrad") and b:
+            for side in ("old", "new"):
+                out[e["case"], e["metric"], side] = e[side] / b[side]
+    return out
+
+
+def table(lines: list[dict], args) -> str:
+    entries = summary(lines, args.threshold)
+    nk = netket_ratios(entries)
+    commits = {ln["side"]: ln["commit"][:7] for ln in lines}
+    loads = [ln["load_before"][0] for ln in lines] + [ln["load_after"][0] for ln in lines]
+    failed = [f"{ln['case']} {ln['side']} pair {ln['pair']}: rc {ln['rc']}" for ln in lines if ln["rc"] != 0]
+    dates = sorted(ln["date"] for ln in lines)
+    head = [
+        f"# CPU non-regression: {commits.get('old')} (old) against {commits.get('new')} (new)",
+        "",
+        f"- command: `python benchmarks/cpu_regression.py {' '.join(args.argv)}`"
+        if not args.table_only
+        else "- (table rewritten with --table-only from runs.jsonl)",
+        f"- dates: {dates[0]} to {dates[-1]}" if dates else "- dates: none",
+        f"- machine: {platform.platform()}, {os.cpu_count()} CPUs; 1-minute load average around the "
+        f"processes {min(loads):.2f}-{max(loads):.2f} (shared with other users' compiles)"
+        if loads
+        else "",
+        f"- processes: {len(lines)}, in ABBA pairs; each cell: median of the processes [min-max], seconds",
+        f"- flagged SLOWER: new/old > {1 + args.threshold:.2f}",
+    ]
+    if failed:
+        head.append(f"- failed processes: {'; '.join(failed)}")
+    body = []
+    for case in dict.fromkeys(e["case"] for e in entries):
+        body += ["", f"## {case}", ""]
+        show_nk = case.startswith("step")
+        cols = ["metric", "old s", "new s", "new/old"] + (["old/NetKet", "new/NetKet"] if show_nk else [])
+        body += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        for e in (e for e in entries if e["case"] == case):
+            cells = [
+                e["metric"],
+                f"{e['old']:.4g} [{e['old_range'][0]:.4g}-{e['old_range'][1]:.4g}]",
+                f"{e['new']:.4g} [{e['new_range'][0]:.4g}-{e['new_range'][1]:.4g}]",
+                f"{e['ratio']:.3f}" + (" SLOWER" if e["slower"] else ""),
+            ]
+            if show_nk:
+                cells += [
+                    f"{nk[case, e['metric'], s]:.3f}" if (case, e["metric"], s) in nk else "-"
+                    for s in ("old", "new")
+                ]
+            body.append("| " + " | ".join(cells) + " |")
+    return "\n".join(head + body) + "\n"
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not args.table_only:
+        old, old_commit = worktree(args.old, args.old_dir, "old")
+        if args.new:
+            new, new_commit = worktree(args.new, args.new_dir, "new")
+        else:
+            dirty = "+dirty" if git("status", "--porcelain") else ""
+            new, new_commit = ROOT, git("rev-parse", "HEAD") + dirty
+        sides = {"old": (old, old_commit), "new": (new, new_commit)}
+        for case in args.cases:
+            for pair in range(args.pairs):
+                for side in order(pair):
+                    line = run_one(case, side, *sides[side], pair, args, out)
+                    print(
+                        f"{case} pair {pair} {side}: rc {line['rc']}, {line['wall_s']:.0f} s, "
+                        f"{len(line['rows'])} rows, load {line['load_before'][0]:.2f}",
+                        flush=True,
+                    )
+    path = out / "runs.jsonl"
+    lines = [json.loads(s) for s in path.read_text().splitlines()] if path.exists() else []
+    text = table(lines, args)
+    (out / "table.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
