@@ -11,12 +11,14 @@ new side is this checkout's working tree (or ``--new REV``, another worktree).
 Cases (``--cases``):
 
 - ``kernels``: ``benchmarks/run.py`` (the suite: ``batched_vjp``, the VMC gradient, the QGT product
-  and 50-iteration solve, the VMC + SR step) at ``--suite-args``; one metric per benchmark, setting and
-  candidate (its median wall time over the suite's interleaved repeats);
+  and 50-iteration solve; its VMC + SR step too where ``--suite-args`` adds ``vmc_step`` to
+  ``--only``) at ``--suite-args``; per benchmark, setting and candidate, the median wall time and the
+  median process CPU time over the suite's interleaved repeats (metric ``... cpu``);
 - ``step-f64``, ``step-f32``: ``benchmarks/step_regime.py`` (the race's driver step, the J1-J2 GCNN of
   ``time_to_energy.py``) for ``--step-runs`` at ``--budget-mib``: per run the first step (compilation
-  included), the median of the ``--steps`` steps after it, and its phases (sampling, local energies,
-  SR).
+  included), the median of the ``--steps`` steps after it and its phases (sampling, local energies,
+  SR), in wall seconds, and the first and median step in process CPU seconds (``..._cpu_s``:
+  :data:`STEP_CHILD`).
 
 Every process appends one JSON line to ``OUT/runs.jsonl`` (case, side, commit, pair, the load
 average before and after, the wall time, the exit status, the rows it measured), so a stopped check
@@ -50,13 +52,35 @@ ROOT = Path(__file__).resolve().parent.parent
 
 #: ``run.py``'s arguments by default: its four benchmarks at one setting (a few minutes a process on a
 #: shared 2-core machine; the suite's defaults, two N and two chunks, take 8 minutes or more).
-SUITE_ARGS = "--only core grad qgt vmc_step --L 32 --samples 1024 --chunk-sizes 128 --repeats 3 --devices 2"
+SUITE_ARGS = "--only core grad qgt --L 32 --samples 1024 --chunk-sizes 128 --repeats 3 --devices 2"
 
 #: The race's driver step at N = 256: NetKet's VMC_SR (the yardstick) and vmcgrad's at chunk 64 and
 #: at the automatic chunk within the budget.
 STEP_RUNS = ("netket-vmcsr=256:64", "vmcgrad-vmcsr=256:64", "vmcgrad-vmcsr=256:auto")
 
 CASES = ("kernels", "step-f64", "step-f32")
+
+#: A step case's process: the side's own ``step_regime.py``, with each timed step's process CPU time
+#: (all threads: ``time.process_time``) recorded beside its wall time, in the JSON list at
+#: ``$CPU_REGRESSION_CPU`` (rewritten after every step). On a machine shared with other users' compiles
+#: the wall time of a step swings with their load; the CPU time it takes swings much less. The timed
+#: program is untouched: ``time_to_energy.timed_step`` (the same on both sides) is wrapped, not changed.
+STEP_CHILD = """
+import json, os, sys, time
+sys.path.insert(0, "benchmarks")
+import step_regime
+import time_to_energy as tte
+real, cpu = tte.timed_step, []
+def timed_step(*a, **k):
+    c = time.process_time()
+    out = real(*a, **k)
+    cpu.append(time.process_time() - c)
+    with open(os.environ["CPU_REGRESSION_CPU"], "w") as f:
+        json.dump(cpu, f)
+    return out
+tte.timed_step = timed_step
+step_regime.main(sys.argv[1:])
+"""
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -115,14 +139,16 @@ def command(case: str, args: argparse.Namespace, tmp: Path) -> list[str]:
         return ["benchmarks/run.py", *args.suite_args.split(), "--out", str(tmp)]
     dtype = {"step-f64": "float64", "step-f32": "float32"}[case]
     return [
-        "benchmarks/step_regime.py",
+        "-c",
+        STEP_CHILD,
         *("--dtype", dtype, "--budget-mib", str(args.budget_mib), "--steps", str(args.steps)),
         *("--runs", *args.step_runs, "--json", str(tmp / "rows.jsonl")),
     ]
 
 
-def metrics(case: str, tmp: Path) -> list[dict]:
-    """The rows one process measured: ``{"metric": key, "s": seconds, ...}``."""
+def metrics(case: str, tmp: Path, steps_per_run: int) -> list[dict]:
+    """The rows one process measured: ``{"metric": key, "s": seconds, ...}``; wall seconds, and
+    process CPU seconds where the key says ``cpu``."""
     rows = []
     if case == "kernels":
         path = tmp / "bench.json"
@@ -136,22 +162,34 @@ def metrics(case: str, tmp: Path) -> list[dict]:
                 and not k.startswith("collectives")
             )
             rows.append({"metric": f"{r['bench']} [{setting}] {r['name']}", "s": r["median_s"]})
+            if r.get("cpu_s"):  # the process CPU time of each timed call
+                rows.append(
+                    {
+                        "metric": f"{r['bench']} [{setting}] {r['name']} cpu",
+                        "s": statistics.median(r["cpu_s"]),
+                    }
+                )
         return rows
-    path = tmp / "rows.jsonl"
+    path, cpu_path = tmp / "rows.jsonl", tmp / "cpu.json"
     if not path.exists():
         return rows
-    for line in path.read_text().splitlines():
+    cpu = json.loads(cpu_path.read_text()) if cpu_path.exists() else []
+    for i, line in enumerate(path.read_text().splitlines()):
         r = json.loads(line)
         for key in ("median_step_s", "first_step_s", "median_sample_s", "median_local_s", "median_sr_s"):
             if key in r:
                 rows.append({"metric": f"{r['run']} {key}", "s": r[key], "chunk": r.get("chunk_size_bwd")})
+        steps = cpu[i * (1 + steps_per_run) : (i + 1) * (1 + steps_per_run)]
+        if len(steps) == 1 + steps_per_run:  # the run's first step, then the timed ones
+            rows.append({"metric": f"{r['run']} first_step_cpu_s", "s": steps[0]})
+            rows.append({"metric": f"{r['run']} median_step_cpu_s", "s": statistics.median(steps[1:])})
     return rows
 
 
 def run_one(case: str, side: str, tree: Path, commit: str, pair: int, args, out: Path) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"cpu-regression-{side}-") as tmp:
         argv = [sys.executable, *command(case, args, Path(tmp))]
-        env = dict(os.environ, PYTHONPATH=str(tree))
+        env = dict(os.environ, PYTHONPATH=str(tree), CPU_REGRESSION_CPU=str(Path(tmp) / "cpu.json"))
         load0, t0 = os.getloadavg(), time.perf_counter()
         try:
             p = subprocess.run(argv, cwd=tree, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -169,7 +207,7 @@ def run_one(case: str, side: str, tree: Path, commit: str, pair: int, args, out:
             "wall_s": time.perf_counter() - t0,
             "rc": rc,
             "command": " ".join(argv[1:]),
-            "rows": metrics(case, Path(tmp)),
+            "rows": metrics(case, Path(tmp), args.steps),
         }
         if rc != 0:
             line["output_tail"] = tail

@@ -71,3 +71,20 @@ def test_a_failed_process_is_named_and_its_side_has_fewer_values():
     lines = [*STEP, failed]
     assert "failed processes: step-f64 new pair 3: rc 1" in cr.table(lines, cr.parse(["--old", "x"]))
     assert {e["n"] for e in cr.summary(lines, 0.05)} == {(3, 3)}
+
+
+def test_a_step_process_rows_pair_each_run_with_its_cpu_seconds(tmp_path):
+    rows = [
+        {"run": f"r{i}=8:4", "median_step_s": 1.0 + i, "first_step_s": 9.0, "chunk_size_bwd": 4}
+        for i in (0, 1)
+    ]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # per run: its first step, then 3 timed steps (the CPU seconds of each, in the order they ran)
+    (tmp_path / "cpu.json").write_text(json.dumps([20.0, 1.0, 3.0, 2.0, 30.0, 5.0, 4.0, 6.0]))
+    got = {r["metric"]: r["s"] for r in cr.metrics("step-f64", tmp_path, steps_per_run=3)}
+    assert got == {
+        "r0=8:4 median_step_s": 1.0, "r0=8:4 first_step_s": 9.0,
+        "r0=8:4 first_step_cpu_s": 20.0, "r0=8:4 median_step_cpu_s": 2.0,
+        "r1=8:4 median_step_s": 2.0, "r1=8:4 first_step_s": 9.0,
+        "r1=8:4 first_step_cpu_s": 30.0, "r1=8:4 median_step_cpu_s": 5.0,
+    }  # fmt: skip
