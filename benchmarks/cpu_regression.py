@@ -207,6 +207,7 @@ def run_one(case: str, side: str, tree: Path, commit: str, pair: int, args, out:
             "wall_s": time.perf_counter() - t0,
             "rc": rc,
             "command": " ".join(argv[1:]),
+            "check": f"python benchmarks/cpu_regression.py {' '.join(args.argv)}",
             "rows": metrics(case, Path(tmp), args.steps),
         }
         if rc != 0:
@@ -244,17 +245,26 @@ def summary(lines: list[dict], threshold: float) -> list[dict]:
 
 
 def netket_ratios(entries: list[dict]) -> dict[tuple, float]:
-    """(case, metric, side) -> vmcgrad's median over NetKet's (netket-vmcsr's same-key metric)."""
+    """(case, metric, side) -> a vmcgrad metric's median over NetKet's same metric, on the same side
+    (NetKet's code is the same on both sides: its ratio takes out most of what the machine's load
+    did to a side). A step metric ``RUN KEY`` is paired with ``netket-...``'s ``KEY``; a kernel
+    metric ``BENCH [SETTING] NAME[ cpu]`` with ``BENCH [SETTING] netket[ cpu]``."""
+    by_metric = {(e["case"], e["metric"]): e for e in entries}
     base = {}
     for e in entries:
         run, _, key = e["metric"].partition(" ")
-        if run.startswith("netket"):
+        if run.startswith("netket") and e["case"] != "kernels":
             base[e["case"], key] = e
     out = {}
     for e in entries:
-        run, _, key = e["metric"].partition(" ")
-        b = base.get((e["case"], key))
-        if run.startswith("vmcgrad") and b:
+        if e["case"] == "kernels":
+            head, _, name = e["metric"].partition("] ")
+            cpu = " cpu" if name.endswith(" cpu") else ""
+            b, ours = by_metric.get((e["case"], f"{head}] netket{cpu}")), name.startswith("vmcgrad")
+        else:
+            run, _, key = e["metric"].partition(" ")
+            b, ours = base.get((e["case"], key)), run.startswith("vmcgrad")
+        if ours and b:
             for side in ("old", "new"):
                 out[e["case"], e["metric"], side] = e[side] / b[side]
     return out
@@ -270,9 +280,7 @@ def table(lines: list[dict], args) -> str:
     head = [
         f"# CPU non-regression: {commits.get('old')} (old) against {commits.get('new')} (new)",
         "",
-        f"- command: `python benchmarks/cpu_regression.py {' '.join(args.argv)}`"
-        if not args.table_only
-        else "- (table rewritten with --table-only from runs.jsonl)",
+        *(f"- command: `{c}`" for c in dict.fromkeys(ln["check"] for ln in lines if "check" in ln)),
         f"- dates: {dates[0]} to {dates[-1]}" if dates else "- dates: none",
         f"- machine: {platform.platform()}, {os.cpu_count()} CPUs; 1-minute load average around the "
         f"processes {min(loads):.2f}-{max(loads):.2f} (shared with other users' compiles)"
@@ -286,8 +294,9 @@ def table(lines: list[dict], args) -> str:
     body = []
     for case in dict.fromkeys(e["case"] for e in entries):
         body += ["", f"## {case}", ""]
-        show_nk = case.startswith("step")
-        cols = ["metric", "old s", "new s", "new/old"] + (["old/NetKet", "new/NetKet"] if show_nk else [])
+        show_nk = any(k[0] == case for k in nk)
+        cols = ["metric", "old s", "new s", "new/old"]
+        cols += ["old/NetKet", "new/NetKet", "new/old of /NetKet"] if show_nk else []
         body += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         for e in (e for e in entries if e["case"] == case):
             cells = [
@@ -297,10 +306,9 @@ def table(lines: list[dict], args) -> str:
                 f"{e['ratio']:.3f}" + (" SLOWER" if e["slower"] else ""),
             ]
             if show_nk:
-                cells += [
-                    f"{nk[case, e['metric'], s]:.3f}" if (case, e["metric"], s) in nk else "-"
-                    for s in ("old", "new")
-                ]
+                r = [nk.get((case, e["metric"], s)) for s in ("old", "new")]
+                cells += [f"{x:.3f}" if x else "-" for x in r]
+                cells.append(f"{r[1] / r[0]:.3f}" if all(r) else "-")
             body.append("| " + " | ".join(cells) + " |")
     return "\n".join(head + body) + "\n"
 

@@ -54,6 +54,15 @@ def test_netket_ratios_pair_each_vmcgrad_run_with_netkets_same_metric_on_the_sam
     assert not any(k[1].startswith("netket") for k in ratios)
 
 
+def test_a_kernel_is_paired_with_netkets_candidate_of_its_benchmark_setting_and_clock():
+    rows = {"qgt [N=8] vmcgrad c/2": 4.0, "qgt [N=8] vmcgrad c/2 cpu": 3.0, "qgt [N=8] netket": 2.0}
+    rows |= {"qgt [N=8] netket cpu": 1.0, "qgt [N=16] netket": 8.0, "qgt [N=8] jax.vjp": 1.0}
+    lines = [_line("kernels", side, 0, rows.items()) for side in ("old", "new")]
+    ratios = cr.netket_ratios(cr.summary(lines, threshold=0.05))
+    wall, cpu = ("kernels", "qgt [N=8] vmcgrad c/2"), ("kernels", "qgt [N=8] vmcgrad c/2 cpu")
+    assert ratios == {(*wall, "old"): 2.0, (*wall, "new"): 2.0, (*cpu, "old"): 3.0, (*cpu, "new"): 3.0}
+
+
 def test_table_only_writes_the_table_from_runs_jsonl(tmp_path, capsys):
     (tmp_path / "runs.jsonl").write_text("".join(json.dumps(ln) + "\n" for ln in STEP))
     assert cr.main(["--old", "unused", "--table-only", "--out", str(tmp_path)]) == 0
@@ -62,7 +71,7 @@ def test_table_only_writes_the_table_from_runs_jsonl(tmp_path, capsys):
     assert "load average around the processes 1.00-3.00" in text
     row = next(r for r in text.splitlines() if r.startswith(f"| {VG}"))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[1:] == ["3 [2.9-9]", "3.3 [3.2-3.4]", "1.100 SLOWER", "1.500", "1.618"]
+    assert cells[1:] == ["3 [2.9-9]", "3.3 [3.2-3.4]", "1.100 SLOWER", "1.500", "1.618", "1.078"]
     assert text in capsys.readouterr().out
 
 
