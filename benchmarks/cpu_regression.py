@@ -41,6 +41,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -207,7 +208,7 @@ def run_one(case: str, side: str, tree: Path, commit: str, pair: int, args, out:
             "wall_s": time.perf_counter() - t0,
             "rc": rc,
             "command": " ".join(argv[1:]),
-            "check": f"python benchmarks/cpu_regression.py {' '.join(args.argv)}",
+            "check": f"python benchmarks/cpu_regression.py {shlex.join(args.argv)}",
             "rows": metrics(case, Path(tmp), args.steps),
         }
         if rc != 0:
