@@ -271,7 +271,7 @@ def netket_ratios(entries: list[dict]) -> dict[tuple, float]:
     return out
 
 
-def table(lines: list[dict], args) -> str:
+def report(lines: list[dict], args) -> str:
     entries = summary(lines, args.threshold)
     nk = netket_ratios(entries)
     commits = {ln["side"]: ln["commit"][:7] for ln in lines}
@@ -337,7 +337,7 @@ def main(argv=None) -> int:
                     )
     path = out / "runs.jsonl"
     lines = [json.loads(s) for s in path.read_text().splitlines()] if path.exists() else []
-    text = table(lines, args)
+    text = report(lines, args)
     (out / "table.md").write_text(text)
     print(text)
     return 0

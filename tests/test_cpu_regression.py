@@ -78,7 +78,7 @@ def test_table_only_writes_the_table_from_runs_jsonl(tmp_path, capsys):
 def test_a_failed_process_is_named_and_its_side_has_fewer_values():
     failed = dict(_line("step-f64", "new", 3, []), rc=1, output_tail="Traceback ...")
     lines = [*STEP, failed]
-    assert "failed processes: step-f64 new pair 3: rc 1" in cr.table(lines, cr.parse(["--old", "x"]))
+    assert "failed processes: step-f64 new pair 3: rc 1" in cr.report(lines, cr.parse(["--old", "x"]))
     assert {e["n"] for e in cr.summary(lines, 0.05)} == {(3, 3)}
 
 
