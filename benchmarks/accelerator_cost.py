@@ -189,6 +189,15 @@ def parse(argv=None):
         help="rows of an earlier run: its vmcgrad ops and its ratios beside the new ones in the table",
     )
     ap.add_argument("--markdown", help="write the table, with the command, to this file")
+    ap.add_argument(
+        "--run",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also run each MinSR program K times after a warm-up (on the device here: the measured "
+        "milliseconds beside the modelled ones, median as run_ms)",
+    )
+    ap.add_argument("--hlo-dir", help="write each compiled program's optimized HLO text to this folder")
     ap.add_argument("--smoke", action="store_true", help="the 12-site chain, a 1-layer GCNN, N 32 and 64")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -238,6 +247,7 @@ class Kernels:
         self.states: dict[Any, Any] = {}
         self.costs: dict[Any, dict] = {}
         self.by_text: dict[Any, dict] = {}  # (program, StableHLO digest) -> the row compiled
+        self.call_args: dict[Any, tuple] = {}  # program -> its compiled program's (args, kwargs)
 
     def driver(self, name, n, chunk, budget):
         """The race's driver and state for ``name`` at (N, chunk, budget), built once."""
@@ -254,7 +264,10 @@ class Kernels:
 
         if kind == "minsr":
             race, driver, vs = self.driver(name, n, chunk, budget)
-            return tte.kernel_lowered(race, name, driver, vs, self.H)
+            call = []
+            lowered = tte.kernel_lowered(race, name, driver, vs, self.H, call=call)
+            self.call_args[(kind, name, n, chunk, budget)] = call[0]
+            return lowered
         # the other kernels: at the NetKet state's samples and parameters of this N
         _, _, vs = self.driver("netket-vmcsr", n, None, None)
         samples = jax.lax.collapse(vs.samples, 0, vs.samples.ndim - 1)
@@ -315,6 +328,23 @@ class Kernels:
 
         return jax.jit(lambda w, x, t: _O_jvp(forward, w, ms, x, t, chunk)).lower(w, samples, t)
 
+    def run(self, program, compiled) -> dict:
+        """``--run K``: the compiled program run once to warm up, then K times, each to its end
+        (``block_until_ready``): the median and every run's milliseconds (minsr programs only: the
+        others' arguments are not kept)."""
+        import jax
+
+        if program not in self.call_args:
+            return {}
+        args, kwargs = self.call_args[program]
+        jax.block_until_ready(compiled(*args, **kwargs))
+        times = []
+        for _ in range(self.args.run):
+            t = time.perf_counter()
+            jax.block_until_ready(compiled(*args, **kwargs))
+            times.append(1e3 * (time.perf_counter() - t))
+        return {"run_ms": sorted(times)[len(times) // 2], "run_ms_all": times}
+
     def cost(self, program, platform) -> dict:
         """The program's counts, StableHLO lines, seconds, temporaries and modelled times: lowered
         with vmcgrad's choices made for ``platform`` (NetKet's programs do not depend on it)."""
@@ -355,6 +385,14 @@ class Kernels:
         compiled = lowered.compile()
         t_compile = time.perf_counter() - t
         c = vmcgrad.program_cost(compiled)
+        measured = self.run(program, compiled) if self.args.run else {}
+        if self.args.hlo_dir:
+            import os
+
+            os.makedirs(self.args.hlo_dir, exist_ok=True)
+            stem = "-".join(str(p) for p in (*program, platform if is_vmcgrad(program) else "")).strip("-")
+            with open(os.path.join(self.args.hlo_dir, stem.replace(" ", "") + ".hlo.txt"), "w") as f:
+                f.write(compiled.as_text())
         row = {
             **head,
             "ops": c.ops,
@@ -369,6 +407,7 @@ class Kernels:
             "compiled_on": c.platform,
             "lower_s": t_lower,
             "compile_s": t_compile,
+            **measured,
         }
         self.by_text[(program, digest)] = row
         self.costs[key] = row
@@ -397,6 +436,8 @@ def label(row) -> str:
 def ratios(ours: dict, theirs: dict) -> dict:
     """vmcgrad / NetKet: each platform's modelled time, the ops, the StableHLO lines, the temp bytes."""
     out = {p: ours[f"{p}_ms"] / theirs[f"{p}_ms"] for p in PLATFORM_NAMES}
+    if "run_ms" in ours and "run_ms" in theirs:
+        out["run"] = ours["run_ms"] / theirs["run_ms"]
     for k in ("ops", "stablehlo_lines", "temp_mib"):
         out[k] = ours[k] / theirs[k]
     return out
@@ -544,7 +585,7 @@ def main(argv=None):
         for key, text, ours, theirs in args.comparisons:
             res = results[key]
             try:
-                for program in (ours, theirs):
+                for program in (theirs, ours):  # NetKet's first: a run stopped in vmcgrad's search keeps it
                     fresh = (program, platform) not in kernels.costs and program not in kernels.costs
                     row = kernels.cost(program, platform)
                     if fresh:

@@ -129,6 +129,7 @@ def main(argv=None):
             "budget_mib": args.budget_mib,
             "build_s": build,
             "first_step_s": steps[0]["step_s"],
+            **{f"first_{k}": v for k, v in steps[0].items() if k != "step_s"},  # compiling, by phase
             **{f"median_{k}": v for k, v in med.items()},
             "step_per_sample_ms": 1e3 * med["step_s"] / n,
             "chunk_size_bwd": chunk_used if not hasattr(chunk_used, "item") else int(chunk_used),

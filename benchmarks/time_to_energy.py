@@ -279,8 +279,9 @@ def kernel_bytes(args, name, driver, vs, H):
     return None if lowered is None else vmcgrad.program_bytes(lowered.compile())
 
 
-def kernel_lowered(args, name, driver, vs, H):
-    """The lowered (not compiled) program of :func:`kernel_bytes`, or None."""
+def kernel_lowered(args, name, driver, vs, H, call=None):
+    """The lowered (not compiled) program of :func:`kernel_bytes`, or None. With ``call`` (a list),
+    the compiled program's dynamic arguments ``(args, kwargs)`` are appended to it: what runs it."""
     import jax
     import netket as nk
 
@@ -290,6 +291,8 @@ def kernel_lowered(args, name, driver, vs, H):
         sr = getattr(driver.preconditioner, "timed", driver.preconditioner)
         qgt = sr.lhs_constructor(vs, 0)  # NetKet's QGTOnTheFly, or vmcgrad's at the state's budget
         _, grad = vs.expect_and_grad(H)
+        if call is not None:
+            call.append(((qgt, grad), {}))
         return jax.jit(lambda q, g: q.solve(sr.solver, g)[0]).lower(qgt, grad)
     samples = jax.lax.collapse(vs.samples, 0, vs.samples.ndim - 1)
     e = vs.local_estimators(H).reshape(-1)
@@ -310,6 +313,7 @@ def kernel_lowered(args, name, driver, vs, H):
             )[0]
 
         lowered = jax.jit(update).lower(vs.parameters, samples, e)
+        dynamic = (vs.parameters, samples, e), {}
     elif name.startswith("netket-vmcsr"):
         from netket._src.ngd.sr_srt_common import _sr_srt_common
         from netket._src.ngd.srt_onthefly import srt_onthefly
@@ -325,8 +329,11 @@ def kernel_lowered(args, name, driver, vs, H):
             kw["use_ntk"] = True
         # the kernels take NetKet's log_psi(variables, x): the flax module's apply
         lowered = kernel.lower(vs.model.apply, e, vs.parameters, vs.model_state, samples, **kw)
+        dynamic = (e, vs.parameters, vs.model_state, samples), {"diag_shift": args.diag_shift}
     else:
         return None
+    if call is not None:
+        call.append(dynamic)
     return lowered
 
 
