@@ -464,6 +464,9 @@ def markdown_table(results, platforms, before=None) -> str:
         *(["ratio before"] if before else []),
         "ratio lines",
     ]
+    # --run: the measured milliseconds and ratio beside the modelled ones
+    measured = any("run_ms" in r for c in results for r in [*c["vmcgrad"].values(), c.get("netket", {})])
+    head += ["run ms", "ratio run"] if measured else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
     def cells(r, who, ratio, key=None):
@@ -487,6 +490,14 @@ def markdown_table(results, platforms, before=None) -> str:
                 else ["" if then is None else "/".join(f"{then[1][p]:.2f}" for p in PLATFORM_NAMES)]
             ),
             "" if ratio is None else f"{ratio['stablehlo_lines']:.2f}",
+            *(
+                [
+                    f"{r['run_ms']:.2f}" if "run_ms" in r else "",
+                    f"{ratio['run']:.2f}" if ratio and "run" in ratio else "",
+                ]
+                if measured
+                else []
+            ),
         ]
 
     for comp in results:

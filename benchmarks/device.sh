@@ -9,9 +9,18 @@
 #   STEPS=regime bash benchmarks/device.sh     # a step's time against N, compilation apart: 6-9 minutes
 #   STEPS=race bash benchmarks/device.sh       # the short race (issue 33); see below
 #   STEPS=calib bash benchmarks/device.sh      # the cost model's constants only (under a minute)
+#   STEPS=kernels bash benchmarks/device.sh    # MinSR's kernels compiled, costed and run: 6-7 minutes
 #
-# STEPS (default "calib core grad qgt qgt_eqmem large") names the steps to run, in that order; `regime`
-# and `race` are not among the defaults (with them the call would pass 10 minutes).
+# STEPS (default "calib core grad qgt qgt_eqmem large") names the steps to run, in that order; `regime`,
+# `kernels` and `race` are not among the defaults (with them the call would pass 10 minutes).
+#
+# `kernels` is benchmarks/accelerator_cost.py on the device, with vmcgrad's choices made for it
+# (--cost-platform tpu; gpu on a GPU): MinSR's update at N = 256, vmcgrad within 1 GiB against
+# NetKet unchunked, then within 64 MiB against NetKet's chunk 64, each program compiled there,
+# costed by vmcgrad.program_cost, run 10 times (--run) and its optimized HLO kept (OUT/hlo.tgz):
+# the measured ratio beside the modelled one. KERNEL_ARGS replaces the comparisons (`--only ...`
+# and sizes); two processes, 200 s and 330 s (on the TPU v5e of 2026-12-07 they took 157 s and
+# 217 s, most of it compiling: benchmarks/results/device-tpu-v5e-2026-12-07b/).
 #
 # `calib`, first, is benchmarks/calibrate_op_cost.py: the constants of vmcgrad.program_cost's model
 # measured on the device (t_op from a chain of k small ops and a loop of k trips, against the ops
@@ -96,7 +105,7 @@ step() {  # step NAME TIMEOUT SCRIPT ARGS...
   shift 3
   local t0=$SECONDS
   echo "== $name: $PYTHON $script $* --json $OUT/$name.json" | tee -a "$OUT/log.txt"
-  if timeout "$limit" "$PYTHON" "$script" "$@" --json "$OUT/$name.json" >"$OUT/$name.txt" 2>&1; then
+  if timeout "$limit" "$PYTHON" "$script" "$@" --json "$OUT/$name.json" >>"$OUT/$name.txt" 2>&1; then
     echo "   ok in $((SECONDS - t0)) s" | tee -a "$OUT/log.txt"
   else
     echo "   FAILED (status $?) after $((SECONDS - t0)) s; see $OUT/$name.txt" | tee -a "$OUT/log.txt"
@@ -127,8 +136,25 @@ for name in $STEPS; do
     qgt_eqmem) step qgt_eqmem "$T_SMALL" benchmarks/bench_qgt.py "${QGT[@]}" --only equal-memory ;;
     large) step large "$T_LARGE" benchmarks/bench_large.py "${LARGE[@]}" ;;
     regime) step regime "$T_REGIME" benchmarks/step_regime.py "${REGIME[@]}" ;;
+    kernels)
+      kplat=$("$PYTHON" -c 'import jax; p = jax.devices()[0].platform; print(p if p in ("cpu", "tpu") else "gpu")')
+      if [ -n "${KERNEL_ARGS:-}" ]; then
+        runs=("$KERNEL_ARGS")
+      elif [ "$SMOKE" = 1 ]; then
+        runs=("--smoke --only minsr-auto-big" "--smoke --only minsr-auto")
+      else
+        runs=("--only minsr-auto-big" "--only minsr-auto")
+      fi
+      limit=200
+      for only in "${runs[@]}"; do
+        read -r -a more <<<"$only"
+        step kernels "$limit" benchmarks/accelerator_cost.py --cost-platform "$kplat" --run 10 \
+          --hlo-dir "$OUT/hlo" "${more[@]}"
+        limit=330
+      done
+      (cd "$OUT" && tar czf hlo.tgz hlo && rm -rf hlo) ;;
     race) race ;;
-    *) echo "STEPS: unknown step '$name' (expected calib core grad qgt qgt_eqmem large regime race)" | tee -a "$OUT/log.txt"
+    *) echo "STEPS: unknown step '$name' (expected calib core grad qgt qgt_eqmem large regime kernels race)" | tee -a "$OUT/log.txt"
        status=1 ;;
   esac
 done

@@ -247,6 +247,23 @@ def compile_count() -> int:
     return _compiles
 
 
+@contextlib.contextmanager
+def compiled_names():
+    """The names of the functions compiled (backend compilations) inside the ``with`` block, in
+    order: ``with compiled_names() as names: ...``, then ``names.count("jit(_update_program)")``."""
+    names = []
+
+    def listen(event, duration, fun_name="?", **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            names.append(fun_name)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield names
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
 def traced_without_mesh():
     """The notice vmcgrad gives when samples are traced under ``jax.jit`` with no mesh and several
     devices (``vmcgrad._problem.sharding``'s ``warn_if_sharding_unseen``), asserted where it is due: a

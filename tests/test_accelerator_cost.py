@@ -93,8 +93,8 @@ def test_run_times_each_minsr_program_and_keeps_the_hlo_it_costed(tmp_path):
 
     env = {**child_env(), "PYTHONPATH": str(ROOT / "benchmarks") + ":" + str(ROOT)}
     rows_path, hlo = tmp_path / "rows.jsonl", tmp_path / "hlo"
-    argv = [sys.executable, str(ROOT / "benchmarks" / "accelerator_cost.py"), "--smoke", "--only", "minsr-auto"]
-    argv += ["--run", "3", "--hlo-dir", str(hlo), "--json", str(rows_path)]
+    argv = [sys.executable, str(ROOT / "benchmarks" / "accelerator_cost.py"), "--smoke"]
+    argv += ["--only", "minsr-auto", "--run", "3", "--hlo-dir", str(hlo), "--json", str(rows_path)]
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in rows_path.read_text().splitlines()]

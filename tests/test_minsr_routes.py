@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from helpers import NK_L as L
 from helpers import NK_MODELS as MODELS
-from helpers import assert_tree_allclose
+from helpers import assert_tree_allclose, compiled_names
 from helpers import nk_data as _data
 from helpers import nk_logpsi as _logpsi
 from helpers import nk_params as _params
@@ -710,19 +710,10 @@ def test_the_update_compiles_its_program_once_where_it_fits_whole():
     params = _params(False)
     x, e = _data(n)
     lp = _logpsi(apply)
-    names = []
-
-    def listen(event, duration, fun_name="?", **_):
-        if event == "/jax/core/compile/backend_compile_duration":
-            names.append(fun_name)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    with compiled_names() as names:
         opts = dict(diag_shift=DIAG, chunk_size="auto", memory_budget=2**40)
         got, _, _ = vmcgrad.minsr_update(lp, params, x, e, **opts)
         jax.block_until_ready(got)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
     assert names.count("jit(_update_program)") == 1, names
     assert "jit(<lambda>)" not in names, names  # the model's FLOPs: from its lowered program
     # the same update as in one chunk, to the summation order: a relative change of N eps in the
@@ -746,21 +737,12 @@ def test_the_route_search_at_a_chunk_given_compiles_one_program_where_the_jacobi
     params = _params(False)
     x, e = _data(n)
     lp = _logpsi(apply)
-    names = []
-
-    def listen(event, duration, fun_name="?", **_):
-        if event == "/jax/core/compile/backend_compile_duration":
-            names.append(fun_name)
-
     one = Mesh(np.array(jax.devices()[:1]), ("S",), axis_types=(AxisType.Auto,))
     with jax.set_mesh(one):
         params, x, e = jax.device_put((params, x, e), jax.devices()[0])
         opts = dict(diag_shift=DIAG, chunk_size=2, memory_budget=2**40)
-        jax.monitoring.register_event_duration_secs_listener(listen)
-        try:
+        with compiled_names() as names:
             choice = minsr.update_choice(lp, params, x, e, **opts)
-        finally:
-            jax.monitoring.unregister_event_duration_listener(listen)
         assert choice.value == ("dense", 2) and [r for r, _ in choice.priced] == ["dense"], choice
         assert names.count("jit(_update_program)") == 1, names
         got, _, _ = vmcgrad.minsr_update(lp, params, x, e, **opts)

@@ -6,7 +6,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import assert_tree_allclose, auto_mesh, compile_count, make_case
+from helpers import assert_tree_allclose, auto_mesh, compile_count, compiled_names, make_case
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -104,22 +104,13 @@ def test_the_auto_call_runs_the_program_its_search_compiled():
     search compiled (``Choice.compiled``, here several: the budget lies between chunks 64 and 128):
     the run reuses the chosen candidate's executable, and its result is the call's at that chunk."""
     mesh = auto_mesh()
-    names = []
-
-    def listen(event, duration, fun_name="?", **_):
-        if event == "/jax/core/compile/backend_compile_duration":
-            names.append(fun_name)
-
     with jax.set_mesh(mesh):
         fun, params, x, ct, need = split_vjp_case(mesh)
         budget = (need(64) + need(128)) // 2
-        jax.monitoring.register_event_duration_secs_listener(listen)
-        try:
+        with compiled_names() as names:
             got = jax.block_until_ready(
                 vmcgrad.batched_vjp(fun, params, x, ct, chunk_size="auto", memory_budget=budget)
             )
-        finally:
-            jax.monitoring.unregister_event_duration_listener(listen)
         choice = vmcgrad.auto_chunk_size(fun, params, x, memory_budget=budget, info=True)
         assert choice.value == 64 and choice.compiled >= 2, choice
         assert names.count("jit(vjp_program)") == choice.compiled, (names, choice)

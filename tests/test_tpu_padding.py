@@ -53,5 +53,5 @@ def test_arrays_of_a_loop_body_largest_first_without_parameters_or_tuple_reads()
 def test_an_unknown_loop_is_refused_by_name(tmp_path):
     path = tmp_path / "m.hlo.txt"
     path.write_text(HLO)
-    with pytest.raises(SystemExit, match="--loop while.9: no while instruction"):
+    with pytest.raises(SystemExit, match=r"--loop while\.9: no while instruction"):
         tpu_padding.main([str(path), "--loop", "while.9"])
