@@ -194,8 +194,8 @@ def parse(argv=None):
         type=int,
         default=0,
         metavar="K",
-        help="also run each MinSR program K times after a warm-up (on the device here: the measured "
-        "milliseconds beside the modelled ones, median as run_ms)",
+        help="also run each program K times after a warm-up, on the arguments it was lowered with (on the "
+        "device here: the measured milliseconds beside the modelled ones, median as run_ms)",
     )
     ap.add_argument("--hlo-dir", help="write each compiled program's optimized HLO text to this folder")
     ap.add_argument("--smoke", action="store_true", help="the 12-site chain, a 1-layer GCNN, N 32 and 64")
@@ -262,6 +262,10 @@ class Kernels:
         import jax
         import jax.numpy as jnp
 
+        def lower(fun, *args):  # jitted and lowered; its arguments kept for --run
+            self.call_args[(kind, name, n, chunk, budget)] = (args, {})
+            return jax.jit(fun).lower(*args)
+
         if kind == "minsr":
             race, driver, vs = self.driver(name, n, chunk, budget)
             call = []
@@ -280,35 +284,35 @@ class Kernels:
             v = jax.tree.map(lambda p: jnp.full_like(p, 0.5), w)
             if kind == "qgt-built":  # built and applied in one program, as NetKet's
                 built = lambda w, x, v: vmcgrad.QGT(logpsi, w, x, chunk_size=chunk, diag_shift=1e-3) @ v
-                return jax.jit(built).lower(w, samples, v)
+                return lower(built, w, samples, v)
             if name == "vmcgrad":  # S built outside the program, as a solve builds it once
                 S = vmcgrad.QGT(logpsi, w, samples, chunk_size=chunk, diag_shift=1e-3)
                 if kind == "qgt":
-                    return jax.jit(lambda S, v: S @ v).lower(S, v)
-                return jax.jit(lambda S, b: S.solve(b, tol=1e-5)[0]).lower(S, v)
+                    return lower(lambda S, v: S @ v, S, v)
+                return lower(lambda S, b: S.solve(b, tol=1e-5)[0], S, v)
             from netket.optimizer.qgt.qgt_onthefly import QGTOnTheFly_DefaultConstructor
 
             def S_of(w, x):  # lazy: NetKet's QGTOnTheFly is built inside the program
                 return QGTOnTheFly_DefaultConstructor(apply, w, ms, x, chunk_size=chunk, diag_shift=1e-3)
 
             if kind == "qgt":
-                return jax.jit(lambda w, x, v: S_of(w, x) @ v).lower(w, samples, v)
+                return lower(lambda w, x, v: S_of(w, x) @ v, w, samples, v)
             cg = jax.scipy.sparse.linalg.cg  # NetKet's default tol 1e-5, maxiter None (10 × dim)
-            return jax.jit(lambda w, x, b: S_of(w, x).solve(cg, b)[0]).lower(w, samples, v)
+            return lower(lambda w, x, b: S_of(w, x).solve(cg, b)[0], w, samples, v)
         if kind == "grad":
             e = vs.local_estimators(self.H).reshape(-1)
             if name == "vmcgrad":
                 grad = lambda w, x, e: vmcgrad.expect_grad(logpsi, w, x, e, chunk_size=chunk)
-                return jax.jit(grad).lower(w, samples, e)
+                return lower(grad, w, samples, e)
             from benchlib import netket_grad
 
-            return jax.jit(lambda w, x, e: netket_grad(apply, w, ms, x, e, chunk)).lower(w, samples, e)
+            return lower(lambda w, x, e: netket_grad(apply, w, ms, x, e, chunk), w, samples, e)
         if kind == "vjp":  # of Re log psi with a real cotangent: one pullback on both sides (R -> R)
             c = jnp.linspace(-1.0, 1.0, samples.shape[0], dtype=jnp.float32)
             if name == "vmcgrad":
                 re = lambda w, x: logpsi(w, x).real
-                return jax.jit(lambda w, x, c: vmcgrad.batched_vjp(re, w, x, c, chunk_size=chunk)).lower(
-                    w, samples, c
+                return lower(
+                    lambda w, x, c: vmcgrad.batched_vjp(re, w, x, c, chunk_size=chunk), w, samples, c
                 )
             import netket.jax as nkjax
 
@@ -317,21 +321,21 @@ class Kernels:
                 kw = dict(chunk_size=chunk, chunk_argnums=2, nondiff_argnums=(1, 2))
                 return nkjax.vjp_chunked(f, w, ms, x, **kw)(c)[0]
 
-            return jax.jit(pullback).lower(w, samples, c)
+            return lower(pullback, w, samples, c)
         # "jvp": the per-sample J t of log psi; NetKet's is QGTOnTheFly's chunked jvp (scanmap of jax.jvp)
         t = jax.tree.map(lambda p: jnp.full_like(p, 0.5), w)
         if name == "vmcgrad":
-            return jax.jit(lambda w, x, t: vmcgrad.batched_jvp(logpsi, w, x, t, chunk_size=chunk)).lower(
-                w, samples, t
+            return lower(
+                lambda w, x, t: vmcgrad.batched_jvp(logpsi, w, x, t, chunk_size=chunk), w, samples, t
             )
         from netket.optimizer.qgt.qgt_onthefly_logic import _O_jvp
 
-        return jax.jit(lambda w, x, t: _O_jvp(forward, w, ms, x, t, chunk)).lower(w, samples, t)
+        return lower(lambda w, x, t: _O_jvp(forward, w, ms, x, t, chunk), w, samples, t)
 
     def run(self, program, compiled) -> dict:
         """``--run K``: the compiled program run once to warm up, then K times, each to its end
-        (``block_until_ready``): the median and every run's milliseconds (minsr programs only: the
-        others' arguments are not kept)."""
+        (``block_until_ready``) on the arguments it was lowered with: the median and every run's
+        milliseconds."""
         import jax
 
         if program not in self.call_args:

@@ -19,7 +19,8 @@
 # NetKet unchunked, then within 64 MiB against NetKet's chunk 64, each program compiled there,
 # costed by vmcgrad.program_cost, run 10 times (--run) and its optimized HLO kept (OUT/hlo.tgz):
 # the measured ratio beside the modelled one. KERNEL_ARGS replaces the comparisons (`--only ...`
-# and sizes); two processes, 200 s and 330 s (on the TPU v5e of 2026-12-07 they took 157 s and
+# and sizes; e.g. "--only qgt qgt-solve grad vjp jvp": the parameter-space kernels, one process
+# under 200 s); by default two processes, 200 s and 330 s (on the TPU v5e of 2026-12-07 they took 157 s and
 # 217 s, most of it compiling: benchmarks/results/device-tpu-v5e-2026-12-07b/).
 #
 # `calib`, first, is benchmarks/calibrate_op_cost.py: the constants of vmcgrad.program_cost's model

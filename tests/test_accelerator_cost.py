@@ -86,31 +86,42 @@ def test_smoke_table_costs_every_comparison_from_its_compiled_programs(tmp_path)
 
 @pytest.mark.slow
 def test_run_times_each_minsr_program_and_keeps_the_hlo_it_costed(tmp_path):
-    """``--run K``: each MinSR program compiled is run (a warm-up, then K runs) on its own arguments, the
-    median beside the modelled times and the measured ratio in the comparison; ``--hlo-dir``: the
-    optimized HLO each row was costed from, which ``program_cost`` reads back to the row's counts."""
+    """``--run K``: each program compiled (MinSR's update and the gradient here) is run (a warm-up, then
+    K runs) on the arguments it was lowered with, the median beside the modelled times and the
+    measured ratio in the comparison; ``--hlo-dir``: the optimized HLO each row was costed from, which
+    ``program_cost`` reads back to the row's counts."""
     import vmcgrad
 
     env = {**child_env(), "PYTHONPATH": str(ROOT / "benchmarks") + ":" + str(ROOT)}
     rows_path, hlo = tmp_path / "rows.jsonl", tmp_path / "hlo"
     argv = [sys.executable, str(ROOT / "benchmarks" / "accelerator_cost.py"), "--smoke"]
-    argv += ["--only", "minsr-auto", "--run", "3", "--hlo-dir", str(hlo), "--json", str(rows_path)]
+    argv += ["--only", "minsr-auto", "grad", "--run", "3", "--hlo-dir", str(hlo), "--json", str(rows_path)]
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in rows_path.read_text().splitlines()]
-    programs = {r["program"]: r for r in rows if r["row"] == "program"}
-    assert set(programs) == {"vmcgrad-vmcsr", "netket-vmcsr"}, rows
+    programs = {(r["kind"], r["program"]): r for r in rows if r["row"] == "program"}
+    names = {"minsr": ("vmcgrad-vmcsr", "netket-vmcsr"), "grad": ("vmcgrad", "netket")}
+    assert set(programs) == {(k, name) for k, pair in names.items() for name in pair}, rows
     for p in programs.values():
         assert len(p["run_ms_all"]) == 3 and min(p["run_ms_all"]) > 0, p
         assert p["run_ms"] == sorted(p["run_ms_all"])[1], p
-    (comparison,) = [r for r in rows if r["row"] == "comparison"]
-    ours, theirs = programs["vmcgrad-vmcsr"], programs["netket-vmcsr"]
-    assert comparison["ratio"]["run"] == pytest.approx(ours["run_ms"] / theirs["run_ms"], rel=1e-12)
-    files = sorted(hlo.iterdir())
-    assert [f.name for f in files] == [
+    comparisons = {r["key"]: r for r in rows if r["row"] == "comparison"}
+    for key, kind in (("minsr-auto", "minsr"), ("grad", "grad")):
+        ours, theirs = (programs[(kind, name)] for name in names[kind])
+        assert comparisons[key]["ratio"]["run"] == pytest.approx(ours["run_ms"] / theirs["run_ms"], rel=1e-12)
+    files = {f.name: f for f in hlo.iterdir()}
+    assert sorted(files) == [
+        "grad-netket-64-8-None.hlo.txt",
+        "grad-vmcgrad-64-8-None-tpu.hlo.txt",
         "minsr-netket-vmcsr-32-8-None.hlo.txt",
         "minsr-vmcgrad-vmcsr-32-auto-4.0-tpu.hlo.txt",
     ], files
-    for f, p in zip(files, (theirs, ours)):
-        cost = vmcgrad.program_cost(f.read_text(), platform="tpu")
-        assert (cost.ops, cost.flops) == (p["ops"], pytest.approx(1e9 * p["gflop"], rel=1e-12)), (f, p)
+    for name, key in [
+        ("grad-netket-64-8-None", ("grad", "netket")),
+        ("grad-vmcgrad-64-8-None-tpu", ("grad", "vmcgrad")),
+        ("minsr-netket-vmcsr-32-8-None", ("minsr", "netket-vmcsr")),
+        ("minsr-vmcgrad-vmcsr-32-auto-4.0-tpu", ("minsr", "vmcgrad-vmcsr")),
+    ]:
+        p = programs[key]
+        cost = vmcgrad.program_cost(files[name + ".hlo.txt"].read_text(), platform="tpu")
+        assert (cost.ops, cost.flops) == (p["ops"], pytest.approx(1e9 * p["gflop"], rel=1e-12)), (name, p)
