@@ -16,7 +16,9 @@ Usage (PYTHONPATH=. in a checkout)::
 
 Each row: the run, the device, the seconds to build the driver and state, the first step, the
 median step and phases, the step per sample, the chunk vmcgrad chose and the device's allocator
-peak (``memory_stats``; none on a CPU) and the process's peak RSS so far; with ``--kernel``, the
+peak (``memory_stats``; none on a CPU) and the process's peak RSS so far; the first step's phases
+(``first_sample_s``, ``first_local_s``, ``first_sr_s``) and what it compiled (``first_compiles``:
+function name -> [backend compilations, seconds]); with ``--kernel``, the
 SR kernel of the run lowered and compiled apart (the seconds of each, its StableHLO lines and
 compiled bytes: how much program the first step compiles for the SR phase) and
 :func:`vmcgrad.program_cost` of the program this device compiled (its ops in sequence, FLOPs, bytes
@@ -33,6 +35,7 @@ accelerator each is a small sequential step, which this measures.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import resource
 import statistics
@@ -118,7 +121,9 @@ def main(argv=None):
         jax.block_until_ready(vs.parameters)
         build = time.perf_counter() - t
         phases, is_vmc = tte.instrument(driver, vs)
-        steps = [step(driver, vs, phases, is_vmc) for _ in range(1 + args.steps)]
+        with compilations() as compiled:  # the first step's, by function
+            steps = [step(driver, vs, phases, is_vmc)]
+        steps += [step(driver, vs, phases, is_vmc) for _ in range(args.steps)]
         med = {k: statistics.median(s[k] for s in steps[1:]) for k in steps[0]}
         chunk_used = getattr(driver, "chunk_size_bwd", None)
         row = {
@@ -130,6 +135,7 @@ def main(argv=None):
             "build_s": build,
             "first_step_s": steps[0]["step_s"],
             **{f"first_{k}": v for k, v in steps[0].items() if k != "step_s"},  # compiling, by phase
+            "first_compiles": compiled,  # function name -> [backend compilations, their seconds]
             **{f"median_{k}": v for k, v in med.items()},
             "step_per_sample_ms": 1e3 * med["step_s"] / n,
             "chunk_size_bwd": chunk_used if not hasattr(chunk_used, "item") else int(chunk_used),
@@ -142,6 +148,28 @@ def main(argv=None):
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps(row) + "\n")
+
+
+@contextlib.contextmanager
+def compilations():
+    """``{function name: [backend compilations, seconds]}`` of the programs compiled inside the
+    ``with`` block (JAX's ``/jax/core/compile/backend_compile_duration`` events): what a first step
+    spends compiling, and on what (vmcgrad's automatic searches compile candidates of
+    ``jit(_update_program)``)."""
+    import jax
+
+    found: dict = {}
+
+    def listen(event, duration, fun_name="?", **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            count, seconds = found.get(fun_name, (0, 0.0))
+            found[fun_name] = [count + 1, seconds + duration]
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield found
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
 
 
 def kernel_cost(race, name, driver, vs, H):
