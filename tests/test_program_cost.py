@@ -283,3 +283,41 @@ def test_a_dense_factorisation_counts_its_flops(dtype):
     b = jnp.ones((64, 5), dtype)
     tri = cost(lambda a, b: jax.scipy.linalg.solve_triangular(a, b, lower=True), jnp.eye(64, dtype=dtype), b)
     assert 64 * 64 * 5 * cplx <= tri.flops <= 64 * 64 * 5 * cplx + 20 * 64 * 5 * cplx, tri.flops
+
+
+def test_a_slice_moves_the_bytes_it_slices():
+    """A static ``slice`` reads and writes its part of the operand, on its own or fused: the bytes of
+    ``x[:, :16] * 2`` and of ``x[:, :16]`` on a 256 x 512 float32 array are those of the 256 x 16
+    part, read once and written once, not of all of ``x`` (512 KiB)."""
+    x = jnp.ones((256, 512), F32)
+    part = 256 * 16 * 4
+    for f in (lambda x: x[:, :16] * 2.0, lambda x: x[:, 16:32]):
+        c = cost(f, x, platform="tpu")
+        assert c.bytes == 2 * part, (c.bytes, 2 * part)
+
+
+def test_asynchronous_copies_and_slices_of_a_tpu_move_their_destination():
+    """XLA:TPU's ``copy-start`` and ``slice-start`` return (the operand, the destination, a context):
+    each reads and writes the destination's bytes, not the tuple's. The TPU program of
+    ``test_a_program_compiled_for_a_tpu`` copies its arguments (8 x 16 and 16 x 16 float32); a
+    hand-written ``slice-start`` takes 128 of 512 rows of a 512 x 512 float32 matrix."""
+    from vmcgrad._hlo.ops import OpCosts
+
+    text = (DATA / "tpu-v5e-fori-loop-16.hlo").read_text()
+    program = OpCosts(text)
+    starts = [i for i in program.comps[program.entry] if i.opcode == "copy-start"]
+    got = sorted(program.op_bytes(i, program.entry) for i in starts)
+    # x and w into the memory the loop reads (S(1)), and the result back out
+    assert got == [2.0 * 8 * 16 * 4, 2.0 * 8 * 16 * 4, 2.0 * 16 * 16 * 4], got
+    hlo = """\
+HloModule m, is_scheduled=true
+
+ENTRY %main (a: f32[512,512]) -> f32[128,512] {
+  %a = f32[512,512]{1,0:T(8,128)} parameter(0)
+  %slice-start = ((f32[512,512]{1,0:T(8,128)}), f32[128,512]{1,0:T(8,128)S(1)}, s32[]{:S(2)}) \
+slice-start(%a), slice={[0:128], [0:512]}
+  ROOT %slice-done = f32[128,512]{1,0:T(8,128)S(1)} slice-done(%slice-start)
+}
+"""
+    c = vmcgrad.program_cost(hlo, platform="tpu")
+    assert (c.ops, c.bytes) == (1, 2.0 * 128 * 512 * 4), c

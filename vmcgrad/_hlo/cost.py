@@ -47,12 +47,13 @@ with the constants of a platform (:data:`PLATFORMS`). What is counted:
   triangular solve (``*trsm*``) :math:`n^2` per right-hand side, complex 4 times as many; any other
   ``custom-call`` 0.
 - **bytes**, per counted op, weighted like the ops: the bytes of its operands and of its result (what
-  a kernel reads from and writes to memory), except where it touches only a slice: a
-  ``dynamic-slice`` reads and writes its result's bytes, a ``dynamic-update-slice`` (in place) its
-  update's, a ``gather`` its result's; inside a fusion, an operand used only by a ``dynamic-slice`` or
-  ``gather`` counts the bytes sliced, an operand updated in place by the fusion's root
-  ``dynamic-update-slice`` counts 0 and the root counts its update's bytes. ``while``,
-  ``conditional`` and ``call`` move no bytes themselves (their bodies do).
+  a kernel reads from and writes to memory), except where it touches only a slice: a ``slice``,
+  ``dynamic-slice`` or ``gather`` reads and writes its result's bytes, a ``dynamic-update-slice``
+  (in place) its update's, an asynchronous ``copy-start`` or ``slice-start`` (XLA:TPU's, whose result
+  holds the operand beside the destination) its destination's; inside a fusion, an operand used
+  only by a ``slice``, ``dynamic-slice`` or ``gather`` counts the bytes sliced, an operand updated
+  in place by the fusion's root ``dynamic-update-slice`` counts 0 and the root counts its update's
+  bytes. ``while``, ``conditional`` and ``call`` move no bytes themselves (their bodies do).
 
 XLA's own ``compiled.cost_analysis()`` counts a loop body once, whatever its trip count; these counts
 multiply it by its trips. The counts are of the program as compiled: a program compiled for the CPU

@@ -186,6 +186,10 @@ def _complex(type_: str) -> bool:
 # --- a program --------------------------------------------------------------------------------
 
 
+#: Ops that read a part of their first operand: their bytes are the part's (read and written).
+_SLICES = ("slice", "dynamic-slice", "gather")
+
+
 class OpCosts:
     """The computations of one HLO module, parsed once, and the FLOPs and bytes of each op."""
 
@@ -353,8 +357,15 @@ class OpCosts:
     # bytes of one counted op of a non-fused computation
     def op_bytes(self, i: _Instr, comp: str) -> float:
         op = i.opcode
-        if op == "dynamic-slice" or op == "gather":
+        if op in _SLICES:
             return 2.0 * _nbytes(i.type)
+        if op in ("copy-start", "slice-start"):
+            # asynchronous (XLA:TPU's): the result is (the operand, the destination, a context); the
+            # copy reads and writes the destination's bytes, all of the operand or its slice
+            arrays = _arrays(i.type)
+            if len(arrays) >= 2:
+                dtype, dims = arrays[1]
+                return 2.0 * math.prod(dims) * _itemsize(dtype)
         if op == "dynamic-update-slice":
             return 2.0 * _nbytes(self.operand_type(comp, i.operands[1])) if len(i.operands) > 1 else 0.0
         reads = [_nbytes(self.operand_type(comp, o)) for o in i.operands]
@@ -386,7 +397,7 @@ class OpCosts:
                 if k >= len(reads):
                     continue
                 uses = final_users(j.name)
-                if uses and all(u.opcode in ("dynamic-slice", "gather") and pos == 0 for u, pos in uses):
+                if uses and all(u.opcode in _SLICES and pos == 0 for u, pos in uses):
                     reads[k] = sum(_nbytes(u.type) for u, _ in uses)
                 elif uses and all(u.opcode == "dynamic-update-slice" and pos == 0 for u, pos in uses):
                     reads[k] = 0.0
