@@ -360,8 +360,8 @@ class OpCosts:
         if op in _SLICES:
             return 2.0 * _nbytes(i.type)
         if op in ("copy-start", "slice-start"):
-            # asynchronous (XLA:TPU's): the result is (the operand, the destination, a context); the
-            # copy reads and writes the destination's bytes, all of the operand or its slice
+            # asynchronous (XLA:TPU's): the result holds the operand and the destination (a copy's
+            # the same size, a slice's second) and a context; it reads and writes the destination's
             arrays = _arrays(i.type)
             if len(arrays) >= 2:
                 dtype, dims = arrays[1]
