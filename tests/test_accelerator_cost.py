@@ -85,7 +85,7 @@ def test_smoke_table_costs_every_comparison_from_its_compiled_programs(tmp_path)
 
 
 @pytest.mark.slow
-def test_run_times_each_minsr_program_and_keeps_the_hlo_it_costed(tmp_path):
+def test_run_times_each_program_and_keeps_the_hlo_it_costed(tmp_path):
     """``--run K``: each program compiled (MinSR's update and the gradient here) is run (a warm-up, then
     K runs) on the arguments it was lowered with, the median beside the modelled times and the
     measured ratio in the comparison; ``--hlo-dir``: the optimized HLO each row was costed from, which
