@@ -391,6 +391,35 @@ def test_auto_chunk_takes_one_block_at_a_smaller_jacobian_batch(monkeypatch):
     assert_tree_allclose(ours, whole, rtol=0, atol=1e-12)
 
 
+def _spy_dense(monkeypatch):
+    """``routes.choose_dense`` watched: ``spy.calls`` its arguments ``(program, problem, operator,
+    *args)`` and ``spy.chosen`` its ``(chunk, (operator, *args))``, call by call."""
+    import types
+
+    from vmcgrad._sr.ntk import dense as ntk_dense
+    from vmcgrad._sr.ntk import routes
+
+    spy = types.SimpleNamespace(calls=[], chosen=[])
+
+    def choose(*args):
+        spy.calls.append(args)
+        spy.chosen.append(ntk_dense.choose_dense(*args))
+        return spy.chosen[-1]
+
+    monkeypatch.setattr(routes, "choose_dense", choose)
+    return spy
+
+
+def _dense_bytes(sizing, chunk, **op_fields):
+    """Compiled bytes of a sizing call's program (``_spy_dense``'s ``calls``) at ``chunk``, with the
+    operator's ``op_fields`` replaced."""
+    import dataclasses
+
+    program, prob, op, *args = sizing
+    op = dataclasses.replace(op, **op_fields)
+    return vmcgrad.program_bytes(program.lower(prob.at_chunk(chunk), op, *args).compile())
+
+
 def _kept_jacobian_case(n):
     """``(apply, params, x, e)`` of the kept-Jacobian chunk tests: a NetKet-style model whose
     per-sample derivative intermediates (L × 16 × 64 values) outweigh its Jacobian row
@@ -416,44 +445,33 @@ def test_auto_chunk_keeps_the_jacobian_over_fewer_trips_on_an_accelerator(monkey
     that fits the budget; the model evaluated once on each of the chunks' rows (counted at run time:
     N and the rows the shifted last chunk reads again), the update equal to chunk_size=None's.
     Red with the step off: one block at batch 8."""
-    import dataclasses
-
-    from vmcgrad._sr.ntk import dense as ntk_dense
     from vmcgrad._sr.ntk import modes as ntk_modes
-    from vmcgrad._sr.ntk import routes
 
     monkeypatch.setattr(ntk_modes, "JACOBIAN_SPLIT", 1)
 
     n = 64
     apply, params, x, e = _kept_jacobian_case(n)
-    seen, choices = [], []
+    seen = []
 
     def counted(v, x):
         jax.debug.callback(lambda x: seen.append(x.size // L), x)
         return apply(v, x)
 
-    def program_bytes(program, prob, op, *args, batch):
-        lowered = program.lower(prob.at_chunk(n), dataclasses.replace(op, jacobian_batch=batch), *args)
-        return vmcgrad.program_bytes(lowered.compile())
-
-    monkeypatch.setattr(routes, "choose_dense", lambda *a: choices.append(a) or ntk_dense.choose_dense(*a))
+    spy = _spy_dense(monkeypatch)
     one = Mesh(np.array(jax.devices()[:1]), ("S",), axis_types=(AxisType.Auto,))
     with jax.set_mesh(one):
         kw = dict(diag_shift=DIAG, route="dense", solver=solve)
         whole, _, _ = vmcgrad.minsr_update(_logpsi(counted), params, x, e.real, chunk_size=None, **kw)
         vmcgrad.minsr_update(_logpsi(apply), params, x, e.real, chunk_size="auto", memory_budget=2**40, **kw)
-        sizing = choices[-1]  # (program, problem, operator, *arguments)
-        at_8, at_16 = program_bytes(*sizing, batch=8), program_bytes(*sizing, batch=16)
+        sizing = spy.calls[-1]
+        at_8, at_16 = _dense_bytes(sizing, n, jacobian_batch=8), _dense_bytes(sizing, n, jacobian_batch=16)
         assert at_16 > at_8
         budget = (at_8 + at_16) // 2
-        monkeypatch.setattr(
-            routes, "choose_dense", lambda *a: choices.append(ntk_dense.choose_dense(*a)) or choices[-1]
-        )
         seen.clear()
         ours, _, _ = vmcgrad.minsr_update(
             _logpsi(counted), params, x, e.real, chunk_size="auto", memory_budget=budget, **kw
         )
-        chunk, (op, *rest) = choices[-1]
+        chunk, (op, *rest) = spy.chosen[-1]
         program, prob = sizing[:2]
         held = vmcgrad.program_bytes(program.lower(prob.at_chunk(chunk), op, *rest).compile())
     assert 8 < chunk < 16 and op.jacobian_batch is None and op.keep_jacobian, (chunk, op)
@@ -470,40 +488,27 @@ def test_auto_chunk_kept_jacobian_takes_every_trip_count(monkeypatch):
     set how many a trip holds. N = 128, one block fitting at batch b = 8 and not at 16, and a budget
     of exactly the kept chunk of 15's bytes (9 trips): the chunk taken is 15, and the update equal
     to chunk_size=None's. Red with the candidates of about 1.25, 1.5 and 1.75 b (10, 12, 13: 13)."""
-    import dataclasses
-
-    from vmcgrad._sr.ntk import dense as ntk_dense
     from vmcgrad._sr.ntk import modes as ntk_modes
-    from vmcgrad._sr.ntk import routes
 
     monkeypatch.setattr(ntk_modes, "JACOBIAN_SPLIT", 1)
 
     n = 128
     apply, params, x, e = _kept_jacobian_case(n)
-    choices = []
-
-    def program_bytes(program, prob, op, *args, chunk, batch, kept):
-        op = dataclasses.replace(op, jacobian_batch=batch, keep_jacobian=kept)
-        return vmcgrad.program_bytes(program.lower(prob.at_chunk(chunk), op, *args).compile())
-
-    monkeypatch.setattr(routes, "choose_dense", lambda *a: choices.append(a) or ntk_dense.choose_dense(*a))
+    spy = _spy_dense(monkeypatch)
     one = Mesh(np.array(jax.devices()[:1]), ("S",), axis_types=(AxisType.Auto,))
     with jax.set_mesh(one):
         kw = dict(diag_shift=DIAG, route="dense", solver=solve)
         whole, _, _ = vmcgrad.minsr_update(_logpsi(apply), params, x, e.real, chunk_size=None, **kw)
         vmcgrad.minsr_update(_logpsi(apply), params, x, e.real, chunk_size="auto", memory_budget=2**40, **kw)
-        sizing = choices[-1]  # (program, problem, operator, *arguments)
-        budget = program_bytes(*sizing, chunk=15, batch=None, kept=True)
-        assert program_bytes(*sizing, chunk=n, batch=8, kept=True) <= budget  # one block at b = 8
-        assert program_bytes(*sizing, chunk=n, batch=16, kept=True) > budget  # not at 16
-        assert program_bytes(*sizing, chunk=16, batch=None, kept=True) > budget  # nor 8 trips
-        monkeypatch.setattr(
-            routes, "choose_dense", lambda *a: choices.append(ntk_dense.choose_dense(*a)) or choices[-1]
-        )
+        sizing = spy.calls[-1]
+        budget = _dense_bytes(sizing, 15, jacobian_batch=None, keep_jacobian=True)
+        assert _dense_bytes(sizing, n, jacobian_batch=8, keep_jacobian=True) <= budget  # one block at b = 8
+        assert _dense_bytes(sizing, n, jacobian_batch=16, keep_jacobian=True) > budget  # not at 16
+        assert _dense_bytes(sizing, 16, jacobian_batch=None, keep_jacobian=True) > budget  # nor 8 trips
         ours, _, _ = vmcgrad.minsr_update(
             _logpsi(apply), params, x, e.real, chunk_size="auto", memory_budget=budget, **kw
         )
-    chunk, (op, *_) = choices[-1]
+    chunk, (op, *_) = spy.chosen[-1]
     assert (chunk, op.jacobian_batch, op.keep_jacobian) == (15, None, True), (chunk, op)
     assert_tree_allclose(ours, whole, rtol=0, atol=1e-12)
 
@@ -566,37 +571,24 @@ def test_auto_chunk_takes_the_components_in_turn_where_faster(monkeypatch):
     faster here (42 -> 68 ops a trip for 0.62 of the bytes a sample) and taken: a chunk above 8.
     Under the suite's fast compile flags nothing is fused (330 -> 644 ops a trip) and the
     components at once are the faster. Red (default compiler) with the search in turn off."""
-    import dataclasses
-
-    from vmcgrad._sr.ntk import dense as ntk_dense
     from vmcgrad._sr.ntk import modes as ntk_modes
-    from vmcgrad._sr.ntk import routes
 
     monkeypatch.setattr(ntk_modes, "JACOBIAN_SPLIT", 1)
     n = 64
     apply, params, x, e = _small_gcnn(n)
     params, x, e = jax.device_put((params, x, e), jax.devices()[0])
-    choices = []
-
-    def program_bytes(program, prob, op, *args, batch):
-        lowered = program.lower(prob.at_chunk(n), dataclasses.replace(op, jacobian_batch=batch), *args)
-        return vmcgrad.program_bytes(lowered.compile())
-
-    monkeypatch.setattr(routes, "choose_dense", lambda *a: choices.append(a) or ntk_dense.choose_dense(*a))
+    spy = _spy_dense(monkeypatch)
     one = Mesh(np.array(jax.devices()[:1]), ("S",), axis_types=(AxisType.Auto,))
     with jax.set_mesh(one):
         kw = dict(diag_shift=DIAG, route="dense", mode="complex", solver=solve)
         whole, _, _ = vmcgrad.minsr_update(apply, params, x, e, chunk_size=None, **kw)
         vmcgrad.minsr_update(apply, params, x, e, chunk_size="auto", memory_budget=2**40, **kw)
-        sizing = choices[-1]  # (program, problem, operator, *arguments)
-        at_4, at_8 = program_bytes(*sizing, batch=4), program_bytes(*sizing, batch=8)
+        sizing = spy.calls[-1]
+        at_4, at_8 = _dense_bytes(sizing, n, jacobian_batch=4), _dense_bytes(sizing, n, jacobian_batch=8)
         assert at_8 > at_4
         budget = (at_4 + at_8) // 2
-        monkeypatch.setattr(
-            routes, "choose_dense", lambda *a: choices.append(ntk_dense.choose_dense(*a)) or choices[-1]
-        )
         ours, _, _ = vmcgrad.minsr_update(apply, params, x, e, chunk_size="auto", memory_budget=budget, **kw)
-        chunk, (op, *rest) = choices[-1]
+        chunk, (op, *rest) = spy.chosen[-1]
         program, prob = sizing[:2]
         held = vmcgrad.program_bytes(program.lower(prob.at_chunk(chunk), op, *rest).compile())
     assert op.keep_jacobian and op.jacobian_batch is None and held <= budget, (op, held, budget)
