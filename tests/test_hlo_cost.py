@@ -16,7 +16,7 @@ def test_each_file_is_one_line_of_its_program_cost(capsys):
     c = vmcgrad.program_cost(TPU_HLO.read_text(), platform="tpu")
     ms = 1e3 * c.time("tpu")
     assert lines[2] == (
-        f"| {TPU_HLO.name} | {c.ops:,.0f} | {c.flops / 1e9:.1f} | {c.bytes / 1e9:.2f} | {ms:.1f} |"
+        f"| {TPU_HLO.name} | {c.ops:,.0f} | 16×4 | {c.flops / 1e9:.1f} | {c.bytes / 1e9:.2f} | {ms:.1f} |"
         f" 0.5 | {ms / 0.5:.2f} |"
     ), lines
     assert c.ops == 69  # the test_program_cost count of this program: 16 trips of 4 ops, 5 more
