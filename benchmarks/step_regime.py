@@ -44,6 +44,19 @@ import time
 import time_to_energy as tte  # the race's problem, model and drivers (this script's folder)
 
 
+def budget_mib(text: str) -> float | None:
+    """``--budget-mib``: a positive number of MiB, or ``default`` (None)."""
+    if text == "default":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of MiB or 'default'; got {text!r}")
+    return value
+
+
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", nargs="+", required=True, metavar="NAME=N[:CHUNK][@SPLIT]")
@@ -52,7 +65,13 @@ def parse(argv=None):
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--features", type=int, default=8)
     ap.add_argument("--dtype", choices=("float64", "float32"), default="float64")
-    ap.add_argument("--budget-mib", type=float, default=64.0)
+    ap.add_argument(
+        "--budget-mib",
+        type=budget_mib,
+        default=64.0,
+        help="vmcgrad's memory budget per device in MiB, or 'default' (vmcgrad's own: half the "
+        "device's free memory where it reports it, else 2 GiB)",
+    )
     ap.add_argument("--chains", type=int, default=256)
     ap.add_argument("--steps", type=int, default=3, help="steps after the first, timed for the medians")
     ap.add_argument("--platform", default=None)
@@ -139,6 +158,8 @@ def main(argv=None):
             **{f"median_{k}": v for k, v in med.items()},
             "step_per_sample_ms": 1e3 * med["step_s"] / n,
             "chunk_size_bwd": chunk_used if not hasattr(chunk_used, "item") else int(chunk_used),
+            # vmcgrad's update: its route, chunk, modelled time and the programs compiled to choose
+            "route_choice": choice.as_dict() if (choice := getattr(driver, "route_choice", None)) else None,
             "device_peak": tte.device_peak_bytes(),
             "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         }

@@ -222,6 +222,12 @@ def build_model(args, g):
     return ViT(L=L, param_dtype=dt)
 
 
+def mib_or_default(mib: float | None) -> int | None:
+    """A budget in MiB as bytes, or None (vmcgrad's default budget: half the device's free memory
+    where it reports it, else 2 GiB)."""
+    return None if mib is None else int(mib * MiB)
+
+
 def build_driver(args, name, seed, hi, g, H, model):
     """The driver of contender ``name`` at its (N, chunk), and its state."""
     import jax
@@ -231,7 +237,7 @@ def build_driver(args, name, seed, hi, g, H, model):
     import vmcgrad.netket as vnk
 
     n, chunk = args.sizes[name]
-    budget = args.budget_mib * MiB
+    budget = mib_or_default(args.budget_mib)
     sampler = nk.sampler.MetropolisExchange(hi, graph=g, n_chains=min(n, args.chains), d_max=2)
     common = dict(n_samples=n, n_discard_per_chain=4, seed=seed, sampler_seed=seed + 1000)
     opt = optax.sgd(args.lr)
@@ -309,7 +315,7 @@ def kernel_lowered(args, name, driver, vs, H, call=None):
                 diag_shift=args.diag_shift,
                 mode=mode,
                 chunk_size=driver.chunk_size_bwd,
-                memory_budget=args.budget_mib * MiB,
+                memory_budget=mib_or_default(args.budget_mib),
             )[0]
 
         lowered = jax.jit(update).lower(vs.parameters, samples, e)
