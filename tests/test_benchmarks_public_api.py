@@ -59,6 +59,10 @@ ALLOWED["qgt_phase_bytes.py"] = {
     "vmcgrad.cli",
     "vmcgrad.netket._qgt",
 }
+#: The local values' benchmark prices and runs NetKet's local-value program at each chunk as
+#: ``vmcgrad.netket.MCState`` does (``_local_values``: its kernel and choice, ``_nk_private``: NetKet's
+#: jitted program), and reads the chunk a state runs its NetKet paths at (``MCState._chunk``).
+ALLOWED["local_values.py"] = {"vmcgrad.netket", "vmcgrad.netket._local_values"}
 #: The calibration prints the cost model's constants beside the ones it measured (``PLATFORMS``).
 ALLOWED["calibrate_op_cost.py"] = {"vmcgrad._hlo.cost"}
 #: The harness's log-amplitude of a model is vmcgrad.netket's own (one definition: its apply functions
@@ -72,6 +76,7 @@ ALLOWED["_setup.py"] = {"vmcgrad.netket._expect_grad"}
 ALLOWED_NAMES = {
     "bench_switch.py": {"_problem", "_CHECKED", "_CHECKED_MAX"},
     "accelerator_cost.py": {"_O_jvp"},
+    "local_values.py": {"_local_values", "_nk_private", "_chunk"},
 }
 
 

@@ -8,7 +8,9 @@ of NetKet's private attributes and functions that NetKet does not re-export:
   ``MCState._samples`` (the samples if drawn: reading ``samples`` draws them),
   ``MCState._replace_model`` (what NetKet calls to copy a state with another model);
 - ``netket.vqs.mc.mc_state.state.serialize_MCState`` / ``deserialize_MCState`` (flax
-  serialization of an ``MCState``) and ``netket.vqs.mc.common.local_estimators``.
+  serialization of an ``MCState``), ``netket.vqs.mc.common.local_estimators``, and the jitted
+  program of its ``MCState`` implementation
+  (``netket.vqs.mc.mc_state.local_estimators._local_estimators_impl``: compiled at candidate chunks).
 
 Each is looked up here once, when ``vmcgrad.netket`` is imported, so that a NetKet release that
 moves one fails at once with vmcgrad's name, what moved, and the fix — not with an
@@ -43,6 +45,7 @@ FUNCTIONS = (
     ("netket.vqs.mc.mc_state.state", "serialize_MCState"),
     ("netket.vqs.mc.mc_state.state", "deserialize_MCState"),
     ("netket.vqs.mc.common", "local_estimators"),
+    ("netket.vqs.mc.mc_state.local_estimators", "_local_estimators_impl"),
 )
 
 
@@ -96,8 +99,13 @@ check(nk.vqs.MCState, nk.__version__)
 NetKetMCState: type = nk.vqs.MCState
 
 from netket.vqs.mc.common import local_estimators as local_estimators  # noqa: E402
+from netket.vqs.mc.mc_state.local_estimators import _local_estimators_impl  # noqa: E402
 from netket.vqs.mc.mc_state.state import deserialize_MCState as deserialize_MCState  # noqa: E402
 from netket.vqs.mc.mc_state.state import serialize_MCState as serialize_MCState  # noqa: E402
+
+#: NetKet's jitted program of ``MCState.local_estimators``: ``(kernel, apply_fun, shape, variables, σ,
+#: args) -> values`` (its first three arguments static).
+local_estimators_impl = _local_estimators_impl
 
 
 def apply_fun(vstate: Any) -> Any:

@@ -19,6 +19,7 @@ from . import _nk_private as nkp
 from ._expect_grad import auto_chunk_size, covariance_grad
 from ._forces import expect_and_forces
 from ._grad_nonherm import expect_and_grad_nonhermitian, supports
+from ._local_values import fewest_trips
 from ._netket_chunked import call_chunked, divisor_at_most, warn_once
 
 NAME = "vmcgrad.netket.MCState"
@@ -208,9 +209,16 @@ class MCState(nkp.NetKetMCState):
 
     def local_estimators(self, op: Any, *, chunk_size: int | None = None) -> Any:
         """As ``nk.vqs.MCState.local_estimators`` (``VMC_SR`` calls it), forward-chunked at
-        ``chunk_size`` unless one is given."""
+        ``chunk_size`` unless one is given. With ``chunk_size="auto"`` on a GPU or TPU, at the chunk
+        of least modelled time that fits the budget among the gradient's chunk and its doublings
+        (:func:`~vmcgrad.netket._local_values.fewest_trips`: NetKet counts this chunk in model
+        evaluations, each sample's connected configurations included)."""
         if chunk_size is None:
             chunk_size = self._chunk()
+            if nkp.own_chunk_size(self) is None and self.vmcgrad_chunk_size == "auto":
+                found = fewest_trips(self, op, chunk_size, self.vmcgrad_memory_budget)
+                if found is not None:
+                    return found
         return call_chunked(f"{NAME}.local_estimators", nkp.local_estimators, self, op, chunk_size)
 
     def _replace_model(self, model=None, *, apply_fun=None, variables=None):
