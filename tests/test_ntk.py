@@ -513,6 +513,42 @@ def test_auto_chunk_kept_jacobian_takes_every_trip_count(monkeypatch):
     assert_tree_allclose(ours, whole, rtol=0, atol=1e-12)
 
 
+def test_auto_chunk_kept_jacobian_search_starts_where_one_blocks_bytes_put_it(monkeypatch):
+    """The kept Jacobian's chunk search compiles first the chunk that the line through one block's
+    bytes at batch b (fits) and 2b (over) puts at the budget (ntk_dense._predicted_chunks: a chunk
+    holds what one block at that batch holds), then the next candidate up: N = 128, b = 8, a budget
+    of exactly the kept chunk of 12's bytes (11 trips): the search takes 12 in two compilations,
+    12 then 13. Red with the prediction off (the largest candidate, 15, compiled first: three)."""
+    from vmcgrad._problem import problem as problem_module
+    from vmcgrad._sr.ntk import dense as ntk_dense
+    from vmcgrad._sr.ntk import modes as ntk_modes
+
+    monkeypatch.setattr(ntk_modes, "JACOBIAN_SPLIT", 1)
+    n = 128
+    apply, params, x, e = _kept_jacobian_case(n)
+    spy = _spy_dense(monkeypatch)
+    searches = []
+
+    def knob(*args, name, **kw):
+        found = problem_module.auto_knob(*args, name=name, **kw)
+        searches.append((name, found))
+        return found
+
+    monkeypatch.setattr(ntk_dense, "auto_knob", knob)
+    one = Mesh(np.array(jax.devices()[:1]), ("S",), axis_types=(AxisType.Auto,))
+    with jax.set_mesh(one):
+        kw = dict(diag_shift=DIAG, route="dense", solver=solve)
+        vmcgrad.minsr_update(_logpsi(apply), params, x, e.real, chunk_size="auto", memory_budget=2**40, **kw)
+        sizing = spy.calls[-1]
+        budget = _dense_bytes(sizing, 12, jacobian_batch=None, keep_jacobian=True)
+        assert _dense_bytes(sizing, 13, jacobian_batch=None, keep_jacobian=True) > budget
+        searches.clear()
+        vmcgrad.minsr_update(_logpsi(apply), params, x, e.real, chunk_size="auto", memory_budget=budget, **kw)
+    (_, one_block), (name, kept) = searches
+    assert one_block.value == 8 and name == "the kept Jacobian's chunk", searches
+    assert kept.value == 12 and [c for c, _ in kept.probes] == [12, 13], kept.probes
+
+
 def _small_gcnn(n):
     """NetKet's GCNN on the 8-site chain (16 symmetries, 2 layers of 4 features, P = 296, float64),
     its parameters and n samples with complex local energies: a model whose kernel is expanded over

@@ -241,6 +241,37 @@ def test_the_search_over_given_candidates_finds_the_largest_that_fits():
                 assert len(set(compiled)) == len(compiled) <= len(candidates), case
 
 
+def test_a_predicted_first_probe_keeps_the_search_exact_and_ends_it_in_two():
+    """choose_chunk's ``first`` (where the caller predicts the answer: the kept Jacobian's searches
+    predict it from one block's bytes, ntk_dense._predicted_chunks): on every curve, sample count,
+    budget and guess (every candidate, one below the smallest, one above the largest), the largest
+    candidate that fits, none compiled twice; where the guess is the answer, two compilations (it
+    and the next candidate), or one where it is the largest candidate. Red with ``first`` ignored
+    (the largest candidate compiled first: more compilations) and with the guess taken unchecked."""
+    fixed = 1_000_000
+    for name, curve in _CURVES.items():
+        for n in (7, 100, 1000):
+            candidates = sorted({-(-n // m) for m in range(1, 16)})
+            low, high = fixed + curve(candidates[0]), fixed + curve(candidates[-1])
+            for budget in {low, high, *(low + (high - low) * i // 9 for i in range(1, 9))}:
+                fits = [c for c in candidates if fixed + curve(c) <= budget]
+                for first in (candidates[0] - 1, *candidates, candidates[-1] + 10):
+                    compiled = []
+
+                    def compile_at(c, compiled=compiled, curve=curve):
+                        compiled.append(c)
+                        return _Analysis(curve(c), fixed)
+
+                    got = _auto_chunk.choose_chunk(
+                        object(), n, compile_at, budget, where="t", candidates=candidates, first=first
+                    )
+                    case = (name, n, budget, first, compiled)
+                    assert got == fits[-1], case
+                    assert len(set(compiled)) == len(compiled) <= len(candidates), case
+                    if first == fits[-1]:
+                        assert len(compiled) == (1 if first == candidates[-1] else 2), case
+
+
 def test_the_search_checks_fail_on_a_slow_or_a_wrong_search(monkeypatch):
     """The check above can fail: on a search that scans up from chunk 1 (exact, but compiling every
     chunk below the answer), and on one that answers half the largest fitting chunk."""

@@ -106,6 +106,8 @@ class Choice(NamedTuple):
             chosen one included, in the order they were compiled.
         compiled: the programs compiled to make the choice (fitting or not).
         cost: the chosen program's :class:`vmcgrad._hlo.cost.ProgramCost` (not in :meth:`as_dict`).
+        probes: ``(candidate, bytes)`` of every candidate compiled, fitting or not, in the order they
+            were compiled (not in :meth:`as_dict`): what a related search can predict its own from.
     """
 
     value: Any
@@ -116,12 +118,13 @@ class Choice(NamedTuple):
     priced: tuple = ()
     compiled: int = 0
     cost: ProgramCost | None = None
+    probes: tuple = ()
 
     def as_dict(self) -> dict:
-        """The record as plain JSON-able values (a log's ``info``): everything but ``cost``;
-        a tuple value (a design and its chunk) as a list."""
+        """The record as plain JSON-able values (a log's ``info``): everything but ``cost`` and
+        ``probes``; a tuple value (a design and its chunk) as a list."""
         record = self._asdict()
-        del record["cost"]
+        del record["cost"], record["probes"]
         record["value"] = _plain(self.value)
         record["priced"] = [[_plain(v), t] for v, t in self.priced]
         return record
@@ -262,6 +265,7 @@ def choose_chunk(
     none_fits: Any = _RAISE,
     platform: str | Platform | None = None,
     chunks: bool | None = None,
+    first: float | None = None,
 ) -> Any:
     r"""Among the candidate chunks (by default the powers of two at most ``n_local``) whose program
     fits ``budget`` bytes, the one of least modelled time on the platform.
@@ -297,6 +301,12 @@ def choose_chunk(
         chunks: whether the candidates are chunk sizes of ``n_local`` rows (so that the time of one
             not compiled can be predicted from the plan's trips); default: True where ``candidates``
             is None. Where False (the values of another knob), only the compiled ones are priced.
+        first: where the caller predicts the largest fitting candidate to be (from the bytes of a
+            related program already compiled): the largest candidate at most ``first`` is compiled
+            first instead of the largest candidate, and where it fits, the next candidate up. The
+            search stays exact (any first probe does); a right prediction ends it in two
+            compilations (that candidate and the next; one at the top).
+            Not part of the cache key (it does not change the choice).
 
     Returns:
         The chosen candidate (or ``none_fits``).
@@ -317,8 +327,14 @@ def choose_chunk(
     candidates = list(candidates)
     probed: dict[int, _Priced] = {}  # candidate index -> its footprint and, where it fits, its cost
     lo, hi = 0, len(candidates) - 1  # bytes(c) is non-decreasing in c: candidates[:lo] fit, [hi+1:] not
+    start = None if first is None else min(max(bisect.bisect_right(candidates, first) - 1, lo), hi)
     while lo <= hi:
-        i = _next_probe(candidates, {j: (q.memory, q.fixed) for j, q in probed.items()}, lo, hi, budget)
+        if not probed and start is not None:
+            i = start
+        elif start is not None and len(probed) == 1 and probed[start].memory <= budget:
+            i = lo  # the prediction fits: is it the largest? (the next candidate up)
+        else:
+            i = _next_probe(candidates, {j: (q.memory, q.fixed) for j, q in probed.items()}, lo, hi, budget)
         probed[i] = _price(compile_at(candidates[i]), budget, p)
         if probed[i].memory <= budget:
             lo = i + 1
@@ -372,7 +388,10 @@ def _least_time(
     priced = tuple(
         (candidates[i], q.cost.time(p)) for i, q in probed.items() if i <= hi and q.cost is not None
     )
-    return Choice(candidates[best], b.cost.time(p), p.name, b.memory, b.cost.ops, priced, len(probed), b.cost)
+    probes = tuple((candidates[i], q.memory) for i, q in probed.items())
+    return Choice(
+        candidates[best], b.cost.time(p), p.name, b.memory, b.cost.ops, priced, len(probed), b.cost, probes
+    )
 
 
 def predicted_seconds(cost: ProgramCost, n_local: int, chunk: int, other: int, platform: Platform) -> float:

@@ -287,7 +287,15 @@ def auto_choice(program: Any, prob: Problem, *args: Any, candidates: Any = None)
 
 
 def auto_knob(
-    program: Any, prob: Problem, args: tuple, candidates: Any, at: Callable, *, name: str, info: bool = False
+    program: Any,
+    prob: Problem,
+    args: tuple,
+    candidates: Any,
+    at: Callable,
+    *,
+    name: str,
+    info: bool = False,
+    first: float | None = None,
 ) -> Any:
     """Among ``candidates``, values of a knob of ``program`` other than the chunk, the one of least
     modelled time on the problem's platform among those at which it fits the memory budget (the
@@ -296,7 +304,8 @@ def auto_knob(
     program, the problem, the signature of ``args`` and ``name``, which says what the candidates are
     (:func:`vmcgrad._sr.ntk.dense.choose_dense`: one chunk's Jacobian batch). With ``info``, the
     record of the choice (:class:`vmcgrad._chunks.budget.Choice`, its ``cost`` the chosen program's)
-    instead of the value; None where none fits."""
+    instead of the value; None where none fits. ``first``: where the caller predicts the largest
+    fitting candidate (:func:`vmcgrad._chunks.budget.choose_chunk`'s, compiled first)."""
 
     def compile_at(value):
         chunk, at_args = at(value)
@@ -314,6 +323,7 @@ def auto_knob(
         none_fits=None,
         platform=platform,
         chunks=False,
+        first=first,
     )
     return recorded(key, prob.n_local, budget, platform) if info else value
 

@@ -97,13 +97,15 @@ def choose_dense(program: Any, prob: Problem, op: Any, *args: Any) -> tuple[int,
        :math:`(b, 2b)` (one block did not fit at :math:`2b`), the Jacobian kept and each chunk
        derived at once, the last shifted back: a chunk holds what one block at that batch holds,
        but its trips are any :math:`\lceil N/c \rceil`, not only :math:`N/b` for a power of two
-       :math:`b`; the largest that fits (the budget's search: the largest first, the straight line
-       through the bytes measured, then bisection, a few compilations however many candidates),
-       else one block. With K > 1 components ('complex' mode), the chunks in :math:`(b, 2Kb]` with
-       the components' pullbacks in turn (:attr:`~vmcgrad.NTKOperator.components_in_turn`: a
-       sample's reverse-pass intermediates held for one component at a time, so up to K times the
-       samples a trip, each trip one forward and K reverse passes in sequence) are searched the same
-       way, and taken where their program's modelled time is less.
+       :math:`b`; the largest that fits (the budget's search, its first probe where the line
+       through one block's bytes at :math:`b` and :math:`2b` crosses the budget,
+       :func:`_predicted_chunks`, then the next candidate up: two compilations where the line
+       holds, a few more where it does not), else one block. With K > 1 components ('complex'
+       mode), the chunks in :math:`(b, 2Kb]` with the components' pullbacks in turn
+       (:attr:`~vmcgrad.NTKOperator.components_in_turn`: a sample's reverse-pass intermediates held
+       for one component at a time, so up to K times the samples a trip, each trip one forward and
+       K reverse passes in sequence) are searched the same way (the first probe at the line's bound
+       for them), and taken where their program's modelled time is less.
     2. Else the powers of two for :math:`c` at the platform's batch (:math:`b = c` on an
        accelerator, the whole chunk at once; :math:`c/16` on a CPU); the largest that fits,
        :math:`c^*`, fixes its batch :math:`b^*`. With :math:`b^*` held, a chunk's bytes grow only
@@ -142,13 +144,15 @@ def dense_choice(program: Any, prob: Problem, op: Any, *args: Any) -> tuple[int,
             # the K components in turn (about 1/K of a sample's bytes in 'complex' mode) up to 2Kb
             kept = dataclasses.replace(op, jacobian_batch=None, keep_jacobian=True)
             b = one_block.value
-            best = _kept_chunk(program, prob, kept, args, b, 2 * b, "") or (one_block, at(b))
             k = k_of(op.mode)
+            at_once, in_turn_most = _predicted_chunks(one_block, b, budget, k)
+            best = _kept_chunk(program, prob, kept, args, b, 2 * b, "", at_once) or (one_block, at(b))
             if k > 1:  # taken where its program's modelled time is less
                 # (a sample's bytes in turn are at least 1/K of its bytes at once: 2Kb does not fit)
                 turn = dataclasses.replace(kept, components_in_turn=True)
                 top = min(prob.n, 2 * k * b) + 1
-                in_turn = _kept_chunk(program, prob, turn, args, b, top, ", components in turn")
+                what = ", components in turn"
+                in_turn = _kept_chunk(program, prob, turn, args, b, top, what, in_turn_most)
                 timed = lambda f: math.inf if f is None or f[0].seconds is None else f[0].seconds
                 best = in_turn if timed(in_turn) < timed(best) else best
             choice, (chunk, at_args) = best
@@ -169,11 +173,43 @@ def dense_choice(program: Any, prob: Problem, op: Any, *args: Any) -> tuple[int,
     return found.value, (fixed, *args), found
 
 
-def _kept_chunk(program: Any, prob: Problem, op: Any, args: tuple, above: int, below: int, what: str):
+def _predicted_chunks(one_block: Choice, b: int, budget: float, k: int) -> tuple[float | None, float | None]:
+    r"""Where the kept Jacobian's chunks cross the budget, predicted from one block's search
+    (``one_block``, which fit at batch :math:`b` and not at :math:`2b`; its ``probes``): the
+    straight line :math:`F + s c` through those two programs' bytes (a chunk :math:`c` holds what one
+    block at batch :math:`c` holds), crossing at :math:`(B - F)/s` with the components at once, and,
+    with the K components in turn (a sample's bytes at least :math:`s/K`: its forward pass's
+    residuals are held once, its reverse pass's for one component), at most :math:`K(B - F)/s`.
+    ``(None, None)`` where the probes do not give the line. The searches compile these first
+    (:func:`vmcgrad._chunks.budget.choose_chunk`'s ``first``): each ends in two compilations where
+    the line holds, and stays exact where it does not."""
+    measured = dict(one_block.probes)
+    over = [c for c, m in measured.items() if c > b and m > budget]
+    if b not in measured or not over:
+        return None, None
+    c2 = min(over)
+    slope = (measured[c2] - measured[b]) / (c2 - b)
+    if slope <= 0:
+        return None, None
+    room = (budget - (measured[b] - slope * b)) / slope  # (B - F) / s
+    return room, k * room
+
+
+def _kept_chunk(
+    program: Any,
+    prob: Problem,
+    op: Any,
+    args: tuple,
+    above: int,
+    below: int,
+    what: str,
+    first: float | None = None,
+):
     """``(choice, (chunk, (op, *args)))`` of the largest chunk strictly between ``above`` and ``below``
     whose program, the Jacobian kept (``op``), fits the budget, or None: each trip count's smallest
     chunk a candidate (one trip fewer is one trip of the model's derivative saved), the budget's
-    search compiling a few of them (:func:`vmcgrad._problem.problem.auto_knob`)."""
+    search compiling a few of them (:func:`vmcgrad._problem.problem.auto_knob`), the one at most
+    ``first`` (:func:`_predicted_chunks`) first."""
     n = prob.n
     chunks = sorted(
         {c for t in range(1, -(-n // max(above, 1)) + 1) if above < (c := _chunk_of(n, t)) < below}
@@ -182,7 +218,7 @@ def _kept_chunk(program: Any, prob: Problem, op: Any, args: tuple, above: int, b
         return None
     at_kept = lambda c: (c, (op, *args))
     name = "the kept Jacobian's chunk" + what
-    found = auto_knob(program, prob, (op, *args), chunks, at_kept, name=name, info=True)
+    found = auto_knob(program, prob, (op, *args), chunks, at_kept, name=name, info=True, first=first)
     return None if found is None else (found, at_kept(found.value))
 
 
