@@ -10,9 +10,16 @@
 #   STEPS=race bash benchmarks/device.sh       # the short race (issue 33); see below
 #   STEPS=calib bash benchmarks/device.sh      # the cost model's constants only (under a minute)
 #   STEPS=kernels bash benchmarks/device.sh    # MinSR's kernels compiled, costed and run: 6-7 minutes
+#   STEPS=local bash benchmarks/device.sh      # a step's local energies, vmcgrad's choice against NetKet
 #
 # STEPS (default "calib core grad qgt qgt_eqmem large") names the steps to run, in that order; `regime`,
-# `kernels` and `race` are not among the defaults (with them the call would pass 10 minutes).
+# `kernels`, `local` and `race` are not among the defaults (with them the call would pass 10 minutes).
+#
+# `local` is benchmarks/local_values.py on the race's problem and model, float32, N = 256, at
+# vmcgrad's default budget: NetKet's local energies unchunked and at chunk 64 against
+# vmcgrad.netket.MCState(chunk_size="auto") priced for the CPU (the gradient's chunk) and for the
+# device (its own chunk for the local values), each compiled, costed and timed on the device
+# (under 200 s). LOCAL_ARGS replaces its arguments (all but --json).
 #
 # `kernels` is benchmarks/accelerator_cost.py on the device, with vmcgrad's choices made for it
 # (--cost-platform tpu; gpu on a GPU): MinSR's update at N = 256, vmcgrad within 1 GiB against
@@ -80,6 +87,8 @@ if [ "$SMOKE" = 1 ]; then
         --n netket-vmcsr=64:32 netket-vmcsr-otf=128:32 vmcgrad-vmcsr=128:auto)
   REGIME=(--problem chain --layers 1 --features 8 --dtype float32 --budget-mib 16 --chains 16 --steps 1
           --runs netket-vmcsr=32:16 vmcgrad-vmcsr=32:16@2 vmcgrad-vmcsr=32:16)
+  LOCAL=(--problem chain --layers 1 --features 4 --n 32 --chunk 8 --runs 1 --budget-mib default
+         --priced cpu tpu)
 else
   T_SMALL=90 T_LARGE=200 T_RACE=450 T_REGIME=540
   CORE=(--L 64 --n-samples 65536 --chunk-size 4096 --repeats 5)
@@ -89,6 +98,7 @@ else
          --chunk 256 --time-n 4096 --repeats 3)
   REGIME=(--dtype float32 --budget-mib 64 --steps 3 --runs netket-vmcsr=256:64 vmcgrad-vmcsr=256:64
           vmcgrad-vmcsr=256:64@1 netket-vmcsr=1024:none vmcgrad-vmcsr=1024:none)
+  LOCAL=(--dtype float32 --n 256 --chunk 64 --runs 10 --budget-mib default --priced cpu DEVICE)
   RACE=(--problem j1j2 --model gcnn --layers 3 --features 8 --dtype float32 --budget-mib 64
         --minutes 1.25 --seeds 0 --chains 256 --contenders netket-vmcsr netket-vmcsr-otf vmcgrad-vmcsr
         --n netket-vmcsr=256:64 netket-vmcsr-otf=1024:64 vmcgrad-vmcsr=1024:auto)
@@ -98,6 +108,9 @@ if [ -n "${RACE_ARGS:-}" ]; then
 fi
 if [ -n "${REGIME_ARGS:-}" ]; then
   read -r -a REGIME <<<"$REGIME_ARGS"
+fi
+if [ -n "${LOCAL_ARGS:-}" ]; then
+  read -r -a LOCAL <<<"$LOCAL_ARGS"
 fi
 
 status=0
@@ -137,6 +150,9 @@ for name in $STEPS; do
     qgt_eqmem) step qgt_eqmem "$T_SMALL" benchmarks/bench_qgt.py "${QGT[@]}" --only equal-memory ;;
     large) step large "$T_LARGE" benchmarks/bench_large.py "${LARGE[@]}" ;;
     regime) step regime "$T_REGIME" benchmarks/step_regime.py "${REGIME[@]}" ;;
+    local)  # DEVICE: the platform the device is priced as (gpu on a GPU)
+      kplat=$("$PYTHON" -c 'import jax; p = jax.devices()[0].platform; print(p if p in ("cpu", "tpu") else "gpu")')
+      step local 200 benchmarks/local_values.py "${LOCAL[@]/DEVICE/$kplat}" ;;
     kernels)
       kplat=$("$PYTHON" -c 'import jax; p = jax.devices()[0].platform; print(p if p in ("cpu", "tpu") else "gpu")')
       if [ -n "${KERNEL_ARGS:-}" ]; then
@@ -155,7 +171,7 @@ for name in $STEPS; do
       done
       (cd "$OUT" && tar czf hlo.tgz hlo && rm -rf hlo) ;;
     race) race ;;
-    *) echo "STEPS: unknown step '$name' (expected calib core grad qgt qgt_eqmem large regime kernels race)" | tee -a "$OUT/log.txt"
+    *) echo "STEPS: unknown step '$name' (expected calib core grad qgt qgt_eqmem large regime kernels local race)" | tee -a "$OUT/log.txt"
        status=1 ;;
   esac
 done

@@ -53,6 +53,7 @@ def parse(argv=None):
     args = ap.parse_args(argv)
     if args.runs < 1:
         ap.error(f"--runs {args.runs}: expected at least 1")
+    args.priced = list(dict.fromkeys(args.priced))  # (a platform named twice: one row)
     return args
 
 
@@ -119,6 +120,7 @@ def main(argv=None):
             "first_s": first[name][0],
             "median_s": statistics.median(times[name]),
             "max_abs_diff": first[name][1],
+            "max_abs": float(np.max(np.abs(reference))),  # (the values' scale, for the difference)
             **_counts(vs, H, chunk),
         }
         print(json.dumps(row), flush=True)

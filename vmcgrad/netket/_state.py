@@ -49,7 +49,9 @@ class MCState(nkp.NetKetMCState):
       pass (``vmcgrad.netket._grad_nonherm``).
     - ``expect_and_forces(O)`` (what TDVP calls): :func:`vmcgrad.netket.expect_and_forces`.
     - ``expect(O)``, ``local_estimators(O)`` (what ``VMC_SR`` and loggers call): NetKet's
-      chunked kernels at ``c``.
+      chunked kernels at ``c``; with ``chunk_size="auto"`` on a GPU or TPU, ``local_estimators``
+      at its own automatic chunk (NetKet counts this chunk in model evaluations, connected
+      configurations included: the fewest trips of the model that fit the budget).
     - anything else: NetKet's dispatch at ``c``; where NetKet has no chunked implementation and
       would run unchunked, a ``NetKetChunkFallbackError`` instead. Models with ``mutable``
       collections are refused with a chunk size (neither NetKet nor vmcgrad chunks a model-state
