@@ -627,7 +627,8 @@ def test_mutable_model_with_a_chunk_size_is_refused():
 
 
 def test_netket_fallback_is_refused():
-    """An observable NetKet has no chunked kernel for: an error, not an unchunked run."""
+    """An observable NetKet has no chunked kernel for: an error, not an unchunked run (also where
+    chunk_size="auto" chooses the local values' chunk, priced for a TPU)."""
     _, ours = states("rbm_real", spy=False)
 
     class Unchunked(nk.operator._abstract_observable.AbstractObservable):
@@ -641,6 +642,10 @@ def test_netket_fallback_is_refused():
 
     with pytest.raises(NetKetChunkFallbackError, match="would run it unchunked"):
         ours.expect(Unchunked(HILBERT))
+    # (chunk_size="auto" priced for an accelerator looks for NetKet's chunked local kernel first)
+    _, auto = states("rbm_real", spy=False, chunk="auto")
+    with vmcgrad.cost_platform("tpu"), pytest.raises(NetKetChunkFallbackError, match="would run it"):
+        auto.local_estimators(Unchunked(HILBERT))
     with pytest.warns(UserWarning, match="Ignoring chunk_size=14"):  # NetKet's own method, unchunked
         theirs = nk.vqs.MCState.expect(ours, Unchunked(HILBERT))
     np.testing.assert_allclose(theirs.mean, ours.expect(H).mean, rtol=1e-12)
