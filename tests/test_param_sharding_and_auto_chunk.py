@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import vmcgrad
 from vmcgrad._chunks import budget as _auto_chunk
-from vmcgrad._chunks.budget import run_with_oom_retry
+from vmcgrad._chunks.retry import run_with_oom_retry
 from vmcgrad._sr.qgt import qgt as _qgt
 
 N_DEV = jax.device_count()

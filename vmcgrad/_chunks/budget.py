@@ -32,7 +32,6 @@ else :data:`DEFAULT_MEMORY_BUDGET` (CPU reports nothing).
 from __future__ import annotations
 
 import bisect
-import warnings
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
 
@@ -42,7 +41,6 @@ from vmcgrad._cache import Cache
 from vmcgrad._chunks.plan import plan_chunks
 from vmcgrad._hlo.cost import Platform, ProgramCost, program_cost
 from vmcgrad._hlo.platform import resolve_platform
-from vmcgrad._warnings import ChunkRetryWarning
 
 #: Budget in bytes per device when the backend does not report its free memory (CPU): 2 GiB.
 DEFAULT_MEMORY_BUDGET = 2 * 2**30
@@ -301,12 +299,9 @@ def choose_chunk(
         chunks: whether the candidates are chunk sizes of ``n_local`` rows (so that the time of one
             not compiled can be predicted from the plan's trips); default: True where ``candidates``
             is None. Where False (the values of another knob), only the compiled ones are priced.
-        first: where the caller predicts the largest fitting candidate to be (from the bytes of a
-            related program already compiled): the largest candidate at most ``first`` is compiled
-            first instead of the largest candidate, and where it fits, the next candidate up. The
-            search stays exact (any first probe does); a right prediction ends it in two
-            compilations (that candidate and the next; one at the top).
-            Not part of the cache key (it does not change the choice).
+        first: the caller's prediction of the answer: the largest candidate at most ``first`` is
+            compiled first, then (where it fits) the next one up; the search stays exact, and a right
+            prediction ends it in two compilations. Not in the cache key.
 
     Returns:
         The chosen candidate (or ``none_fits``).
@@ -489,22 +484,3 @@ def remember(
     """Records a smaller chunk for ``key`` after an out-of-memory error at run time (unpriced)."""
     p = resolve_platform(platform)
     _cache[(key, n_local, budget, p)] = Choice(chunk, None, p.name, 0)
-
-
-def run_with_oom_retry(run: Callable[[int], Any], chunk: int, on_retry: Callable[[int], None], where: str):
-    """Runs ``run(chunk)``; on a RESOURCE_EXHAUSTED error, warns, halves the chunk and retries once."""
-    try:
-        return jax.block_until_ready(run(chunk))
-    except jax.errors.JaxRuntimeError as err:
-        if "RESOURCE_EXHAUSTED" not in str(err) or chunk == 1:
-            raise
-        smaller = max(1, chunk // 2)
-        warnings.warn(
-            f"{where}: out of memory at chunk_size={chunk} chosen by chunk_size='auto'; retrying once "
-            f"with chunk_size={smaller}. To avoid this, pass {where} a smaller memory_budget (bytes per "
-            "device) or a fixed chunk_size.",
-            ChunkRetryWarning,
-            stacklevel=3,
-        )
-        on_retry(smaller)
-        return jax.block_until_ready(run(smaller))

@@ -35,10 +35,10 @@ from vmcgrad._chunks.budget import (
     choose_chunk,
     recorded,
     remember,
-    run_with_oom_retry,
     signature,
 )
 from vmcgrad._chunks.plan import ChunkPlan, Space
+from vmcgrad._chunks.retry import run_with_oom_retry
 from vmcgrad._function import cache_key, join_fun, on_chunks, split_fun, weak_structure
 from vmcgrad._hlo.cost import Platform
 from vmcgrad._hlo.platform import resolve_platform

@@ -14,7 +14,7 @@ from netket.vqs.mc import get_local_kernel, get_local_kernel_arguments
 
 import vmcgrad
 from vmcgrad._cache import Cache
-from vmcgrad._chunks.budget import run_with_oom_retry
+from vmcgrad._chunks.retry import run_with_oom_retry
 from vmcgrad._problem import validation as check
 
 from . import _nk_private as nkp
