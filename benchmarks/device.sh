@@ -51,7 +51,11 @@
 # 1.25 minutes and vmcgrad's compiled past the call's end (benchmarks/results/step-regime-tpu-v5e).
 # The compilation cache below (JAX_COMPILATION_CACHE_DIR, default /tmp/vmcgrad-jax-cache) is
 # meant for that: a first call with short minutes compiles every contender's programs, and a second
-# call while the machine is warm races on them (not yet tried on an accelerator).
+# call while the machine is warm races on them (not yet tried on an accelerator). Caveat: JAX keys
+# the cache on programs stripped of metadata, and vmcgrad.program_cost's expected_trips (the CG
+# route's priced iterations) is metadata, so a priced program can load an unannotated executable
+# (docs/performance.md, "JAX's persistent compilation cache is not safe with program_cost's
+# annotations"); unset JAX_COMPILATION_CACHE_DIR where route choices matter.
 #
 # NetKet is not in the accelerator machines' images: `bash benchmarks/device_wheels.sh gpu` (or tpu)
 # fetches its wheels here, and that script's header gives the install line that starts a call.
