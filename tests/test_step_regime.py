@@ -1,11 +1,13 @@
 """``benchmarks/step_regime.py``: a step's time against N, by phase, and the Jacobian split it sets."""
 
+import argparse
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import step_regime  # benchmarks/ is on sys.path (pyproject.toml's pythonpath)
 from helpers import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,3 +84,16 @@ def test_the_probe_times_each_run_by_phase_and_the_split_sets_the_jacobian_batch
     # a chunk of 16 in two parts: 8 samples at a time (the kept Jacobian's chunks); in sixteen: 1
     assert split2 and set(split2) == {8}, split2
     assert split16 and set(split16) == {1}, split16
+
+
+def test_the_budget_is_a_positive_number_of_mib_or_default():
+    """``--budget-mib``: ``default`` is vmcgrad's own budget (None to the driver), a number its MiB;
+    zero, a negative number or a word is refused with what it expects."""
+    assert step_regime.budget_mib("default") is None
+    assert step_regime.budget_mib("64") == 64.0 and step_regime.budget_mib("0.5") == 0.5
+    for bad in ("0", "-8", "auto", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="positive number of MiB or 'default'"):
+            step_regime.budget_mib(bad)
+    assert (
+        step_regime.parse(["--runs", "vmcgrad-vmcsr=256:auto", "--budget-mib", "default"]).budget_mib is None
+    )
