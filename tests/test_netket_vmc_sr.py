@@ -257,3 +257,71 @@ def test_netkets_own_step_is_said_once():
         drv.run(3, out=None, show_progress=False)
     said = [w for w in caught if "runs NetKet's own parameter-space SR step" in str(w.message)]
     assert len(said) == 1 and issubclass(said[0].category, vmcgrad.VmcgradWarning), said
+
+
+def _compilations(run):
+    """``{program name: backend compilations}`` while ``run()`` runs (JAX's compile events)."""
+    found: dict = {}
+
+    def listen(event, duration, fun_name="?", **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            found[fun_name] = found.get(fun_name, 0) + 1
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        run()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    return found
+
+
+def test_the_first_step_compiles_the_update_once():
+    """The automatic choice compiles its candidates of the update (``jit(_update_program)``), and the
+    first step runs the chosen one: no compilation of the update, none of the driver's
+    ``jit(_update)`` around it (which compiled the same program again: 33 s and 35 s on the TPU v5e
+    host, benchmarks/results/device-tpu-v5e-2026-12-07d). SPRING's second step (its momentum buffer
+    now an argument) compiles that program once more, as the jitted driver update did; both runs
+    take the same steps (parameters to 1e-10 after three)."""
+    from vmcgrad.netket import _vmc_sr
+
+    def driver():
+        H, _, _ = _states(np.float64)
+        sampler = nk.sampler.MetropolisLocal(H.hilbert, n_chains=2 * N_DEV)
+        kw = dict(n_samples=N_SAMPLES, seed=3, sampler_seed=4, memory_budget=2**20)
+        vs = vnk.MCState(sampler, nk.models.RBM(alpha=1), chunk_size="auto", **kw)
+        kw = dict(diag_shift=1e-3, momentum=0.8, use_ntk=True)
+        return vnk.VMC_SR(H, optax.sgd(0.02), variational_state=vs, **kw)
+
+    ours = driver()
+    search = _compilations(lambda: ours.route_at(ours.state.n_samples))
+    assert search.get("jit(_update_program)", 0) >= 1, search  # the candidates (routes, chunks)
+    first = _compilations(lambda: ours.run(1, out=None, show_progress=False))
+    assert "jit(_update_program)" not in first and "jit(_update)" not in first, first
+    more = _compilations(lambda: ours.run(2, out=None, show_progress=False))
+    assert more.get("jit(_update_program)") == 1 and "jit(_update)" not in more, more
+
+    ref = driver()  # the driver's update traced inside jax.jit, as before
+    ref._run_update = lambda args, static: _vmc_sr._update(*args, **static)
+    ref.run(3, out=None, show_progress=False)
+    assert_tree_allclose(ours.state.parameters, ref.state.parameters, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.filterwarnings("ignore::vmcgrad.VmcgradWarning")  # (NetKet's own step is said once)
+def test_netkets_own_step_on_an_automatic_chunk_runs_at_the_states_chunk():
+    """``use_ntk=False`` on a state with ``chunk_size="auto"``: NetKet's own step reads the driver's
+    ``chunk_size_bwd``, which must be an int or None (it was ``"auto"``: a TypeError deep in NetKet's
+    chunking); it runs at the state's chosen chunk, and equals NetKet's driver on NetKet's state at
+    the same seeds (the energy to 1e-12, parameters to 1e-10)."""
+    H, _, _ = _states(np.float64)
+    sampler = nk.sampler.MetropolisLocal(H.hilbert, n_chains=2 * N_DEV)
+    kw = dict(n_samples=N_SAMPLES, seed=3, sampler_seed=4)
+    ours = vnk.MCState(sampler, nk.models.RBM(alpha=1), chunk_size="auto", memory_budget=2**20, **kw)
+    ref = nk.vqs.MCState(sampler, nk.models.RBM(alpha=1), **kw)
+    args = dict(diag_shift=1e-3, use_ntk=False)
+    drv = vnk.VMC_SR(H, optax.sgd(0.02), variational_state=ours, **args)
+    assert drv.chunk_size_bwd == ours.chunk_size and isinstance(ours.chunk_size, int)
+    theirs = nk.driver.VMC_SR(H, optax.sgd(0.02), variational_state=ref, **args)
+    drv.run(1, out=None, show_progress=False)
+    theirs.run(1, out=None, show_progress=False)
+    np.testing.assert_allclose(drv._loss_stats.mean, theirs._loss_stats.mean, rtol=1e-12)
+    assert_tree_allclose(ours.parameters, ref.parameters, rtol=0, atol=1e-10)

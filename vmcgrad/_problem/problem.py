@@ -228,13 +228,10 @@ def call(program: Any, prob: Problem, *args: Any, choose: Chooser | None = None)
         choose: ``choose(program, prob, *args) -> (chunk, args)``, the chunk and the arguments to run
             at (compile only); default :func:`auto_chunk` with the arguments unchanged.
     """
-    choose = choose or _powers_of_two
     if LOWERING.get():
-        if prob.chunk_size == "auto":
-            chunk, args = choose(program, prob, *args)
-        else:
-            chunk = prob.chunk_size
+        chunk, args = chosen(program, prob, *args, choose=choose)
         return program.lower(prob.at_chunk(chunk), *args)
+    choose = choose or _powers_of_two
     if prob.chunk_size != "auto":
         return program(prob, *args)
     chunk, args = choose(program, prob, *args)
@@ -253,6 +250,14 @@ def call(program: Any, prob: Problem, *args: Any, choose: Chooser | None = None)
 Chooser = Callable[..., tuple[int, tuple]]
 
 
+def chosen(program: Any, prob: Problem, *args: Any, choose: Chooser | None = None) -> tuple[Any, tuple]:
+    """``(chunk, args)``: the chunk and the arguments :func:`call` runs ``program`` at (compile only:
+    ``chunk_size="auto"`` resolved by ``choose``, cached; a given chunk as it is)."""
+    if prob.chunk_size != "auto":
+        return prob.chunk_size, args
+    return (choose or _powers_of_two)(program, prob, *args)
+
+
 def _powers_of_two(program: Any, prob: Problem, *args: Any) -> tuple[int, tuple]:
     return auto_chunk(program, prob, *args), args
 
@@ -261,10 +266,9 @@ def auto_chunk(program: Any, prob: Problem, *args: Any, candidates: Any = None) 
     """The automatic chunk of ``program`` on ``args`` (see :func:`call`), compile only: among
     ``candidates`` (default: powers of two) whose program fits the budget, the one of least modelled
     time on the problem's platform (:func:`vmcgrad._chunks.budget.choose_chunk`, :func:`cost_platform_of`)."""
-    abstract = _abstract(args)
 
     def compile_at(c):
-        return program.lower(prob.at_chunk(c), *abstract).compile()
+        return compile_only(program, prob.at_chunk(c), *args)
 
     return choose_chunk(
         program_key(program, prob, args),
@@ -309,7 +313,7 @@ def auto_knob(
 
     def compile_at(value):
         chunk, at_args = at(value)
-        return program.lower(prob.at_chunk(chunk), *_abstract(at_args)).compile()
+        return compile_only(program, prob.at_chunk(chunk), *at_args)
 
     key = (program_key(program, prob, args), name)
     budget, platform = budget_of(prob), cost_platform_of(prob)
@@ -347,7 +351,9 @@ def budget_of(prob: Problem) -> int:
 
 def compile_only(program: Any, prob: Problem, *args: Any) -> Any:
     """``program(prob, *args)`` lowered and compiled, not run (traced arguments as their shapes): what
-    a choice among programs reads ``memory_analysis()`` from."""
+    a choice among programs reads ``memory_analysis()`` from, and the program a caller may then run
+    (:func:`vmcgrad._sr.ntk.minsr.update_executable`): JAX keeps the executable of a lowering it has
+    seen (the same jaxpr, shardings and options), so the same call again compiles nothing."""
     return program.lower(prob, *_abstract(args)).compile()
 
 

@@ -30,7 +30,6 @@ driver warns once that this step is NetKet's.
 from __future__ import annotations
 
 import time
-from functools import partial
 from typing import Any
 
 import jax
@@ -44,9 +43,9 @@ from vmcgrad._sr.ntk import modes as ntk_modes
 
 from . import _driver_state
 from . import _nk_private as nkp
-from ._expect_grad import log_psi
 from ._grow import GrowSamples
 from ._netket_chunked import warn_once
+from ._update import CompiledUpdate, _minsr, _route_choice, _update
 
 NAME = "vmcgrad.netket.VMC_SR"
 
@@ -104,6 +103,7 @@ class VMC_SR(nk.driver.VMC_SR):
     _route: Any = struct.field(pytree_node=False, default=None)
     route: Any = struct.field(pytree_node=False, default=None)
     _cg_iterations: Any = struct.field(pytree_node=False, default=None)
+    _run_update: Any = struct.field(pytree_node=False, default=None)
     _routes: Any = struct.field(pytree_node=False, default=None)
     _update_time: Any = struct.field(pytree_node=False, default=None)
     route_choice: Any = struct.field(pytree_node=False, default=None)
@@ -168,6 +168,8 @@ class VMC_SR(nk.driver.VMC_SR):
                 f"{NAME}: `grow_samples` needs use_ntk=True (the sample-space update, whose kernel holds "
                 "N within the budget); got use_ntk=False. Fix: pass use_ntk=True."
             )
+        if not self.use_ntk and not isinstance(chunk, int):  # NetKet's own step: its chunk or none
+            chunk = variational_state.chunk_size if isinstance(variational_state.chunk_size, int) else None
         self._chunk_size_bwd = chunk  # may be "auto", which NetKet's setter refuses
         self._memory_budget = budget
         if self.use_ntk:
@@ -179,6 +181,7 @@ class VMC_SR(nk.driver.VMC_SR):
         self._routes = {}  # N -> (the route taken there, its record: vmcgrad._chunks.budget.Choice)
         self._update_time = None
         self.route_choice = None
+        self._run_update = CompiledUpdate()  # each step's update: the choice's executable
 
     @timing.timed
     def compute_loss_and_update(self):
@@ -203,7 +206,7 @@ class VMC_SR(nk.driver.VMC_SR):
         args, static = self._update_arguments(samples, local_energies.reshape(-1), route)
         self.route, self.route_choice = route, self.route_choice_at(self.state.n_samples)
         start = time.perf_counter()
-        self._dp, self._old_updates, info = jax.block_until_ready(_update(*args, **static))
+        self._dp, self._old_updates, info = jax.block_until_ready(self._run_update(args, static))
         self._update_time = time.perf_counter() - start
         self._cg_iterations = int(info.iterations) if isinstance(info, vmcgrad.CGInfo) else None
         self.info = info if isinstance(info, dict) and info else None
@@ -427,56 +430,6 @@ class VMC_SR(nk.driver.VMC_SR):
                 log_dict["cg_iterations"] = self._cg_iterations
         if self._grow is not None:
             log_dict["n_samples"] = self._n_sampled  # this step's N (the next one may be raised)
-
-
-def _minsr(
-    fun,
-    model_state,
-    params,
-    samples,
-    local_energies,
-    diag_shift,
-    proj_reg,
-    momentum,
-    old_updates,
-    *,
-    apply_fun,
-    platform,
-    **static,
-):
-    """``fun`` (:func:`vmcgrad.minsr_update` or its route, :func:`minsr.update_route`) on the
-    driver's arguments (:meth:`VMC_SR._update_arguments`); ``platform`` is only the trace's key (the
-    update reads the platform in force itself: :func:`vmcgrad._sr.ntk.modes.pinned`)."""
-    del platform
-    return fun(
-        log_psi(apply_fun, model_state),
-        params,
-        samples,
-        local_energies,
-        diag_shift=diag_shift,
-        proj_reg=proj_reg,
-        momentum=momentum,
-        old_updates=old_updates,
-        **static,
-    )
-
-
-@partial(
-    jax.jit,
-    static_argnames=("apply_fun", "mode", "solver", "route", "chunk_size", "memory_budget", "platform"),
-)
-def _update(*args, **static):
-    """:func:`vmcgrad.minsr_update` as the driver runs it, traced: each step and the check of a raised
-    N (:meth:`VMC_SR._update_fits`, which lowers this at the new N) reach ``chunk_size="auto"``'s
-    cache with the same key, so the first step at a raised N searches no chunk again (called on
-    placed arrays it would: the key holds their placement)."""
-    return _minsr(vmcgrad.minsr_update, *args, **static)
-
-
-def _route_choice(*args, **static):
-    """The record of the route :func:`_update` takes on these arguments (traced as :func:`_update`
-    traces them, so that the route's chunk search is the one the step finds in the cache)."""
-    return _minsr(minsr.update_choice, *args, **static)
 
 
 def _warn_netket_step() -> None:

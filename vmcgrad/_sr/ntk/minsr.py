@@ -37,7 +37,7 @@ from jax.flatten_util import ravel_pytree
 from vmcgrad._chunks.budget import Choice, budget_or_default
 from vmcgrad._hlo.cost import expected_trips
 from vmcgrad._problem import validation as check
-from vmcgrad._problem.problem import Problem, call, problem
+from vmcgrad._problem.problem import Problem, call, chosen, compile_only, problem
 from vmcgrad._problem.sharding import unsplit_explicit
 from vmcgrad._runner.primitive import map_reduce_problem
 from vmcgrad._runner.runner import REPLICATED
@@ -61,6 +61,7 @@ from vmcgrad._sr.ntk.routes import system_sizes
 from vmcgrad._sr.solve import cg
 
 _UPDATE = "vmcgrad.minsr_update"
+_HOW = 5  # the position of ``how`` (static: route, solver, rank) in _update_program's arguments
 
 
 def minsr_update(
@@ -149,8 +150,25 @@ def minsr_update(
     )
     prob, args_at, route, _ = _prepared(logpsi, params, samples, local_energies, options)
     args = args_at(route)
-    rank = int(args[5][2])  # (how: the route, the solver, the preconditioner's rank)
+    rank = int(args[_HOW][2])
     return call(_update_program, prob, *args, choose=routes.chooser(route, rank))
+
+
+def update_executable(
+    logpsi: Any, params: Any, samples: Any, local_energies: Any, **options: Any
+) -> tuple[Any, tuple]:
+    """``(compiled, arguments)``: the program :func:`vmcgrad.minsr_update` runs on these arguments
+    (its keywords), compiled, and its arguments: ``compiled(*arguments)`` is the update. Compile only:
+    where ``chunk_size="auto"`` chose, the choice's own executable (JAX keeps the executable of a
+    lowering it has seen), so that a driver returning ``arguments`` from its ``jax.jit`` compiles
+    nothing more, where tracing the update inside it compiled the program again."""
+    options = _with_defaults(options)
+    prob, args_at, route, _ = _prepared(logpsi, params, samples, local_energies, options)
+    args = args_at(route)
+    rank = int(args[_HOW][2])
+    chunk, args = chosen(_update_program, prob, *args, choose=routes.chooser(route, rank))
+    compiled = compile_only(_update_program, prob.at_chunk(chunk), *args)
+    return compiled, args[:_HOW] + args[_HOW + 1 :]  # (``how`` is static: compiled in)
 
 
 def update_route(logpsi: Any, params: Any, samples: Any, local_energies: Any, **options: Any) -> str:
