@@ -294,7 +294,8 @@ def test_the_first_step_compiles_the_update_once():
 
     ours = driver()
     search = _compilations(lambda: ours.route_at(ours.state.n_samples))
-    assert search.get("jit(_update_program)", 0) >= 1, search  # the candidates (routes, chunks)
+    # the candidates (routes, their chunks), each counted in the choice's record
+    assert search.get("jit(_update_program)", 0) == ours.route_choice_at(ours.state.n_samples).compiled >= 1
     first = _compilations(lambda: ours.run(1, out=None, show_progress=False))
     assert "jit(_update_program)" not in first and "jit(_update)" not in first, first
     more = _compilations(lambda: ours.run(2, out=None, show_progress=False))

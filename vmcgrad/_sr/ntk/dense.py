@@ -123,8 +123,10 @@ def choose_dense(program: Any, prob: Problem, op: Any, *args: Any) -> tuple[int,
 
 def dense_choice(program: Any, prob: Problem, op: Any, *args: Any) -> tuple[int, tuple, Choice | None]:
     """:func:`choose_dense`'s ``(chunk, args)`` and the record of the search that settled them
-    (:class:`vmcgrad._chunks.budget.Choice`: the chosen program's modelled time and cost; None for
-    a chunk remembered after an out-of-memory error). Compile only, cached."""
+    (:class:`vmcgrad._chunks.budget.Choice`: the chosen program's modelled time and cost, and in
+    ``compiled`` the programs every search on the way compiled, but for a kept-Jacobian search in
+    which no chunk fitted; None for a chunk remembered after an out-of-memory error). Compile only,
+    cached."""
     if op.jacobian_batch is not None:
         found = auto_choice(program, prob, op, *args)
         return found.value, (op, *args), found
@@ -146,7 +148,8 @@ def dense_choice(program: Any, prob: Problem, op: Any, *args: Any) -> tuple[int,
             b = one_block.value
             k = k_of(op.mode)
             at_once, in_turn_most = _predicted_chunks(one_block, b, budget, k)
-            best = _kept_chunk(program, prob, kept, args, b, 2 * b, "", at_once) or (one_block, at(b))
+            at_once = _kept_chunk(program, prob, kept, args, b, 2 * b, "", at_once)
+            best, in_turn = at_once or (one_block, at(b)), None
             if k > 1:  # taken where its program's modelled time is less
                 # (a sample's bytes in turn are at least 1/K of its bytes at once: 2Kb does not fit)
                 turn = dataclasses.replace(kept, components_in_turn=True)
@@ -156,7 +159,8 @@ def dense_choice(program: Any, prob: Problem, op: Any, *args: Any) -> tuple[int,
                 timed = lambda f: math.inf if f is None or f[0].seconds is None else f[0].seconds
                 best = in_turn if timed(in_turn) < timed(best) else best
             choice, (chunk, at_args) = best
-            return chunk, at_args, choice
+            spent = one_block.compiled + sum(f[0].compiled for f in (at_once, in_turn) if f is not None)
+            return chunk, at_args, choice._replace(compiled=spent)
         if one_block is not None:
             return (*at(one_block.value), one_block)
     # (one block did not fit at any batch: neither does keeping the Jacobian over chunks, whose chunk
@@ -169,7 +173,10 @@ def dense_choice(program: Any, prob: Problem, op: Any, *args: Any) -> tuple[int,
     if plan.count == 1:  # the operator compiled (its batch None is the chunk's): the run reuses it
         return chunk, (op, *args), found
     fewer = sorted({-(-prob.n_local // m) for m in range(1, plan.count + 1)})
+    first = found
     found = auto_choice(program, prob, fixed, *args, candidates=fewer)
+    if found is not None and first is not None:  # (the record counts both searches' compilations)
+        found = found._replace(compiled=first.compiled + found.compiled)
     return found.value, (fixed, *args), found
 
 

@@ -282,7 +282,8 @@ def choose(
     Returns:
         A :class:`vmcgrad._chunks.budget.Choice`: ``value`` ``(route, chunk)``, ``seconds`` its
         modelled time, ``platform``, ``memory`` its compiled bytes per device, ``priced`` each route
-        that fits with its modelled seconds, ``cost`` its program's
+        that fits with its modelled seconds, ``compiled`` the programs compiled on every route's
+        way (the chunk and batch searches under it included), ``cost`` its program's
         :class:`vmcgrad._hlo.cost.ProgramCost`.
 
     Raises:
@@ -294,6 +295,7 @@ def choose(
     if key in _CHOSEN:
         return _CHOSEN.get(key)
     needs: dict[str, int] = {}
+    spent: dict[str, int] = {}  # the programs compiled on each route's way (fitting or not)
 
     def compile_at(route: str) -> Choice:
         floor = floor_bytes(route, sizes)
@@ -301,7 +303,7 @@ def choose(
             needs[route] = floor
             raise _Over(floor)
         found = fit(program, prob, args_at(route), route, floor, sizes.rank)
-        needs[route] = found.need
+        needs[route], spent[route] = found.need, found.compiled
         if not found.fits:
             raise _Over(found.need)
         if found.kept:
@@ -329,7 +331,8 @@ def choose(
         best = None
     if best is None:
         raise _no_route(where, prob, budget, needs)
-    best = best._replace(priced=tuple((value[0], t) for value, t in best.priced))
+    priced = tuple((value[0], t) for value, t in best.priced)
+    best = best._replace(priced=priced, compiled=sum(spent.values()))
     _CHOSEN[key] = best
     return best
 
