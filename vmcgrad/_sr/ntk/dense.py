@@ -147,8 +147,8 @@ def dense_choice(program: Any, prob: Problem, op: Any, *args: Any) -> tuple[int,
             kept = dataclasses.replace(op, jacobian_batch=None, keep_jacobian=True)
             b = one_block.value
             k = k_of(op.mode)
-            at_once, in_turn_most = _predicted_chunks(one_block, b, budget, k)
-            at_once = _kept_chunk(program, prob, kept, args, b, 2 * b, "", at_once)
+            once_most, in_turn_most = _predicted_chunks(one_block, b, budget, k)
+            at_once = _kept_chunk(program, prob, kept, args, b, 2 * b, "", once_most)
             best, in_turn = at_once or (one_block, at(b)), None
             if k > 1:  # taken where its program's modelled time is less
                 # (a sample's bytes in turn are at least 1/K of its bytes at once: 2Kb does not fit)
