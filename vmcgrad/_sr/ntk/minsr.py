@@ -148,27 +148,28 @@ def minsr_update(
         tol=tol,
         maxiter=maxiter,
     )
-    prob, args_at, route, _ = _prepared(logpsi, params, samples, local_energies, options)
-    args = args_at(route)
-    rank = int(args[_HOW][2])
-    return call(_update_program, prob, *args, choose=routes.chooser(route, rank))
+    prob, args, choose = _program(logpsi, params, samples, local_energies, options)
+    return call(_update_program, prob, *args, choose=choose)
 
 
 def update_executable(
     logpsi: Any, params: Any, samples: Any, local_energies: Any, **options: Any
 ) -> tuple[Any, tuple]:
-    """``(compiled, arguments)``: the program :func:`vmcgrad.minsr_update` runs on these arguments
-    (its keywords), compiled, and its arguments: ``compiled(*arguments)`` is the update. Compile only:
-    where ``chunk_size="auto"`` chose, the choice's own executable (JAX keeps the executable of a
-    lowering it has seen), so that a driver returning ``arguments`` from its ``jax.jit`` compiles
-    nothing more, where tracing the update inside it compiled the program again."""
-    options = _with_defaults(options)
-    prob, args_at, route, _ = _prepared(logpsi, params, samples, local_energies, options)
-    args = args_at(route)
-    rank = int(args[_HOW][2])
-    chunk, args = chosen(_update_program, prob, *args, choose=routes.chooser(route, rank))
+    """``(compiled, arguments)``, ``compiled(*arguments)`` being :func:`vmcgrad.minsr_update` on these
+    arguments (its keywords). Compile only: after ``chunk_size="auto"``'s choice, the choice's own
+    executable (JAX keeps the executable of a lowering it has seen): nothing compiles again."""
+    prob, args, choose = _program(logpsi, params, samples, local_energies, _with_defaults(options))
+    chunk, args = chosen(_update_program, prob, *args, choose=choose)
     compiled = compile_only(_update_program, prob.at_chunk(chunk), *args)
     return compiled, args[:_HOW] + args[_HOW + 1 :]  # (``how`` is static: compiled in)
+
+
+def _program(logpsi: Any, params: Any, samples: Any, local_energies: Any, options: dict) -> tuple:
+    """``(problem, arguments, choose)``: :func:`_update_program`'s on the route taken
+    (:func:`_prepared`), and its chunk's chooser (:func:`vmcgrad._sr.ntk.routes.chooser`)."""
+    prob, args_at, route, _ = _prepared(logpsi, params, samples, local_energies, options)
+    args = args_at(route)
+    return prob, args, routes.chooser(route, int(args[_HOW][2]))
 
 
 def update_route(logpsi: Any, params: Any, samples: Any, local_energies: Any, **options: Any) -> str:
