@@ -242,12 +242,13 @@ def test_the_search_over_given_candidates_finds_the_largest_that_fits():
 
 
 def test_a_predicted_first_probe_keeps_the_search_exact_and_ends_it_in_two():
-    """choose_chunk's ``first`` (where the caller predicts the answer: the kept Jacobian's searches
-    predict it from one block's bytes, ntk_dense._predicted_chunks): on every curve, sample count,
-    budget and guess (every candidate, one below the smallest, one above the largest), the largest
-    candidate that fits, none compiled twice; where the guess is the answer, two compilations (it
-    and the next candidate), or one where it is the largest candidate. Red with ``first`` ignored
-    (the largest candidate compiled first: more compilations) and with the guess taken unchecked."""
+    """choose_chunk's ``first`` (where the caller predicts the answer: the kept Jacobian's search with
+    the components in turn predicts it from the search at once, ntk_dense._predicted_chunks): on
+    every curve, sample count, budget and guess (every candidate, one below the smallest, one above
+    the largest), the largest candidate that fits, none compiled twice; where the guess is the
+    answer, two compilations (it and the next candidate), or one where it is the largest candidate.
+    Red with ``first`` ignored (the largest candidate compiled first: more compilations) and with
+    the guess taken unchecked."""
     fixed = 1_000_000
     for name, curve in _CURVES.items():
         for n in (7, 100, 1000):
@@ -270,6 +271,42 @@ def test_a_predicted_first_probe_keeps_the_search_exact_and_ends_it_in_two():
                     assert len(set(compiled)) == len(compiled) <= len(candidates), case
                     if first == fits[-1]:
                         assert len(compiled) == (1 if first == candidates[-1] else 2), case
+
+
+def test_the_bytes_every_candidate_holds_start_the_line_and_keep_the_search_exact():
+    """choose_chunk's ``held`` (bytes every candidate's program holds besides its arguments and
+    outputs: the kept Jacobian's searches pass the Jacobian and the kernel): on every curve, sample
+    count, budget and ``held`` (none, half the curve's intercept, all of it, twice it), the largest
+    candidate that fits, none compiled twice; on the straight line with ``held`` its intercept, at
+    most three compilations (the largest, the line's answer, the next one up), where with ``held``
+    0 the chunks of 1 000 samples take more. Red with ``held`` ignored (the last count)."""
+    fixed = 1_000_000
+    counts = {}
+    for name, curve in _CURVES.items():
+        for n in (7, 100, 1000):
+            candidates = sorted({-(-n // m) for m in range(1, n + 1)})
+            low, high = fixed + curve(candidates[0]), fixed + curve(candidates[-1])
+            for budget in {low, max(low, high - 1), *(low + (high - low) * i // 9 for i in range(1, 9))}:
+                fits = [c for c in candidates if fixed + curve(c) <= budget]
+                for held in (0, 25_000, 50_000, 100_000):
+                    compiled = []
+
+                    def compile_at(c, compiled=compiled, curve=curve):
+                        compiled.append(c)
+                        return _Analysis(curve(c), fixed)
+
+                    got = _auto_chunk.choose_chunk(
+                        object(), n, compile_at, budget, where="t", candidates=candidates, held=held
+                    )
+                    case = (name, n, budget, held, compiled)
+                    assert got == fits[-1], case
+                    assert len(set(compiled)) == len(compiled) <= len(candidates), case
+                    if name == "line":
+                        counts[n, budget, held] = len(compiled)
+    assert all(c <= 3 for (_, _, held), c in counts.items() if held == 50_000), counts
+    assert sum(c for (n, _, held), c in counts.items() if n == 1000 and held == 0) > sum(
+        c for (n, _, held), c in counts.items() if n == 1000 and held == 50_000
+    ), counts
 
 
 def test_the_search_checks_fail_on_a_slow_or_a_wrong_search(monkeypatch):

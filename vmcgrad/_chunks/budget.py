@@ -264,6 +264,7 @@ def choose_chunk(
     platform: str | Platform | None = None,
     chunks: bool | None = None,
     first: float | None = None,
+    held: int = 0,
 ) -> Any:
     r"""Among the candidate chunks (by default the powers of two at most ``n_local``) whose program
     fits ``budget`` bytes, the one of least modelled time on the platform.
@@ -302,6 +303,10 @@ def choose_chunk(
         first: the caller's prediction of the answer: the largest candidate at most ``first`` is
             compiled first, then (where it fits) the next one up; the search stays exact, and a right
             prediction ends it in two compilations. Not in the cache key.
+        held: bytes every candidate's program holds besides its arguments and outputs, whatever the
+            candidate (a kept Jacobian): the straight line through one compiled candidate starts
+            there, not at the arguments and outputs alone, so that its second probe lands near the
+            answer. Like ``first``, it decides how soon the search ends, not where; not in the key.
 
     Returns:
         The chosen candidate (or ``none_fits``).
@@ -329,7 +334,8 @@ def choose_chunk(
         elif start is not None and len(probed) == 1 and probed[start].memory <= budget:
             i = lo  # the prediction fits: is it the largest? (the next candidate up)
         else:
-            i = _next_probe(candidates, {j: (q.memory, q.fixed) for j, q in probed.items()}, lo, hi, budget)
+            measured = {j: (q.memory, q.fixed + held) for j, q in probed.items()}
+            i = _next_probe(candidates, measured, lo, hi, budget)
         probed[i] = _price(compile_at(candidates[i]), budget, p)
         if probed[i].memory <= budget:
             lo = i + 1
@@ -454,14 +460,14 @@ def _next_probe(candidates: list[int], probed: dict, lo: int, hi: int, budget: i
     First the largest. Then the largest candidate a straight line ``bytes(c) = a + b c`` puts within
     the budget: through the two measured points nearest the boundary (the largest that fits and the
     smallest that does not, else the two smallest), or after one point through it with ``a`` its
-    arguments and outputs. After :data:`INTERPOLATED_PROBES` compilations, or where the line says
-    nothing (not growing), the middle of ``[lo, hi]``. Any index in ``[lo, hi]`` keeps the search
-    exact; the line only decides how soon it ends.
+    arguments and outputs and the bytes the caller knows every candidate holds (``probed``'s second
+    entries). After :data:`INTERPOLATED_PROBES` compilations, or where the line says nothing (not
+    growing), the middle of ``[lo, hi]``, except where the line puts the answer at the largest
+    candidate known to fit: then the next one up, whose compilation ends the search if it does not
+    fit. Any index in ``[lo, hi]`` keeps the search exact; the line only decides how soon it ends.
     """
     if not probed:
         return hi
-    if len(probed) >= INTERPOLATED_PROBES:
-        return (lo + hi) // 2
     if len(probed) == 1:
         ((i, (total, fixed)),) = probed.items()
         (c1, b1), (c2, b2) = (0, fixed), (candidates[i], total)
@@ -475,6 +481,8 @@ def _next_probe(candidates: list[int], probed: dict, lo: int, hi: int, budget: i
         return (lo + hi) // 2
     largest = (budget - b1) / slope + c1  # where the line crosses the budget
     k = bisect.bisect_right(candidates, largest) - 1  # the largest candidate below it
+    if len(probed) >= INTERPOLATED_PROBES:  # bisection, but where the line confirms its answer
+        return lo if k < lo else (lo + hi) // 2
     return min(max(k, lo), hi)
 
 

@@ -300,6 +300,7 @@ def auto_knob(
     name: str,
     info: bool = False,
     first: float | None = None,
+    held: int = 0,
 ) -> Any:
     """Among ``candidates``, values of a knob of ``program`` other than the chunk, the one of least
     modelled time on the problem's platform among those at which it fits the memory budget (the
@@ -309,7 +310,8 @@ def auto_knob(
     (:func:`vmcgrad._sr.ntk.dense.choose_dense`: one chunk's Jacobian batch). With ``info``, the
     record of the choice (:class:`vmcgrad._chunks.budget.Choice`, its ``cost`` the chosen program's)
     instead of the value; None where none fits. ``first``: where the caller predicts the largest
-    fitting candidate (:func:`vmcgrad._chunks.budget.choose_chunk`'s, compiled first)."""
+    fitting candidate (:func:`vmcgrad._chunks.budget.choose_chunk`'s, compiled first); ``held``: the
+    bytes every candidate holds besides its arguments and outputs (its search's line starts there)."""
 
     def compile_at(value):
         chunk, at_args = at(value)
@@ -328,6 +330,7 @@ def auto_knob(
         platform=platform,
         chunks=False,
         first=first,
+        held=held,
     )
     return recorded(key, prob.n_local, budget, platform) if info else value
 

@@ -20,8 +20,9 @@ Memory: a chunk holds :math:`(c + b) K P` numbers of Jacobians, the model's inte
 samples (rows and columns are derived ``b`` at a time, the shift :math:`s` taken off per batch), and the
 device's :math:`N_\text{local} K \times NK` rows and the buffer of their transpose (which XLA may reuse,
 see ``benchmarks/bench_minsr.py``). ``chunk_size="auto"`` picks the largest chunk whose compiled program
-fits the budget (:func:`choose_dense`: one block at the largest batch that fits, else the powers of two
-at the whole chunk, then fewer larger chunks at the batch those fixed), the N×N kernel and, in
+fits the budget (:func:`choose_dense`: one block at the largest batch that fits, or for the update on an
+accelerator the Jacobian kept over the fewest chunks that fit, else the powers of two at the whole
+chunk, then fewer larger chunks at the batch those fixed), the N×N kernel and, in
 :func:`vmcgrad.minsr_update`, its factor and pullback (one vjp pass at the chunk) included. A chunk
 given (the budget is for ``"auto"``) derives its Jacobians at once. No collective runs per block.
 :math:`s` is NetKet's mean-Jacobian estimate (32 evenly strided samples): it does not change the centred
@@ -86,28 +87,29 @@ def choose_dense(program: Any, prob: Problem, op: Any, *args: Any) -> tuple[int,
     model's derivative, whatever :math:`b`): fewer, larger batches and chunks both mean fewer ops.
 
     1. One block of every sample (one device holding them all, and their Jacobian, :math:`NKP`
-       numbers, within the budget): the largest batch :math:`b` among the powers of two up to the
-       platform's part of the block (:func:`~vmcgrad._sr.ntk.modes.jacobian_batch`: N on an
-       accelerator, N/16 on a CPU) and that part itself. :func:`vmcgrad.minsr_update` then keeps
-       the Jacobian (N per-sample Jacobians, no mean-Jacobian estimate, no pullback pass).
+       numbers, within the budget). On a CPU (the chunk's Jacobians in parts,
+       :func:`~vmcgrad._sr.ntk.modes.jacobian_split` > 1), or for a program that keeps the Jacobian
+       in one block only: the largest batch :math:`b` among the powers of two up to the platform's
+       part of the block (:func:`~vmcgrad._sr.ntk.modes.jacobian_batch`: N on an accelerator, N/16
+       on a CPU) and that part itself. :func:`vmcgrad.minsr_update` then keeps the
+       Jacobian (N per-sample Jacobians, no mean-Jacobian estimate, no pullback pass).
        For a program of :data:`KEPT_JACOBIAN_PROGRAMS` (the update's, which keeps the Jacobian over
-       chunks too), on an accelerator (the chunk's Jacobians at once:
-       :func:`~vmcgrad._sr.ntk.modes.jacobian_split` 1), with :math:`b < N`: every trip count
-       between :math:`N/2b` and :math:`N/b`, as its smallest chunk :math:`\lceil N/m \rceil` in
-       :math:`(b, 2b)` (one block did not fit at :math:`2b`), the Jacobian kept and each chunk
-       derived at once, the last shifted back: a chunk holds what one block at that batch holds,
-       but its trips are any :math:`\lceil N/c \rceil`, not only :math:`N/b` for a power of two
-       :math:`b`; the largest that fits (the budget's search, its first probe where the line
-       through one block's bytes at :math:`b` and :math:`2b` crosses the budget,
-       :func:`_predicted_chunks`, then the next candidate up: two compilations where the line
-       holds, a few more where it does not), else one block. With K > 1 components ('complex'
-       mode), the chunks in :math:`(b, 2Kb]` with the components' pullbacks in turn
+       chunks too) on an accelerator (each chunk's Jacobians at once), the chunks instead
+       (:func:`_kept_choice`): every trip count's smallest chunk :math:`\lceil N/t \rceil`, one
+       block (:math:`t = 1`) first, the Jacobian kept, the last chunk shifted back: a chunk holds
+       what one block at that batch holds, but its trips are any :math:`\lceil N/c \rceil`, not only
+       :math:`N/b` for a power of two :math:`b`; the largest that fits (the budget's search, its
+       line from the bytes every chunk holds, the Jacobian and the kernel: where one block is over
+       the budget, its second probe lands near the answer). With K > 1 components ('complex'
+       mode), the larger chunks with the components' pullbacks in turn
        (:attr:`~vmcgrad.NTKOperator.components_in_turn`: a sample's reverse-pass intermediates held
        for one component at a time, so up to K times the samples a trip, each trip one forward and
-       K reverse passes in sequence) are searched the same way (the first probe at the line's bound
-       for them), and taken where their program's modelled time is less.
-    2. Else the powers of two for :math:`c` at the platform's batch (:math:`b = c` on an
-       accelerator, the whole chunk at once; :math:`c/16` on a CPU); the largest that fits,
+       K reverse passes in sequence) are searched the same way (the first probe at K times the room
+       the first search measured, :func:`_predicted_chunks`), and taken where their program's
+       modelled time is less. Where not even one sample per chunk fits so, item 2.
+    2. Else (one block, or one kept chunk, fits nowhere) the powers of two for :math:`c` at the
+       platform's batch (:math:`b = c` on an accelerator, the whole chunk at once; :math:`c/16` on a
+       CPU); the largest that fits,
        :math:`c^*`, fixes its batch :math:`b^*`. With :math:`b^*` held, a chunk's bytes grow only
        by its rows' Jacobians, so fewer and larger chunks may still fit: the candidates
        :math:`\lceil N_\text{local}/m \rceil` for :math:`m` = 1 to the count of :math:`c^*` are searched
@@ -132,37 +134,19 @@ def dense_choice(program: Any, prob: Problem, op: Any, *args: Any) -> tuple[int,
         return found.value, (op, *args), found
     budget = budget_or_default(prob.memory_budget)
     if prob.n_local == prob.n and jacobian_bytes(prob, op) <= budget:
-        at = lambda b: (prob.n, (dataclasses.replace(op, jacobian_batch=b), *args))
-        # the whole block, or the platform's part of it
-        most = jacobian_batch(prob.n, None, jacobian_split(prob))
-        batches = sorted({2**i for i in range(most.bit_length())} | {most})
-        name = "one block's Jacobian batch"
-        one_block = auto_knob(program, prob, (op, *args), batches, at, name=name, info=True)
-        kept_chunks = program in KEPT_JACOBIAN_PROGRAMS
-        if kept_chunks and one_block is not None and jacobian_split(prob) == 1 and one_block.value < prob.n:
-            # a trip costs its ops whatever its size: the Jacobian kept over fewer, larger chunks, each
-            # derived at once (the last shifted back), than one block's batches; between b and 2b (one
-            # block did not fit at 2b, a power of two up to N; a chunk of 2b holds as much), and with
-            # the K components in turn (about 1/K of a sample's bytes in 'complex' mode) up to 2Kb
-            kept = dataclasses.replace(op, jacobian_batch=None, keep_jacobian=True)
-            b = one_block.value
-            k = k_of(op.mode)
-            once_most, in_turn_most = _predicted_chunks(one_block, b, budget, k)
-            at_once = _kept_chunk(program, prob, kept, args, b, 2 * b, "", once_most)
-            best, in_turn = at_once or (one_block, at(b)), None
-            if k > 1:  # taken where its program's modelled time is less
-                # (a sample's bytes in turn are at least 1/K of its bytes at once: 2Kb does not fit)
-                turn = dataclasses.replace(kept, components_in_turn=True)
-                top = min(prob.n, 2 * k * b) + 1
-                what = ", components in turn"
-                in_turn = _kept_chunk(program, prob, turn, args, b, top, what, in_turn_most)
-                timed = lambda f: math.inf if f is None or f[0].seconds is None else f[0].seconds
-                best = in_turn if timed(in_turn) < timed(best) else best
-            choice, (chunk, at_args) = best
-            spent = one_block.compiled + sum(f[0].compiled for f in (at_once, in_turn) if f is not None)
-            return chunk, at_args, choice._replace(compiled=spent)
-        if one_block is not None:
-            return (*at(one_block.value), one_block)
+        if program in KEPT_JACOBIAN_PROGRAMS and jacobian_split(prob) == 1:
+            kept = _kept_choice(program, prob, op, args, budget)
+            if kept is not None:
+                return kept
+        else:
+            at = lambda b: (prob.n, (dataclasses.replace(op, jacobian_batch=b), *args))
+            # the whole block, or the platform's part of it
+            most = jacobian_batch(prob.n, None, jacobian_split(prob))
+            batches = sorted({2**i for i in range(most.bit_length())} | {most})
+            name = "one block's Jacobian batch"
+            one_block = auto_knob(program, prob, (op, *args), batches, at, name=name, info=True)
+            if one_block is not None:
+                return (*at(one_block.value), one_block)
     # (one block did not fit at any batch: neither does keeping the Jacobian over chunks, whose chunk
     # at the batch b holds what one block at b holds)
     op = dataclasses.replace(op, keep_jacobian=False)
@@ -180,26 +164,54 @@ def dense_choice(program: Any, prob: Problem, op: Any, *args: Any) -> tuple[int,
     return found.value, (fixed, *args), found
 
 
-def _predicted_chunks(one_block: Choice, b: int, budget: float, k: int) -> tuple[float | None, float | None]:
-    r"""Where the kept Jacobian's chunks cross the budget, predicted from one block's search
-    (``one_block``, which fit at batch :math:`b` and not at :math:`2b`; its ``probes``): the
-    straight line :math:`F + s c` through those two programs' bytes (a chunk :math:`c` holds what one
-    block at batch :math:`c` holds), crossing at :math:`(B - F)/s` with the components at once, and,
-    with the K components in turn (a sample's bytes at least :math:`s/K`: its forward pass's
-    residuals are held once, its reverse pass's for one component), at most :math:`K(B - F)/s`.
-    ``(None, None)`` where the probes do not give the line. The searches compile these first
-    (:func:`vmcgrad._chunks.budget.choose_chunk`'s ``first``): each ends in two compilations where
-    the line holds, and stays exact where it does not."""
-    measured = dict(one_block.probes)
-    over = [c for c, m in measured.items() if c > b and m > budget]
-    if b not in measured or not over:
-        return None, None
+def _kept_choice(program: Any, prob: Problem, op: Any, args: tuple, budget: float):
+    r"""Item 1 of :func:`choose_dense` (one device holds every sample, an accelerator, a program of
+    :data:`KEPT_JACOBIAN_PROGRAMS`): ``(chunk, (op, *args), choice)``, or None where not even one
+    sample per chunk fits with the Jacobian kept. Two searches, each over the chunks
+    :math:`\lceil N/t \rceil`: the components at once (from one block, :math:`t = 1`, down), then,
+    with K > 1 components, in turn at the chunks above the first's (taken where its modelled time is
+    less). Both lines start at the bytes every candidate holds, the Jacobian and the kernel
+    (``held``), so that a search that compiled one block and found it over the budget lands its
+    second probe near the answer; the one in turn opens at K times the room the first measured
+    (:func:`_predicted_chunks`). ``choice.compiled`` counts both searches' compilations."""
+    n, k = prob.n, k_of(op.mode)
+    held = jacobian_bytes(prob, op) + (n * k) ** 2 * jnp.dtype(op.dtype).itemsize
+    kept = dataclasses.replace(op, jacobian_batch=None, keep_jacobian=True)
+    at_once = _kept_chunk(program, prob, kept, args, 0, n + 1, "", held=held)
+    if at_once is None:
+        return None
+    best, in_turn = at_once, None
+    once, chunk = at_once[0], at_once[1][0]
+    if k > 1 and chunk < n:  # a sample's bytes in turn are at least 1/K of its bytes at once
+        turn = dataclasses.replace(kept, components_in_turn=True)
+        first = _predicted_chunks(once, chunk, budget, k)
+        what = ", components in turn"
+        in_turn = _kept_chunk(program, prob, turn, args, chunk, n + 1, what, first, held)
+        timed = lambda f: math.inf if f is None or f[0].seconds is None else f[0].seconds
+        best = in_turn if timed(in_turn) < timed(best) else best
+    choice, (chunk, at_args) = best
+    spent = sum(f[0].compiled for f in (at_once, in_turn) if f is not None)
+    return chunk, at_args, choice._replace(compiled=spent)
+
+
+def _predicted_chunks(found: Choice, c: int, budget: float, k: int) -> float | None:
+    r"""Where the kept Jacobian's chunks with the K components in turn cross the budget, predicted
+    from the search at once (``found``, which chose chunk :math:`c`; its ``probes``): the straight
+    line :math:`F + s c` through the bytes at :math:`c` and at the smallest chunk over the budget
+    crosses it at :math:`(B - F)/s`; in turn a sample's bytes are at least :math:`s/K` (its forward
+    pass's residuals held once, its reverse pass's for one component), so their chunks cross it at
+    most at :math:`K(B - F)/s`. None where the probes do not give the line. The search in turn
+    compiles the largest chunk at most that first (:func:`vmcgrad._chunks.budget.choose_chunk`'s
+    ``first``)."""
+    measured = dict(found.probes)
+    over = [b for b, m in measured.items() if b > c and m > budget]
+    if c not in measured or not over:
+        return None
     c2 = min(over)
-    slope = (measured[c2] - measured[b]) / (c2 - b)
+    slope = (measured[c2] - measured[c]) / (c2 - c)
     if slope <= 0:
-        return None, None
-    room = (budget - (measured[b] - slope * b)) / slope  # (B - F) / s
-    return room, k * room
+        return None
+    return k * (budget - (measured[c] - slope * c)) / slope
 
 
 def _kept_chunk(
@@ -211,12 +223,13 @@ def _kept_chunk(
     below: int,
     what: str,
     first: float | None = None,
+    held: int = 0,
 ):
     """``(choice, (chunk, (op, *args)))`` of the largest chunk strictly between ``above`` and ``below``
     whose program, the Jacobian kept (``op``), fits the budget, or None: each trip count's smallest
     chunk a candidate (one trip fewer is one trip of the model's derivative saved), the budget's
     search compiling a few of them (:func:`vmcgrad._problem.problem.auto_knob`), the one at most
-    ``first`` (:func:`_predicted_chunks`) first."""
+    ``first`` (:func:`_predicted_chunks`) first, its line from ``held`` bytes."""
     n = prob.n
     chunks = sorted(
         {c for t in range(1, -(-n // max(above, 1)) + 1) if above < (c := _chunk_of(n, t)) < below}
@@ -225,7 +238,9 @@ def _kept_chunk(
         return None
     at_kept = lambda c: (c, (op, *args))
     name = "the kept Jacobian's chunk" + what
-    found = auto_knob(program, prob, (op, *args), chunks, at_kept, name=name, info=True, first=first)
+    found = auto_knob(
+        program, prob, (op, *args), chunks, at_kept, name=name, info=True, first=first, held=held
+    )
     return None if found is None else (found, at_kept(found.value))
 
 
