@@ -48,7 +48,7 @@ Usage (PYTHONPATH=. in a checkout)::
     python benchmarks/time_to_energy.py --problem j1j2 --budget-mib 64 --minutes 30 --seeds 0 1 \
         --n netket-vmcsr=256:64 netket-vmcsr-otf=256:64 netket-sr-cg=1024:64 vmcgrad-sr=1024:auto \
         vmcgrad-vmcsr=1024:auto --out tte-j1j2-64mib
-    python benchmarks/time_to_energy.py --smoke --out /tmp/tte-smoke      # about a minute: a check
+    python benchmarks/time_to_energy.py --smoke --out /tmp/tte-smoke      # under a minute: a check
 
 **On an accelerator** (``benchmarks/device.sh``'s ``race`` step runs a short form): ``--platform cuda``
 makes a worker fail rather than fall back to the CPU, ``--chains`` gives the sampler more chains than
@@ -130,7 +130,7 @@ def parse(argv=None):
         help="runs at once, each pinned to a CPU core of its own (os.sched_setaffinity); K consecutive "
         "runs start together, so contenders side by side share the machine's load",
     )
-    ap.add_argument("--smoke", action="store_true", help="chain, tiny GCNN, 2 contenders, 24 s each")
+    ap.add_argument("--smoke", action="store_true", help="chain, tiny GCNN, 2 contenders, 12 s each")
     ap.add_argument("--worker", help=argparse.SUPPRESS)  # one run, in a process of its own
     ap.add_argument("--e0", type=float, help=argparse.SUPPRESS)  # the exact energy, once known
     ap.add_argument("--pin-core", type=int, help=argparse.SUPPRESS)  # the worker's CPU core
@@ -147,7 +147,7 @@ def parse(argv=None):
         )
     args.cores = cores[: args.parallel] if args.parallel > 1 else None
     if args.smoke:
-        args.problem, args.layers, args.features, args.minutes, args.seeds = "chain", 2, 4, 0.4, [0]
+        args.problem, args.layers, args.features, args.minutes, args.seeds = "chain", 2, 4, 0.2, [0]
         if args.contenders == list(CONTENDERS):
             args.contenders = ["netket-vmcsr", "vmcgrad-vmcsr"]
         args.n = args.n or ["netket-vmcsr=64:32", "vmcgrad-vmcsr=128:auto"]

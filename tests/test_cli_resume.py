@@ -166,12 +166,13 @@ def _n_logged(out: Path) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.solo
 def test_killed_at_random_instants_and_resumed_reaches_the_same_energies(tmp_path):
     """SIGKILL at >= 10 random instants (some during start-up, most while stepping, so also during
     checkpoint writes); each time the run is started again (``--resume`` when a checkpoint exists).
     The energies of every step equal those of the run never interrupted, bit for bit (same devices,
-    same programs, same inputs: the state is restored exactly)."""
+    same programs, same inputs: the state is restored exactly). One process at a time, no
+    distributed timeout: not ``solo``, it runs beside the other tests (its waits are 120-180 s
+    bounds on a start, not timed heartbeats)."""
     steps, every = 240, 3
     args = [*RUN, "--steps", str(steps), "--checkpoint-every", str(every)]
     reference = tmp_path / "reference"
