@@ -170,6 +170,26 @@ def test_a_budget_no_route_fits_is_one_line_exit_2_before_sampling_with_a_budget
 
 
 @pytest.mark.slow
+def test_a_budget_no_gradient_chunk_fits_is_exit_2_with_minsr(tmp_path):
+    """--driver minsr at a budget below one sample per chunk of the gradient (chosen as the driver is
+    built, before its route): one usage line naming --memory-budget with a budget that holds it, exit
+    2, before anything is sampled or logged; the budget it names gets past the gradient. Red before:
+    exit 1 with the library's MemoryError in its own terms (vmcgrad.netket.MCState(...,
+    memory_budget=...)), on 1 and 4 devices (on 1, also at the 4KiB of the test above)."""
+    out = tmp_path / "run"
+    minsr = [*RUN, "--driver", "minsr", "--steps", "1"]
+    rc, stdout, err = _vmcgrad([*minsr, "--memory-budget", "1KiB", "--out", str(out)], tmp_path)
+    assert rc == 2, err
+    (line,) = [line for line in err.strip().splitlines() if line]
+    assert line.startswith("vmcgrad vmc: error: argument --memory-budget: no chunk of the gradient fits")
+    assert "1.0 KiB per device" in line, line
+    assert "Traceback" not in err and not (out / "log.json").exists() and "step " not in stdout, err
+    fix = line.split("Fix: pass --memory-budget ")[1].split()[0]
+    rc, _stdout, err = _vmcgrad([*minsr, "--memory-budget", fix, "--out", str(tmp_path / "ok")], tmp_path)
+    assert rc in (0, 2) and "no chunk of the gradient" not in err, err  # on to the route's check
+
+
+@pytest.mark.slow
 def test_a_budget_no_chunk_fits_is_exit_2_before_sampling_with_a_budget_that_fits(tmp_path):
     """A budget below what one sample per chunk of the gradient or of the QGT products needs (--driver
     sr; here the product CG iterates with, on the flat representation, which the run chooses its chunk

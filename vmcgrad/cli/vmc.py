@@ -145,7 +145,9 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
     driver, route, route_choice = None, None, None
     if taken == "minsr":  # its route, before anything is sampled: a budget no route fits stops here
         kernel = args.chunk_size if snap is None else snap["info"]["chunk_size"]["kernel"]
-        driver = _driver(args, taken, system, vstate, {"kernel": kernel}, "-")
+        # building it resolves the state's automatic gradient chunk: a budget no chunk fits stops here
+        build = lambda: _driver(args, taken, system, vstate, {"kernel": kernel}, "-")
+        driver = _phases.chunks_or_exit(args, build)
         route = _phases.route_or_exit(args, driver, n_samples, MIN_SAMPLES)
         route_choice = _phases.route_choice(driver, n_samples)
     if snap is None:  # before anything is sampled: a budget no chunk fits stops here

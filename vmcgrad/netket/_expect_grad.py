@@ -106,13 +106,15 @@ def auto_chunk_size(vstate: Any, sigma: Any) -> int:
     except MemoryError as err:
         if not hasattr(err, "need"):
             raise
-        raise MemoryError(
+        out = MemoryError(
             f"vmcgrad.netket: chunk_size='auto' found no chunk of the gradient pass that fits the "
             f"memory budget of {err.budget} bytes per device; even one sample per chunk needs "
             f"{err.need} bytes. Fix: give the state a larger budget, "
             f"vmcgrad.netket.MCState(..., chunk_size='auto', memory_budget={2 * err.need}) (bytes per "
             "device), or a fixed chunk_size, or use more devices."
-        ) from None
+        )
+        out.need, out.budget = err.need, err.budget  # for callers that word their own advice (the CLI)
+        raise out from None
 
 
 def check_state_and_operator(vstate: Any, operator: Any) -> None:
