@@ -154,10 +154,13 @@ def test_a_budget_alone_chooses_the_chunks_within_it(tmp_path):
 def test_a_budget_no_route_fits_is_one_line_exit_2_before_sampling_with_a_budget_that_fits(tmp_path):
     """--driver minsr at a budget where no route of the update fits, not even matrix-free CG: one
     usage line naming --memory-budget with a budget that holds it, exit 2, before anything is sampled
-    or logged; the budget it names then runs."""
+    or logged; the budget it names then runs. The budget, 16 KiB over the devices (4KiB on 4, 16KiB on
+    one, which holds all 256 samples), holds one sample per chunk of the gradient, chosen as the driver
+    is built (on one device 6.1 KiB; CG needs 21.6 KiB)."""
     out = tmp_path / "run"
     minsr = [*RUN, "--driver", "minsr", "--steps", "1"]
-    rc, _stdout, err = _vmcgrad([*minsr, "--memory-budget", "4KiB", "--out", str(out)], tmp_path)
+    budget = f"{16 // N_DEVICES}KiB"
+    rc, _stdout, err = _vmcgrad([*minsr, "--memory-budget", budget, "--out", str(out)], tmp_path)
     assert rc == 2, err
     (line,) = [line for line in err.strip().splitlines() if line]
     assert line.startswith("vmcgrad vmc: error: argument --memory-budget: no route of the MinSR update fits")
