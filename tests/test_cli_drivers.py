@@ -176,9 +176,13 @@ def test_a_budget_no_route_fits_is_one_line_exit_2_before_sampling_with_a_budget
 def test_a_budget_no_gradient_chunk_fits_is_exit_2_with_minsr(tmp_path):
     """--driver minsr at a budget below one sample per chunk of the gradient (chosen as the driver is
     built, before its route): one usage line naming --memory-budget with a budget that holds it, exit
-    2, before anything is sampled or logged; the budget it names gets past the gradient. Red before:
-    exit 1 with the library's MemoryError in its own terms (vmcgrad.netket.MCState(...,
-    memory_budget=...)), on 1 and 4 devices (on 1, also at the 4KiB of the test above)."""
+    2, before anything is sampled or logged; the budget it names then runs: it holds the route too
+    (twice the gradient's one sample is 7 KiB on 4 devices, where the matrix-free route needs
+    7.2 KiB, and 13 KiB on one against 21.6 KiB: the named budget is raised until the route's check
+    passes, _phases.holding). Red before: exit 1 with the
+    library's MemoryError in its own terms (vmcgrad.netket.MCState(..., memory_budget=...)), on 1 and
+    4 devices (on 1, also at the 4KiB of the test above); then a budget that failed the route's check
+    with its own exit 2 (red with ``then`` dropped)."""
     out = tmp_path / "run"
     minsr = [*RUN, "--driver", "minsr", "--steps", "1"]
     rc, stdout, err = _vmcgrad([*minsr, "--memory-budget", "1KiB", "--out", str(out)], tmp_path)
@@ -189,7 +193,8 @@ def test_a_budget_no_gradient_chunk_fits_is_exit_2_with_minsr(tmp_path):
     assert "Traceback" not in err and not (out / "log.json").exists() and "step " not in stdout, err
     fix = line.split("Fix: pass --memory-budget ")[1].split()[0]
     rc, _stdout, err = _vmcgrad([*minsr, "--memory-budget", fix, "--out", str(tmp_path / "ok")], tmp_path)
-    assert rc in (0, 2) and "no chunk of the gradient" not in err, err  # on to the route's check
+    assert rc == 0, err
+    assert _log(tmp_path / "ok")["status"] == "finished"
 
 
 @pytest.mark.slow

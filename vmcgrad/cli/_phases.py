@@ -58,10 +58,13 @@ def stand_in_samples(vstate: Any, n: int) -> Any:
     return jax.device_put(jnp.zeros(x.shape, x.dtype), x.sharding)
 
 
-def chunks_or_exit(args, choose: Any) -> Any:
+def chunks_or_exit(args, choose: Any, then: Any = None) -> Any:
     """``choose()`` (the run's chunks, chosen within ``--memory-budget`` before anything is sampled);
     where no chunk of a program fits the budget, a usage error (exit 2) with a budget that holds one
-    sample per chunk, in the option's terms."""
+    sample per chunk, in the option's terms. ``then(budget)``, optional: the checks that run after
+    ``choose`` (the MinSR route's, the QGT's), at ``budget`` bytes, returning the bytes the first
+    that does not fit needs at one sample per chunk, or None where all fit: the budget named is
+    raised until they fit too (:func:`holding`), so that the fix given is one that runs."""
     try:
         return choose()
     except MemoryError as error:
@@ -71,22 +74,56 @@ def chunks_or_exit(args, choose: Any) -> Any:
         budget = "the default budget" if args.memory_budget is None else _size(args.memory_budget)
         program = str(error).split(":")[0]  # vmcgrad.auto_chunk_size (the gradient) or vmcgrad.QGT
         what = "the QGT products" if "QGT" in program else "the gradient"
+        fix = enough_bytes(need) if then is None else holding(enough_bytes(need), then)
         args._parser.error(
             f"argument --memory-budget: no chunk of {what} fits {budget} per device; one sample per "
-            f"chunk needs {_size(need)}. Fix: pass --memory-budget {_enough(need)}"
+            f"chunk needs {_size(need)}. Fix: pass --memory-budget {_spelled(fix)}"
         )
 
 
+def need_at(check: Any) -> int | None:
+    """The bytes at one sample per chunk that ``check()`` says its program needs (its
+    ``MemoryError``'s ``need``), or None where it passes (or fails otherwise)."""
+    try:
+        check()
+    except MemoryError as error:
+        return getattr(error, "need", None)
+    return None
+
+
+def holding(budget: int, then: Any, tries: int = 3) -> int:
+    """The least budget of the raises ``enough_bytes(then(b))`` from ``budget`` at which ``then``
+    (the later checks, as :func:`chunks_or_exit`'s) finds nothing over it (each raise at least
+    doubles the need that failed: a few at most), or the last raise after ``tries``."""
+    for _ in range(tries):
+        need = then(budget)
+        if need is None:
+            break
+        budget = max(budget, enough_bytes(need))
+    return budget
+
+
+def enough_bytes(need: int) -> int:
+    """The budget that holds a program needing ``need`` bytes at the budget it failed: ``2 * need``
+    (:func:`vmcgrad._sr.ntk.routes.enough`), rounded up to a whole MiB, or KiB below one."""
+    scale = 2**20 if 2 * need >= 2**20 else 2**10
+    return math.ceil(2 * need / scale) * scale
+
+
+def _spelled(nbytes: int) -> str:
+    """``--memory-budget``'s spelling of a whole number of MiB, or of KiB below one."""
+    return f"{nbytes // 2**20}MiB" if nbytes >= 2**20 else f"{math.ceil(nbytes / 2**10)}KiB"
+
+
 def _enough(need: int) -> str:
-    """``--memory-budget``'s value that holds a program needing ``need`` bytes at the budget it failed:
-    ``2 * need`` (:func:`vmcgrad._sr.ntk.routes.enough`), rounded up to a whole MiB, or KiB below one.
+    """``--memory-budget``'s value that holds a program needing ``need`` bytes at the budget it failed
+    (:func:`enough_bytes`).
 
     Examples:
         >>> _enough(3 * 2**20), _enough(4608)
         ('6MiB', '9KiB')
     """
-    unit, scale = ("MiB", 2**20) if 2 * need >= 2**20 else ("KiB", 2**10)
-    return f"{math.ceil(2 * need / scale)}{unit}"
+    return _spelled(enough_bytes(need))
 
 
 def _size(nbytes: int) -> str:

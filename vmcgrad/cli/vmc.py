@@ -145,14 +145,18 @@ def _run(args, interrupts: _interrupt.Interrupts, kept: dict, t_start: float) ->
     driver, route, route_choice = None, None, None
     if taken == "minsr":  # its route, before anything is sampled: a budget no route fits stops here
         kernel = args.chunk_size if snap is None else snap["info"]["chunk_size"]["kernel"]
-        # building it resolves the state's automatic gradient chunk: a budget no chunk fits stops here
+        # building it resolves the state's automatic gradient chunk: a budget no chunk fits stops here,
+        # with a budget that holds the route too
         build = lambda: _driver(args, taken, system, vstate, {"kernel": kernel}, "-")
-        driver = _phases.chunks_or_exit(args, build)
+        route_at = lambda b: _phases.need_at(lambda: _minsr_at(args, system, vstate, kernel, n_samples, b))
+        driver = _phases.chunks_or_exit(args, build, then=route_at)
         route = _phases.route_or_exit(args, driver, n_samples, MIN_SAMPLES)
         route_choice = _phases.route_choice(driver, n_samples)
     if snap is None:  # before anything is sampled: a budget no chunk fits stops here
         chunks, qgt_design = _phases.chunks_or_exit(
-            args, lambda: _chunk_sizes(args.chunk_size, vstate, args.memory_budget, taken)
+            args,
+            lambda: _chunk_sizes(args.chunk_size, vstate, args.memory_budget, taken),
+            then=lambda b: _phases.need_at(lambda: _chunk_sizes(args.chunk_size, vstate, b, taken)),
         )
     else:  # the chunks the run was started with (auto's pick could differ now, and change the numbers)
         chunks, qgt_design = snap["info"]["chunk_size"], snap["info"]["qgt_design"]
@@ -333,6 +337,21 @@ def _driver(args, taken: str, system, vstate, chunks: dict, qgt_design: str):
             memory_budget=args.memory_budget,
             grow_samples=grow,
         )
+
+
+def _minsr_at(args, system, vstate, kernel, n: int, budget: int) -> None:
+    """Builds the MinSR driver at ``budget`` bytes per device (the state's budget too, restored after)
+    and checks its route at ``n`` samples: the checks a budget suggested for the gradient must pass
+    (:func:`_phases.chunks_or_exit`'s ``then``). Compile only."""
+    import copy
+
+    trial = copy.copy(args)
+    trial.memory_budget = budget
+    saved, vstate.vmcgrad_memory_budget = vstate.vmcgrad_memory_budget, budget
+    try:
+        _driver(trial, "minsr", system, vstate, {"kernel": kernel}, "-").route_at(n)
+    finally:
+        vstate.vmcgrad_memory_budget = saved
 
 
 def _chunk_sizes(
