@@ -593,7 +593,8 @@ def test_the_samples_a_budget_holds_are_found_in_one_compilation_per_count(monke
     (route_at chooses a route there in a fresh driver) while 240, the halving before it, does not.
     The search compiles one program per count it tries (the matrix-free route's at one sample per
     chunk; the dense routes' matrices alone are over the budget at these counts, so they are not
-    compiled), not a route's choice per count. Red before: the counts were
+    compiled; a count that fits none at the automatic Nyström rank, where that is not 0, plain CG's
+    too), not a route's choice per count. Red before: the counts were
     checked by choosing a route at each (7 compilations for the 2 counts, the chunk search descending
     through larger chunks; 155 s for the CLI's exit 2 at 64 KiB, docs/cli.md)."""
     import optax
@@ -622,7 +623,10 @@ def test_the_samples_a_budget_holds_are_found_in_one_compilation_per_count(monke
     stub = routes.NoRouteFits("no route", need=1, budget=budget, n=480, needs={})
     err = drv._no_route(480, stub)
     assert err.max_samples == 120 and "at most n_samples=120" in str(err), str(err)
-    assert len(compiled) == 2, len(compiled)  # the counts 240 (fits none) and 120 (fits)
+    # the counts 240 (fits none: at the automatic Nyström rank, then, where that rank is not 0,
+    # plain CG too, minsr.update_fits) and 120 (fits)
+    retried = nystrom.nystrom_rank(240, 1, 48, 8, budget) > 0
+    assert len(compiled) == 2 + retried, (len(compiled), retried)
     monkeypatch.undo()
     assert driver(120).route_at(120) in routes.ROUTES  # the suggestion fits: a route is chosen there
     with pytest.raises(MemoryError, match="no route"):
@@ -844,3 +848,28 @@ def test_pricing_two_platforms_in_one_process_prices_each_platforms_program():
             assert value == fresh[platform][1][0], (order, platform)
             np.testing.assert_allclose(seconds, fresh[platform][1][1], rtol=1e-12)
             assert each.keys() == fresh[platform][1][2].keys()
+
+
+def test_the_rule_runs_plain_cg_where_the_preconditioner_leaves_no_room():
+    """The matrix-free route's Nyström rank ("auto") is sized to half the budget whatever the rest of
+    its program needs: at the least budget (of a grid) that plain CG fits (N = 18, 'complex' mode)
+    the rank is at least 1 and that program fits no chunk, while plain CG (rank 0) fits, and no
+    dense program does (below 15 000 bytes: test_the_rule_chooses_the_route_that_runs). The rule
+    then runs plain CG (minsr._prepared, and update_fits for the halving search) instead of saying
+    that no route fits: the update equals route="cg", nystrom_rank=0's. Red before: NoRouteFits at
+    a budget where a route fits."""
+    apply, _ = MODELS["r2c"]
+    params = _params(False)
+    x, e = _data(N)
+    lp = _logpsi(apply)
+    plain = dict(diag_shift=DIAG, chunk_size="auto", route="cg", nystrom_rank=0)
+    fits = lambda b: minsr.update_fits(lp, params, x, e, memory_budget=b, **plain)
+    budget = next(b for b in range(4_000, 15_000, 250) if fits(b))
+    kw = dict(diag_shift=DIAG, chunk_size="auto", memory_budget=budget, tol=1e-12)
+    assert nystrom.nystrom_rank(N, 2, 29, 8, budget) >= 1, budget
+    assert not minsr.update_fits(lp, params, x, e, route="cg", **kw), budget  # at the automatic rank
+    assert minsr.update_fits(lp, params, x, e, **kw)
+    assert minsr.update_route(lp, params, x, e, **kw) == "cg"
+    ours = vmcgrad.minsr_update(lp, params, x, e, **kw)[0]
+    plain = vmcgrad.minsr_update(lp, params, x, e, route="cg", nystrom_rank=0, **kw)[0]
+    assert_tree_allclose(ours, plain, rtol=0, atol=0)

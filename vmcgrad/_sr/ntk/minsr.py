@@ -118,8 +118,8 @@ def minsr_update(
             budget (``memory_budget``, else the default budget; :func:`vmcgrad._sr.ntk.routes.choose`,
             compile only, cached), or ``"cg"`` when ``solver="cg"``.
         nystrom_rank: samples of the ``"cg"`` route's Nyström preconditioner: ``"auto"``
-            (:func:`vmcgrad._sr.ntk.nystrom.nystrom_rank` of the budget, at most N/2), an int in ``[0, N]``,
-            or None / 0 for plain CG.
+            (:func:`vmcgrad._sr.ntk.nystrom.nystrom_rank` of the budget, at most N/2; where the rule
+            finds no route at it, plain CG), an int in ``[0, N]``, or None / 0 for plain CG.
         tol, maxiter: for ``"cg"`` (relative residual of the kernel system, iteration cap).
 
     Returns:
@@ -215,7 +215,11 @@ def update_fits(logpsi: Any, params: Any, samples: Any, local_energies: Any, **o
     options = _with_defaults(options)
     prob, args_at, route, sizes = _prepared(logpsi, params, samples, local_energies, options, decide=False)
     among = routes.ROUTES if route is None else (route,)
-    return routes.fits_at_all(_update_program, prob, args_at, sizes, among)
+    if routes.fits_at_all(_update_program, prob, args_at, sizes, among):
+        return True
+    if route is not None or not sizes.rank or options["nystrom_rank"] != "auto":
+        return False
+    return update_fits(logpsi, params, samples, local_energies, **{**options, "nystrom_rank": 0})
 
 
 def _prepared(
@@ -257,7 +261,9 @@ def _prepared(
         old_updates = None
     solver = check_solver(name, o["solver"])
     route = routes.check_route(name, o["route"], solver)
-    rank = _check_rank(name, o["nystrom_rank"], "cg", mode, prob, inputs.params)
+    _, p, itemsize = system_sizes(mode, prob.n, inputs.params)
+    budget_bytes = budget_or_default(prob.memory_budget)
+    rank = nystrom.check_rank(name, o["nystrom_rank"], prob.n, k_of(mode), p, itemsize, budget_bytes)
     tol, atol = check.check_tolerances(name, o["tol"], 0.0)
     maxiter = check.check_maxiter(name, o["maxiter"], default=10 * prob.n * k_of(mode))
     op = NTKOperator(inputs=inputs, diag_shift=diag_shift, problem=prob, mode=mode)
@@ -274,7 +280,13 @@ def _prepared(
     if not decide:
         return prob, args_at, route, sizes
     if route is None:
-        choice = routes.choose(name, _update_program, prob, args_at, sizes)
+        try:
+            choice = routes.choose(name, _update_program, prob, args_at, sizes)
+        except routes.NoRouteFits:  # its preconditioner took half the budget: plain CG may fit
+            if not rank or o["nystrom_rank"] != "auto":
+                raise
+            rank, sizes = 0, sizes._replace(rank=0)  # (args_at reads rank)
+            choice = routes.choose(name, _update_program, prob, args_at, sizes)
         route = choice.value[0]
     elif price:
         try:
@@ -282,21 +294,6 @@ def _prepared(
         except routes.NoRouteFits:
             choice = None
     return prob, args_at, route, choice
-
-
-def _check_rank(where: str, rank: Any, route: str, mode: str, prob: Problem, params: Any) -> int:
-    if rank is None or route != "cg":
-        return 0
-    if isinstance(rank, str) and rank == "auto":
-        _, p, itemsize = system_sizes(mode, prob.n, params)
-        budget = budget_or_default(prob.memory_budget)
-        return nystrom.nystrom_rank(prob.n, k_of(mode), p, itemsize, budget)
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank <= prob.n:
-        raise ValueError(
-            f"{where}: `nystrom_rank` must be 'auto', None or an int in [0, N = {prob.n}]; got {rank!r}. "
-            "Fix: nystrom_rank='auto' sizes it to the memory budget; 0 or None runs plain CG."
-        )
-    return rank
 
 
 def _block(mode: str, prob: Problem, params: Any, rank: int) -> int:

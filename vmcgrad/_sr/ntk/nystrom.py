@@ -162,6 +162,24 @@ def nystrom_rank(n: int, k: int, p: int, itemsize: int, budget: float) -> int:
     return nystrom_plan(n, k, p, itemsize, budget).rank
 
 
+def check_rank(where: str, rank: Any, n: int, k: int, p: int, itemsize: int, budget: float) -> int:
+    """The preconditioner's rank a caller gave (``nystrom_rank``): ``"auto"`` is
+    :func:`nystrom_rank` of the budget, None is 0 (plain CG), an int in ``[0, N]`` itself. Where the
+    rule's matrix-free route at that automatic rank does not fit (its arrays take half the budget,
+    whatever the rest needs), :func:`vmcgrad.minsr_update` tries plain CG before it says no route
+    fits."""
+    if rank is None:
+        return 0
+    if isinstance(rank, str) and rank == "auto":
+        return nystrom_rank(n, k, p, itemsize, budget)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank <= n:
+        raise ValueError(
+            f"{where}: `nystrom_rank` must be 'auto', None or an int in [0, N = {n}]; got {rank!r}. "
+            "Fix: nystrom_rank='auto' sizes it to the memory budget; 0 or None runs plain CG."
+        )
+    return rank
+
+
 def nystrom_block(n: int, k: int, p: int, itemsize: int, budget: float, rank: int) -> int:
     """Samples whose Jacobians are held at once for a preconditioner of ``rank``: the most (at most
     ``rank``, so the fewest passes) that fit :data:`BUDGET_FRACTION` of ``budget`` beside its three

@@ -236,7 +236,8 @@ def enough(need: int) -> int:
     return 2 * need
 
 
-#: The route chosen per update program, arguments' signature, budget, platform and score.
+#: The route chosen per update program, arguments' signature, budget, platform and score (or the
+#: :class:`NoRouteFits` where none fits).
 _CHOSEN = Cache(maxsize=256, name="minsr_update: the route chosen (the fastest that fits)")
 
 #: ``score(choice) -> float``: what :func:`choose` compares in place of the modelled seconds.
@@ -293,7 +294,10 @@ def choose(
     key = program_key(program, prob, args_at("cg"))
     key = None if key is None else (key, budget, platform, cache_key(score), sizes, among)
     if key in _CHOSEN:
-        return _CHOSEN.get(key)
+        known = _CHOSEN.get(key)
+        if isinstance(known, NoRouteFits):  # (known not to fit: raised again, nothing compiled)
+            raise known
+        return known
     needs: dict[str, int] = {}
     spent: dict[str, int] = {}  # the programs compiled on each route's way (fitting or not)
 
@@ -330,7 +334,8 @@ def choose(
     except _Over:
         best = None
     if best is None:
-        raise _no_route(where, prob, budget, needs)
+        _CHOSEN[key] = err = _no_route(where, prob, budget, needs)
+        raise err
     priced = tuple((value[0], t) for value, t in best.priced)
     best = best._replace(priced=priced, compiled=sum(spent.values()))
     _CHOSEN[key] = best
