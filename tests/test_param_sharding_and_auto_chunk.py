@@ -154,8 +154,9 @@ _CURVES = {
 }
 
 
-def _search(curve, n, budget, fixed=1_000_000):
-    """choose_chunk on a bytes curve: (the chunk or None, the chunks it compiled)."""
+def _search(curve, n, budget, fixed=1_000_000, **options):
+    """choose_chunk on a bytes curve, with its keyword ``options`` (candidates, first, held): (the
+    chunk or None, the chunks it compiled)."""
     compiled = []
 
     def compile_at(c):
@@ -164,7 +165,7 @@ def _search(curve, n, budget, fixed=1_000_000):
 
     _auto_chunk._cache.clear()
     try:
-        return _auto_chunk.choose_chunk(object(), n, compile_at, budget, where="test"), compiled
+        return _auto_chunk.choose_chunk(object(), n, compile_at, budget, where="test", **options), compiled
     except MemoryError:
         return None, compiled
 
@@ -257,15 +258,7 @@ def test_a_predicted_first_probe_keeps_the_search_exact_and_ends_it_in_two():
             for budget in {low, high, *(low + (high - low) * i // 9 for i in range(1, 9))}:
                 fits = [c for c in candidates if fixed + curve(c) <= budget]
                 for first in (candidates[0] - 1, *candidates, candidates[-1] + 10):
-                    compiled = []
-
-                    def compile_at(c, compiled=compiled, curve=curve):
-                        compiled.append(c)
-                        return _Analysis(curve(c), fixed)
-
-                    got = _auto_chunk.choose_chunk(
-                        object(), n, compile_at, budget, where="t", candidates=candidates, first=first
-                    )
+                    got, compiled = _search(curve, n, budget, fixed, candidates=candidates, first=first)
                     case = (name, n, budget, first, compiled)
                     assert got == fits[-1], case
                     assert len(set(compiled)) == len(compiled) <= len(candidates), case
@@ -289,15 +282,7 @@ def test_the_bytes_every_candidate_holds_start_the_line_and_keep_the_search_exac
             for budget in {low, max(low, high - 1), *(low + (high - low) * i // 9 for i in range(1, 9))}:
                 fits = [c for c in candidates if fixed + curve(c) <= budget]
                 for held in (0, 25_000, 50_000, 100_000):
-                    compiled = []
-
-                    def compile_at(c, compiled=compiled, curve=curve):
-                        compiled.append(c)
-                        return _Analysis(curve(c), fixed)
-
-                    got = _auto_chunk.choose_chunk(
-                        object(), n, compile_at, budget, where="t", candidates=candidates, held=held
-                    )
+                    got, compiled = _search(curve, n, budget, fixed, candidates=candidates, held=held)
                     case = (name, n, budget, held, compiled)
                     assert got == fits[-1], case
                     assert len(set(compiled)) == len(compiled) <= len(candidates), case
