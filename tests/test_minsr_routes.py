@@ -850,14 +850,15 @@ def test_pricing_two_platforms_in_one_process_prices_each_platforms_program():
             assert each.keys() == fresh[platform][1][2].keys()
 
 
-def test_the_rule_runs_plain_cg_where_the_preconditioner_leaves_no_room():
+def test_the_rule_runs_plain_cg_where_the_preconditioner_leaves_no_room(monkeypatch):
     """The matrix-free route's Nyström rank ("auto") is sized to half the budget whatever the rest of
     its program needs: at the least budget (of a grid) that plain CG fits (N = 18, 'complex' mode)
     the rank is at least 1 and that program fits no chunk, while plain CG (rank 0) fits, and no
     dense program does (below 15 000 bytes: test_the_rule_chooses_the_route_that_runs). The rule
     then runs plain CG (minsr._prepared, and update_fits for the halving search) instead of saying
-    that no route fits: the update equals route="cg", nystrom_rank=0's. Red before: NoRouteFits at
-    a budget where a route fits."""
+    that no route fits: the update equals route="cg", nystrom_rank=0's, and choosing again compiles
+    nothing (the failure at the automatic rank is cached too, routes.choose). Red before:
+    NoRouteFits at a budget where a route fits; red without the failure's cache (compilations)."""
     apply, _ = MODELS["r2c"]
     params = _params(False)
     x, e = _data(N)
@@ -870,6 +871,11 @@ def test_the_rule_runs_plain_cg_where_the_preconditioner_leaves_no_room():
     assert not minsr.update_fits(lp, params, x, e, route="cg", **kw), budget  # at the automatic rank
     assert minsr.update_fits(lp, params, x, e, **kw)
     assert minsr.update_route(lp, params, x, e, **kw) == "cg"
+    compiled, compile_ = [], jax.stages.Lowered.compile
+    with monkeypatch.context() as m:
+        m.setattr(jax.stages.Lowered, "compile", lambda *a, **k: compiled.append(1) or compile_(*a, **k))
+        assert minsr.update_route(lp, params, x, e, **kw) == "cg"
+    assert not compiled, len(compiled)
     ours = vmcgrad.minsr_update(lp, params, x, e, **kw)[0]
     plain = vmcgrad.minsr_update(lp, params, x, e, route="cg", nystrom_rank=0, **kw)[0]
     assert_tree_allclose(ours, plain, rtol=0, atol=0)

@@ -236,8 +236,8 @@ def enough(need: int) -> int:
     return 2 * need
 
 
-#: The route chosen per update program, arguments' signature, budget, platform and score (or the
-#: :class:`NoRouteFits` where none fits).
+#: The route chosen per update program, arguments' signature, budget, platform and score (or, where
+#: none fits, each route's bytes at its least, :class:`_Unfit`).
 _CHOSEN = Cache(maxsize=256, name="minsr_update: the route chosen (the fastest that fits)")
 
 #: ``score(choice) -> float``: what :func:`choose` compares in place of the modelled seconds.
@@ -295,8 +295,8 @@ def choose(
     key = None if key is None else (key, budget, platform, cache_key(score), sizes, among)
     if key in _CHOSEN:
         known = _CHOSEN.get(key)
-        if isinstance(known, NoRouteFits):  # (known not to fit: raised again, nothing compiled)
-            raise known
+        if isinstance(known, _Unfit):  # known not to fit: a fresh error (a raised one keeps its frames)
+            raise _no_route(where, prob, budget, dict(known.needs))
         return known
     needs: dict[str, int] = {}
     spent: dict[str, int] = {}  # the programs compiled on each route's way (fitting or not)
@@ -334,12 +334,18 @@ def choose(
     except _Over:
         best = None
     if best is None:
-        _CHOSEN[key] = err = _no_route(where, prob, budget, needs)
-        raise err
+        _CHOSEN[key] = _Unfit(tuple(needs.items()))
+        raise _no_route(where, prob, budget, needs)
     priced = tuple((value[0], t) for value, t in best.priced)
     best = best._replace(priced=priced, compiled=sum(spent.values()))
     _CHOSEN[key] = best
     return best
+
+
+class _Unfit(NamedTuple):
+    """What :data:`_CHOSEN` keeps where no route fits: each route's bytes at its least."""
+
+    needs: tuple
 
 
 class _Over(MemoryError):
