@@ -12,7 +12,8 @@ for, :math:`n_\text{ops} t_\text{op} + \text{FLOPs}/\text{peak} + \text{bytes}/\
 (:func:`vmcgrad._hlo.cost.program_cost` of the program at the chunk its search chose), is taken. CG's
 loop is counted :data:`CG_ITERATIONS` times (:func:`vmcgrad._hlo.cost.expected_trips`). A route whose
 matrix alone is over the budget (:func:`floor_bytes`) is not compiled. Only where no route fits, the
-matrix-free one included, does the update stop, with the bytes that the smallest one needs
+matrix-free one included (:func:`vmcgrad.minsr_update` tries it with plain CG too, where its
+preconditioner took the room), does the update stop, with the bytes that the smallest one needs
 (:class:`NoRouteFits`), before anything runs.
 
 :func:`system_sizes` gives the sides of the two dense systems, :func:`check_route` checks a route a
