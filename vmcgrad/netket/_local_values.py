@@ -29,6 +29,7 @@ computed by NetKet's kernels (``get_local_kernel`` / ``get_local_kernel_argument
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -97,26 +98,24 @@ def fewest_trips(vstate: Any, operator: Any, chunk_size: int, memory_budget: flo
     platform = resolve_platform()
     if platform.name == "cpu":
         return None
-    try:
-        forward_kernel(vstate, operator, chunk_size)
+    try:  # (one dispatch: NetKet's chunked kernel is the same function at every chunk)
+        kernel = get_local_kernel(vstate, operator, chunk_size)
     except NotFoundLookupError:  # (NetKet's fallback: its error, from the caller's path)
         return None
     sigma, args = get_local_kernel_arguments(vstate, operator)
     apply_fun, shape = nkp.apply_fun(vstate), sigma.shape[:-1]
-    rows = sigma.reshape(-1, sigma.shape[-1]).shape[0]
+    rows = math.prod(shape)
     total = rows * max_connections(operator, args, per_sample_arguments(operator) is True)
     candidates = [chunk_size]
     while candidates[-1] < total:
         candidates.append(2 * candidates[-1])
 
     def program(c: int) -> Any:
-        kernel = forward_kernel(vstate, operator, c)
-        return kernel, apply_fun, shape, vstate.variables, sigma, args
+        return HashablePartial(kernel, chunk_size=c), apply_fun, shape, vstate.variables, sigma, args
 
     def compile_at(c: int) -> Any:
         return nkp.local_estimators_impl.lower(*program(c)).compile()
 
-    kernel = get_local_kernel(vstate, operator, chunk_size)  # (the chunk is bound apart)
     key = ("local_estimators", kernel, apply_fun, shape, signature((vstate.variables, sigma, args)))
     chunk = choose_chunk(
         key,
