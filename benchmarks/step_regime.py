@@ -18,7 +18,8 @@ Each row: the run, the device, the seconds to build the driver and state, the fi
 median step and phases, the step per sample, the chunk vmcgrad chose and the device's allocator
 peak (``memory_stats``; none on a CPU) and the process's peak RSS so far; the first step's phases
 (``first_sample_s``, ``first_local_s``, ``first_sr_s``) and what it compiled (``first_compiles``:
-function name -> [backend compilations, seconds]); with ``--kernel``, the
+function name -> [backend compilations, seconds]) and each candidate vmcgrad's searches compiled
+(``first_probes``: [where, candidate, bytes per device, budget], in order); with ``--kernel``, the
 SR kernel of the run lowered and compiled apart (the seconds of each, its StableHLO lines and
 compiled bytes: how much program the first step compiles for the SR phase) and
 :func:`vmcgrad.program_cost` of the program this device compiled (its ops in sequence, FLOPs, bytes
@@ -140,7 +141,7 @@ def main(argv=None):
         jax.block_until_ready(vs.parameters)
         build = time.perf_counter() - t
         phases, is_vmc = tte.instrument(driver, vs)
-        with compilations() as compiled:  # the first step's, by function
+        with compilations() as compiled, searched() as probes:  # the first step's
             steps = [step(driver, vs, phases, is_vmc)]
         steps += [step(driver, vs, phases, is_vmc) for _ in range(args.steps)]
         med = {k: statistics.median(s[k] for s in steps[1:]) for k in steps[0]}
@@ -155,6 +156,7 @@ def main(argv=None):
             "first_step_s": steps[0]["step_s"],
             **{f"first_{k}": v for k, v in steps[0].items() if k != "step_s"},  # compiling, by phase
             "first_compiles": compiled,  # function name -> [backend compilations, their seconds]
+            "first_probes": probes,  # [where, candidate, bytes per device, budget], in order
             **{f"median_{k}": v for k, v in med.items()},
             "step_per_sample_ms": 1e3 * med["step_s"] / n,
             "chunk_size_bwd": chunk_used if not hasattr(chunk_used, "item") else int(chunk_used),
@@ -191,6 +193,33 @@ def compilations():
         yield found
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
+
+
+@contextlib.contextmanager
+def searched():
+    """``[[where, candidate, bytes per device, budget], ...]``: each candidate vmcgrad's automatic
+    searches compiled inside the ``with`` block, in order (the ``"vmcgrad"`` logger's DEBUG records):
+    the bytes a device's compiler gives each chunk, which a search on another platform cannot see."""
+    import logging
+
+    found: list = []
+
+    class Probes(logging.Handler):
+        def emit(self, record):
+            where, candidate, memory, budget = record.args
+            found.append(
+                [where, candidate if isinstance(candidate, int) else repr(candidate), memory, budget]
+            )
+
+    log, handler = logging.getLogger("vmcgrad"), Probes(logging.DEBUG)
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
+    try:
+        yield found
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
 
 
 def kernel_cost(race, name, driver, vs, H):

@@ -180,6 +180,27 @@ def _bisection(curve, n, budget, fixed=1_000_000):
     return (candidates[hi] if hi >= 0 else None), count
 
 
+def test_each_candidate_a_search_compiles_is_logged_with_its_bytes():
+    """The ``"vmcgrad"`` logger's DEBUG records name each candidate a search compiled, in the order
+    compiled, with its bytes per device and the budget: what ``benchmarks/step_regime.py`` records
+    as ``first_probes`` (its ``searched()`` collects them here), the bytes a device's compiler gives
+    each chunk. The logger's level is put back afterwards."""
+    import logging
+
+    import step_regime  # benchmarks/ is on sys.path (pyproject.toml's pythonpath)
+
+    fixed, budget = 1_000_000, 1_000_000 + 800 * 40
+    level = logging.getLogger("vmcgrad").level
+    with step_regime.searched() as probes:
+        chunk, compiled = _search(_CURVES["proportional"], 256, budget, fixed)
+    assert chunk == 32 and len(compiled) >= 2, (chunk, compiled)
+    assert probes == [["test", c, fixed + 800 * c, budget] for c in compiled], (probes, compiled)
+    assert logging.getLogger("vmcgrad").level == level
+    with step_regime.searched() as after:
+        pass
+    assert after == []  # (outside a search: nothing recorded)
+
+
 def test_auto_chunk_search_finds_what_a_bisection_finds_in_fewer_compilations():
     """On every curve, sample count and budget (from below one sample's bytes to above all
     samples'): the same chunk as a bisection; one compilation where everything fits; at most three

@@ -32,6 +32,7 @@ else :data:`DEFAULT_MEMORY_BUDGET` (CPU reports nothing).
 from __future__ import annotations
 
 import bisect
+import logging
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
 
@@ -41,6 +42,8 @@ from vmcgrad._cache import Cache
 from vmcgrad._chunks.plan import plan_chunks
 from vmcgrad._hlo.cost import Platform, ProgramCost, program_cost
 from vmcgrad._hlo.platform import resolve_platform
+
+log = logging.getLogger("vmcgrad")  # each candidate a search compiles, at DEBUG (_price)
 
 #: Budget in bytes per device when the backend does not report its free memory (CPU): 2 GiB.
 DEFAULT_MEMORY_BUDGET = 2 * 2**30
@@ -140,9 +143,11 @@ class _Priced(NamedTuple):
     cost: ProgramCost | None  # None: over the budget (not priced)
 
 
-def _price(compiled: Any, budget: int, platform: Platform) -> _Priced:
-    """The footprint of a compiled candidate and, where it fits ``budget``, its cost."""
+def _price(compiled: Any, budget: int, platform: Platform, candidate: Any = None, where: str = "") -> _Priced:
+    """The footprint of a compiled candidate and, where it fits ``budget``, its cost; logged at DEBUG
+    (``where``, ``candidate``, its bytes per device, the budget)."""
     memory, fixed = _measure(compiled)
+    log.debug("%s: candidate %r compiled, %d bytes per device, budget %d", where, candidate, memory, budget)
     return _Priced(memory, fixed, program_cost(compiled, platform) if memory <= budget else None)
 
 
@@ -235,7 +240,7 @@ def cheapest(
                 continue
             value, seconds, memory, cost = got.value, got.cost.time(p), got.memory, got.cost
         else:
-            priced_one = _price(got, budget, p)
+            priced_one = _price(got, budget, p, value, "cheapest")
             compiled += 1
             if priced_one.cost is None:
                 continue
@@ -336,7 +341,7 @@ def choose_chunk(
         else:
             measured = {j: (q.memory, q.fixed + held) for j, q in probed.items()}
             i = _next_probe(candidates, measured, lo, hi, budget)
-        probed[i] = _price(compile_at(candidates[i]), budget, p)
+        probed[i] = _price(compile_at(candidates[i]), budget, p, candidates[i], where)
         if probed[i].memory <= budget:
             lo = i + 1
         else:
@@ -354,7 +359,7 @@ def choose_chunk(
         )
         err.need, err.budget = need, budget  # for callers that word their own advice (vmcgrad.netket)
         raise err
-    choice = _least_time(candidates, probed, hi, n_local, compile_at, budget, p, chunks)
+    choice = _least_time(candidates, probed, hi, n_local, compile_at, budget, p, chunks, where)
     _cache[key] = choice
     return choice.value
 
@@ -368,6 +373,7 @@ def _least_time(
     budget: int,
     p: Platform,
     chunks: bool,
+    where: str,
 ) -> Choice:
     """Step two of :func:`choose_chunk`: the least modelled time among ``candidates[: hi + 1]`` (all
     fit), pricing the probed ones and compiling an unprobed one only where its predicted time beats
@@ -383,7 +389,7 @@ def _least_time(
             b = probed[best]
             guess = predicted_seconds(b.cost, n_local, candidates[best], candidates[i], p)
             if guess < b.cost.time(p):
-                probed[i] = _price(compile_at(candidates[i]), budget, p)
+                probed[i] = _price(compile_at(candidates[i]), budget, p, candidates[i], where)
                 best = best_of()
     b = probed[best]
     priced = tuple(
