@@ -307,6 +307,47 @@ def test_the_first_step_compiles_the_update_once():
     assert_tree_allclose(ours.state.parameters, ref.state.parameters, rtol=1e-10, atol=1e-12)
 
 
+class _DriftingDevice:
+    """A device whose memory in use grows at every read of its stats, as a GPU's or a TPU's does
+    between steps (new samples, parameters, optimiser state)."""
+
+    def __init__(self):
+        self.used, self.reads = 0, 0
+
+    def memory_stats(self):
+        self.used, self.reads = self.used + 4096, self.reads + 1
+        return {"bytes_limit": 2**33, "bytes_in_use": self.used}
+
+
+def test_steps_where_the_memory_in_use_moves_search_nothing_again(monkeypatch, caplog):
+    """On a GPU or TPU the default budget is half the free memory, which moves from step to step.
+    It is read once per device: priced for a TPU at the default budgets, the first step makes every
+    choice (the route, the update's chunk, the gradient's and the local values' chunks) and the
+    next two compile nothing and search nothing (no candidate logged). Read at every call, each step
+    searched again, and within one choice the chunk search and the lookup of its record saw two
+    budgets (AttributeError: 'NoneType' object has no attribute 'value')."""
+    import logging
+
+    from vmcgrad._chunks import default_budget
+
+    device = _DriftingDevice()
+    monkeypatch.setattr(default_budget, "_first_device", lambda: device)
+    monkeypatch.setattr(default_budget, "_READ", {})
+    H, _, _ = _states(np.float64)
+    sampler = nk.sampler.MetropolisLocal(H.hilbert, n_chains=2 * N_DEV)
+    kw = dict(n_samples=N_SAMPLES, seed=3, sampler_seed=4)
+    vs = vnk.MCState(sampler, nk.models.RBM(alpha=1), chunk_size="auto", **kw)
+    driver = vnk.VMC_SR(H, optax.sgd(0.02), variational_state=vs, diag_shift=1e-3, use_ntk=True)
+    with vmcgrad.cost_platform("tpu"), caplog.at_level(logging.DEBUG, logger="vmcgrad"):
+        first = _compilations(lambda: driver.run(1, out=None, show_progress=False))
+        searched = len(caplog.records)
+        later = _compilations(lambda: driver.run(2, out=None, show_progress=False))
+    assert first.get("jit(_update_program)", 0) >= 1 and searched >= 1, (first, searched)
+    assert "jit(_update_program)" not in later and "jit(_local_estimators_impl)" not in later, later
+    assert len(caplog.records) == searched, [r.getMessage() for r in caplog.records[searched:]]
+    assert device.reads == 1
+
+
 @pytest.mark.filterwarnings("ignore::vmcgrad.VmcgradWarning")  # (NetKet's own step is said once)
 def test_netkets_own_step_on_an_automatic_chunk_runs_at_the_states_chunk():
     """``use_ntk=False`` on a state with ``chunk_size="auto"``: NetKet's own step reads the driver's

@@ -51,7 +51,7 @@ def auto_chunk_size(
             or ``"QGT"`` (one product ``S @ v``, in the design :func:`vmcgrad.QGT` picks with the
             chunk: ``vmcgrad.QGT(..., chunk_size="auto").design`` says which).
         memory_budget: bytes per device (any positive real number); default half the free device
-            memory where the backend reports it, else 2 GiB.
+            memory where the backend reports it (read once per device), else 2 GiB.
         platform: the platform to choose for, ``"cpu"``, ``"gpu"`` or ``"tpu"`` (the programs are
             still compiled for the devices at hand: their counts price the choice); default as
             :func:`vmcgrad.cost_platform` says.

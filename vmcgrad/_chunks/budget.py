@@ -26,7 +26,8 @@ the cache is bounded and holds the function weakly (:mod:`vmcgrad._cache`).
 
 Every entry point takes the budget as ``memory_budget=`` (bytes per device). The default budget is
 half the device's free memory where the backend reports it (``device.memory_stats()``: GPUs, TPUs),
-else :data:`DEFAULT_MEMORY_BUDGET` (CPU reports nothing).
+else 2 GiB (CPU reports nothing), read once per device
+(:mod:`vmcgrad._chunks.default_budget`).
 """
 
 from __future__ import annotations
@@ -45,30 +46,9 @@ from vmcgrad._hlo.platform import resolve_platform
 
 log = logging.getLogger("vmcgrad")  # each candidate a search compiles, at DEBUG (_price)
 
-#: Budget in bytes per device when the backend does not report its free memory (CPU): 2 GiB.
-DEFAULT_MEMORY_BUDGET = 2 * 2**30
-#: Fraction of the reported free device memory used as the default budget.
-FREE_MEMORY_FRACTION = 0.5
-
 #: The chunk chosen per (program, function, inputs' signature, samples per device, budget).
 _cache = Cache(maxsize=256, name="chunk_size='auto': the chosen chunk")
 _RAISE = object()  # choose_chunk's default none_fits: raise MemoryError
-
-
-def default_memory_budget(device: Any = None) -> int:
-    """Half the free memory of ``device`` (default: the first local device), or 2 GiB if unknown."""
-    device = device or jax.local_devices()[0]
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    if stats and "bytes_limit" in stats:
-        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-        return int(FREE_MEMORY_FRACTION * free)
-    return DEFAULT_MEMORY_BUDGET
-
-
-def budget_or_default(budget: int | float | None) -> int | float:
-    """``budget`` (bytes per device, as the user gave it), or :func:`default_memory_budget` where it
-    is None: every entry point's ``memory_budget=None`` means this."""
-    return default_memory_budget() if budget is None else budget
 
 
 def program_bytes(compiled: Any) -> int:

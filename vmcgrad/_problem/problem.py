@@ -29,14 +29,8 @@ import jax
 import numpy as np
 
 from vmcgrad._cache import Cache
-from vmcgrad._chunks.budget import (
-    Choice,
-    budget_or_default,
-    choose_chunk,
-    recorded,
-    remember,
-    signature,
-)
+from vmcgrad._chunks.budget import Choice, choose_chunk, recorded, remember, signature
+from vmcgrad._chunks.default_budget import budget_or_default
 from vmcgrad._chunks.plan import ChunkPlan, Space
 from vmcgrad._chunks.retry import run_with_oom_retry
 from vmcgrad._function import cache_key, join_fun, on_chunks, split_fun, weak_structure
@@ -348,7 +342,7 @@ def cost_platform_of(prob: Problem) -> Platform:
 
 def budget_of(prob: Problem) -> int:
     """The memory budget of ``prob``'s automatic choices, bytes per device: its own, else the default
-    (:func:`vmcgrad._chunks.budget.default_memory_budget`)."""
+    (:func:`vmcgrad._chunks.default_budget.default_memory_budget`)."""
     return budget_or_default(prob.memory_budget)
 
 

@@ -39,7 +39,8 @@ from netket.utils import HashablePartial
 from netket.vqs.mc import get_local_kernel, get_local_kernel_arguments
 from plum import NotFoundLookupError
 
-from vmcgrad._chunks.budget import budget_or_default, choose_chunk, signature
+from vmcgrad._chunks.budget import choose_chunk, signature
+from vmcgrad._chunks.default_budget import budget_or_default
 from vmcgrad._hlo.platform import resolve_platform
 
 from . import _nk_private as nkp

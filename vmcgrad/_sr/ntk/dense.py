@@ -44,7 +44,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from vmcgrad._chunks.budget import Choice, budget_or_default
+from vmcgrad._chunks.budget import Choice
+from vmcgrad._chunks.default_budget import budget_or_default
 from vmcgrad._problem.problem import Problem, auto_choice, auto_knob
 from vmcgrad._problem.sharding import explicit_sharding, unsplit_explicit
 from vmcgrad._runner.primitive import map_reduce_problem

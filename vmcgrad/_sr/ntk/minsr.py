@@ -34,7 +34,8 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
-from vmcgrad._chunks.budget import Choice, budget_or_default
+from vmcgrad._chunks.budget import Choice
+from vmcgrad._chunks.default_budget import budget_or_default
 from vmcgrad._hlo.cost import expected_trips
 from vmcgrad._problem import validation as check
 from vmcgrad._problem.problem import Problem, call, chosen, compile_only, problem
