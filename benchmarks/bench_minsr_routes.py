@@ -245,7 +245,7 @@ def cg_part(args):
     import jax.numpy as jnp
 
     import vmcgrad
-    from vmcgrad._chunks.budget import default_memory_budget
+    from vmcgrad._chunks.default_budget import default_memory_budget
     from vmcgrad._sr.ntk import nystrom, routes
 
     lp, params, x, e = setup(args.n, args.param_dtype, args.model)
