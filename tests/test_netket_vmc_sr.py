@@ -334,7 +334,7 @@ def test_steps_where_the_memory_in_use_moves_search_nothing_again(monkeypatch, c
 
     device = _DriftingDevice()
     monkeypatch.setattr(default_budget, "_first_device", lambda: device)
-    monkeypatch.setattr(default_budget, "_READ", {})
+    default_budget._READ.clear()  # (each device read again: this one first)
     H, _, _ = _states(np.float64)
     sampler = nk.sampler.MetropolisLocal(H.hilbert, n_chains=2 * N_DEV)
     kw = dict(n_samples=N_SAMPLES, seed=3, sampler_seed=4)

@@ -14,26 +14,29 @@ from typing import Any
 
 import jax
 
+from vmcgrad._cache import Cache
+
 #: Budget in bytes per device when the backend does not report its free memory (CPU): 2 GiB.
 DEFAULT_MEMORY_BUDGET = 2 * 2**30
 #: Fraction of the reported free device memory used as the default budget.
 FREE_MEMORY_FRACTION = 0.5
 #: The default budget of each device, as first read (a device's budget is fixed for the process).
-_READ: dict = {}
+_READ = Cache(maxsize=64, name="the default memory budget of each device, as first read")
 
 
 def default_memory_budget(device: Any = None) -> int:
     """Half the free memory of ``device`` (default: the first local device) when first read in this
     process, the same on every later call; 2 GiB if the backend reports none."""
     device = device or _first_device()
-    if device not in _READ:
-        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-        if stats and "bytes_limit" in stats:
-            free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-            _READ[device] = int(FREE_MEMORY_FRACTION * free)
-        else:
-            _READ[device] = DEFAULT_MEMORY_BUDGET
-    return _READ[device]
+    if device in _READ:
+        return _READ.get(device)
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and "bytes_limit" in stats:
+        budget = int(FREE_MEMORY_FRACTION * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
+    else:
+        budget = DEFAULT_MEMORY_BUDGET
+    _READ[device] = budget
+    return budget
 
 
 def _first_device() -> Any:
