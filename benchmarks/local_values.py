@@ -154,18 +154,24 @@ def _local_chunk(vs, H, priced):
     from vmcgrad.netket import _local_values
 
     chosen = []
-    choose = _local_values.choose_chunk
+    choose, recorded = _local_values.choose_chunk, _local_values.recorded
 
     def spy(*a, **kw):
         chosen.append(choose(*a, **kw))
         return chosen[-1]
 
-    _local_values.choose_chunk = spy
+    def spy_recorded(*a, **kw):  # (a cached choice is looked up, not chosen again)
+        got = recorded(*a, **kw)
+        if got is not None:
+            chosen.append(got.value)
+        return got
+
+    _local_values.choose_chunk, _local_values.recorded = spy, spy_recorded
     try:
         with vmcgrad.cost_platform(priced):
             vs.local_estimators(H)
     finally:
-        _local_values.choose_chunk = choose
+        _local_values.choose_chunk, _local_values.recorded = choose, recorded
     return chosen[-1] if chosen else vs._chunk()
 
 

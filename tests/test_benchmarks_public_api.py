@@ -33,7 +33,7 @@ ALLOWED["bench_minsr_routes.py"] = {
     "vmcgrad._sr.ntk",
     "vmcgrad._sr.jacobian",
     "vmcgrad._problem",
-    "vmcgrad._chunks.budget",
+    "vmcgrad._chunks.default_budget",
     "vmcgrad._sr.solve",
 }
 #: The step-regime probe sets how many parts a chunk's Jacobians are derived in (``_sr.ntk.modes``, as

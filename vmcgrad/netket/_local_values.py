@@ -30,6 +30,7 @@ computed by NetKet's kernels (``get_local_kernel`` / ``get_local_kernel_argument
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -39,7 +40,7 @@ from netket.utils import HashablePartial
 from netket.vqs.mc import get_local_kernel, get_local_kernel_arguments
 from plum import NotFoundLookupError
 
-from vmcgrad._chunks.budget import choose_chunk, signature
+from vmcgrad._chunks.budget import choose_chunk, recorded, signature
 from vmcgrad._chunks.default_budget import budget_or_default
 from vmcgrad._hlo.platform import resolve_platform
 
@@ -84,45 +85,52 @@ def split_per_sample(args: Any, n_lead: int, n: int) -> Any:
     return jax.tree.map(lambda a: a.reshape((n, *a.shape[n_lead:])), args)
 
 
-def fewest_trips(vstate: Any, operator: Any, chunk_size: int, memory_budget: float | None) -> Any:
+def fewest_trips(
+    vstate: Any, operator: Any, gradient_chunk: Callable[[], int], memory_budget: float | None
+) -> Any:
     r"""NetKet's ``local_estimators(vstate, operator)`` at the chunk of least modelled time whose
     compiled program fits ``memory_budget`` (bytes per device; None: the default budget), among
-    ``chunk_size`` (the gradient's automatic chunk) and its doublings up to one chunk of every
+    ``gradient_chunk()`` (the gradient's automatic chunk) and its doublings up to one chunk of every
     sample's connected configurations, :math:`N n_\text{conn}` model evaluations; or None where the
-    chunk stays ``chunk_size``: on a CPU (the platform the choices are priced for,
+    chunk stays the gradient's: on a CPU (the platform the choices are priced for,
     :func:`vmcgrad.cost_platform`), or where NetKet has no chunked kernel for the pair.
 
     The candidates are compiled, not run (the largest first: one compilation where it fits), NetKet's
     own jitted program at each, so that the run reuses the chosen one's executable; the choice is
-    cached per kernel, model, arguments' shapes and placement, budget and platform. The values are
-    NetKet's at any chunk: a chunk only splits the model's evaluations."""
+    cached per kernel, model, arguments' shapes and placement, budget and platform, and a call that
+    finds it does not resolve the gradient's chunk. The values are NetKet's at any chunk: a chunk
+    only splits the model's evaluations."""
     platform = resolve_platform()
     if platform.name == "cpu":
         return None
-    try:  # (one dispatch: NetKet's chunked kernel is the same function at every chunk)
-        kernel = get_local_kernel(vstate, operator, chunk_size)
+    try:  # (NetKet's chunked kernel: one function for every integer chunk, bound apart below)
+        kernel = get_local_kernel(vstate, operator, 1)
     except NotFoundLookupError:  # (NetKet's fallback: its error, from the caller's path)
         return None
     sigma, args = get_local_kernel_arguments(vstate, operator)
     apply_fun, shape = nkp.apply_fun(vstate), sigma.shape[:-1]
-    rows = math.prod(shape)
-    total = rows * max_connections(operator, args, per_sample_arguments(operator) is True)
-    candidates = [chunk_size]
-    while candidates[-1] < total:
-        candidates.append(2 * candidates[-1])
+    rows, budget = math.prod(shape), budget_or_default(memory_budget)
 
     def program(c: int) -> Any:
         return HashablePartial(kernel, chunk_size=c), apply_fun, shape, vstate.variables, sigma, args
 
+    key = ("local_estimators", kernel, apply_fun, shape, signature((vstate.variables, sigma, args)))
+    known = recorded(key, rows, budget, platform)
+    if known is not None:
+        return LocalEstimators(nkp.local_estimators_impl(*program(known.value)))
+    total = rows * max_connections(operator, args, per_sample_arguments(operator) is True)
+    candidates = [gradient_chunk()]
+    while candidates[-1] < total:
+        candidates.append(2 * candidates[-1])
+
     def compile_at(c: int) -> Any:
         return nkp.local_estimators_impl.lower(*program(c)).compile()
 
-    key = ("local_estimators", kernel, apply_fun, shape, signature((vstate.variables, sigma, args)))
     chunk = choose_chunk(
         key,
         rows,
         compile_at,
-        budget_or_default(memory_budget),
+        budget,
         where="vmcgrad.netket.MCState.local_estimators",
         candidates=candidates,
         platform=platform,

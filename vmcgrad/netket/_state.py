@@ -216,11 +216,11 @@ class MCState(nkp.NetKetMCState):
         (:func:`~vmcgrad.netket._local_values.fewest_trips`: NetKet counts this chunk in model
         evaluations, each sample's connected configurations included)."""
         if chunk_size is None:
-            chunk_size = self._chunk()
             if nkp.own_chunk_size(self) is None and self.vmcgrad_chunk_size == "auto":
-                found = fewest_trips(self, op, chunk_size, self.vmcgrad_memory_budget)
+                found = fewest_trips(self, op, self._chunk, self.vmcgrad_memory_budget)
                 if found is not None:
                     return found
+            chunk_size = self._chunk()
         return call_chunked(f"{NAME}.local_estimators", nkp.local_estimators, self, op, chunk_size)
 
     def _replace_model(self, model=None, *, apply_fun=None, variables=None):
