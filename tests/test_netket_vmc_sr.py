@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import assert_tree_allclose
+from helpers import DriftingDevice, assert_tree_allclose
 from netket_spy import vmcgrad_passes
 
 with jax.set_mesh(None):
@@ -309,18 +309,6 @@ def test_the_first_step_compiles_the_update_once():
     assert_tree_allclose(ours.state.parameters, ref.state.parameters, rtol=1e-10, atol=1e-12)
 
 
-class _DriftingDevice:
-    """A device whose memory in use grows at every read of its stats, as a GPU's or a TPU's does
-    between steps (new samples, parameters, optimiser state)."""
-
-    def __init__(self):
-        self.used, self.reads = 0, 0
-
-    def memory_stats(self):
-        self.used, self.reads = self.used + 4096, self.reads + 1
-        return {"bytes_limit": 2**33, "bytes_in_use": self.used}
-
-
 def test_steps_where_the_memory_in_use_moves_search_nothing_again(monkeypatch, caplog):
     """On a GPU or TPU the default budget is half the free memory, which moves from step to step.
     It is read once per device: priced for a TPU at the default budgets, the first step makes every
@@ -332,7 +320,7 @@ def test_steps_where_the_memory_in_use_moves_search_nothing_again(monkeypatch, c
 
     from vmcgrad._chunks import default_budget
 
-    device = _DriftingDevice()
+    device = DriftingDevice(limit=2**33)
     monkeypatch.setattr(default_budget, "_first_device", lambda: device)
     default_budget._READ.clear()  # (each device read again: this one first)
     H, _, _ = _states(np.float64)

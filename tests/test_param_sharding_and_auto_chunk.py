@@ -6,7 +6,14 @@ import warnings
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import assert_tree_allclose, auto_mesh, compile_count, compiled_names, make_case
+from helpers import (
+    DriftingDevice,
+    assert_tree_allclose,
+    auto_mesh,
+    compile_count,
+    compiled_names,
+    make_case,
+)
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -415,17 +422,6 @@ def test_auto_chunk_size_errors():
         vmcgrad.auto_chunk_size(fun, params, samples, memory_budget=-1)
     with pytest.raises(MemoryError, match="found no chunk that fits the memory budget of 10 bytes"):
         vmcgrad.auto_chunk_size(fun, params, samples, memory_budget=10)
-
-
-class DriftingDevice:
-    """A device whose memory in use grows at every read of its stats (GPU and TPU report theirs)."""
-
-    def __init__(self, limit=2**30, step=4096):
-        self.limit, self.step, self.used, self.reads = limit, step, 0, 0
-
-    def memory_stats(self):
-        self.used, self.reads = self.used + self.step, self.reads + 1
-        return {"bytes_limit": self.limit, "bytes_in_use": self.used}
 
 
 def test_auto_chunk_default_budget():
