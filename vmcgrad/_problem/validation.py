@@ -331,7 +331,22 @@ def _real_scalar(x: Any) -> Any:
 def check_nonnegative_scalar(
     where: str, name: str, x: Any, dtype: Any = None, *, example: str = "1e-3"
 ) -> jax.Array:
-    """``x`` as a 0-d array (of ``dtype`` if given) after checking it is a finite real number >= 0.
+    """``x`` as a 0-d array (of ``dtype`` if given) after checking it is a finite real number >= 0
+    (:func:`check_nonnegative_number`).
+
+    Raises:
+        TypeError: not a real scalar (strings, bools, arrays with axes, complex numbers).
+        ValueError: negative, NaN or infinite.
+    """
+    out = jnp.asarray(check_nonnegative_number(where, name, x, example=example))
+    # (a jnp op: placed like other results under a context mesh, no recompile)
+    return out if dtype is None else out.astype(dtype)
+
+
+def check_nonnegative_number(where: str, name: str, x: Any, *, example: str = "1e-3") -> Any:
+    """``x`` itself after checking it is a finite real number >= 0 (a Python number, a 0-d array):
+    no array is made, so that a caller passing it on to ``jax.jit`` (a driver's hyperparameters, each
+    step) runs no op for it.
 
     A traced ``x`` (an operator rebuilt inside ``jax.jit``) is checked for shape and dtype only;
     its value cannot be seen before tracing.
@@ -341,12 +356,10 @@ def check_nonnegative_scalar(
         ValueError: negative, NaN or infinite.
     """
     fix = f"Fix: pass a finite float >= 0, e.g. {name}={example}."
-    arr = _real_scalar(x)
-    if arr is None:
+    if _real_scalar(x) is None:
         raise TypeError(f"{where}: `{name}` must be a real scalar; got {describe(x)}. {fix}")
     _check_finite_nonnegative(where, name, x, fix)
-    out = jnp.asarray(x)  # a jnp op: placed like other results under a context mesh (no recompile)
-    return out if dtype is None else out.astype(dtype)
+    return x
 
 
 def check_diag_shift(where: str, shift: Any, params: Any) -> Any:

@@ -75,13 +75,15 @@ def _minsr(
     """``fun`` (:func:`vmcgrad.minsr_update`, or another entry point of
     :mod:`vmcgrad._sr.ntk.minsr` on its arguments) on the driver's arguments
     (:meth:`vmcgrad.netket.VMC_SR._update_arguments`); ``platform`` is only the trace's key (the
-    update reads the platform in force itself: :func:`vmcgrad._sr.ntk.modes.pinned`)."""
+    update reads the platform in force itself: :func:`vmcgrad._sr.ntk.modes.pinned`). The samples
+    (any leading axes, NetKet's chains and samples per chain) and their local energies are taken to
+    rows here, traced: a step runs no op for them outside the update's programs."""
     del platform
     return fun(
         log_psi(apply_fun, model_state),
         params,
-        samples,
-        local_energies,
+        jax.lax.collapse(samples, 0, samples.ndim - 1),
+        local_energies.reshape(-1),
         diag_shift=diag_shift,
         proj_reg=proj_reg,
         momentum=momentum,

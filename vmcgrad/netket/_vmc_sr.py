@@ -106,6 +106,7 @@ class VMC_SR(nk.driver.VMC_SR):
     _run_update: Any = struct.field(pytree_node=False, default=None)
     _routes: Any = struct.field(pytree_node=False, default=None)
     _update_time: Any = struct.field(pytree_node=False, default=None)
+    _online_made: Any = struct.field(pytree_node=False, default=None)
     route_choice: Any = struct.field(pytree_node=False, default=None)
 
     def __init__(
@@ -180,6 +181,7 @@ class VMC_SR(nk.driver.VMC_SR):
         self._route = route
         self._routes = {}  # N -> (the route taken there, its record: vmcgrad._chunks.budget.Choice)
         self._update_time = None
+        self._online_made = None  # the online statistics this driver last made (see a step)
         self.route_choice = None
         self._run_update = CompiledUpdate()  # each step's update: the choice's executable
 
@@ -196,14 +198,17 @@ class VMC_SR(nk.driver.VMC_SR):
         decay = self._mcmc_convergence_diagnostics_ema_decay
         if decay is not None:
             old = self._loss_stats_online
-            if old is not None and old.n_samples == 0:
+            # NetKet's rule: an empty accumulator (the driver's first, or one loaded) is built again.
+            # One this driver's last step made holds that step's samples: its count is not read (an
+            # op, and a wait for the device, every step)
+            if old is not None and old is not self._online_made and old.n_samples == 0:
                 old = None
-            self._loss_stats_online = nk.stats.online_statistics(
+            self._loss_stats_online = self._online_made = nk.stats.online_statistics(
                 local_energies, old_estimator=old, decay=decay, max_lag=32
             )
-        samples = self.state.samples
-        samples = jax.lax.collapse(samples, 0, samples.ndim - 1)  # (chains, per chain, ...) -> rows
-        args, static = self._update_arguments(samples, local_energies.reshape(-1), route)
+        # the samples (chains, per chain, ...) and their local energies as they are: the update's
+        # jitted preparation takes them to rows (no op of its own each step)
+        args, static = self._update_arguments(self.state.samples, local_energies, route)
         self.route, self.route_choice = route, self.route_choice_at(self.state.n_samples)
         start = time.perf_counter()
         self._dp, self._old_updates, info = jax.block_until_ready(self._run_update(args, static))
@@ -351,13 +356,15 @@ class VMC_SR(nk.driver.VMC_SR):
         return "cg" if self._cg else self._linear_solver
 
     def _update_arguments(self, samples: Any, local_energies: Any, route: str | None) -> tuple[tuple, dict]:
-        """The arguments of :func:`_update` at these samples (arrays, or their shapes at a raised N)
-        on ``route``: the hyperparameters at this step (schedules evaluated) as arrays, checked here
-        (traced, their values cannot be), so that a step, :meth:`route_at` and :meth:`_update_fits`
-        trace the same program."""
+        """The arguments of :func:`_update` at these samples (arrays, or their shapes at a raised N;
+        any leading axes, the last the sites') on ``route``: the hyperparameters at this step
+        (schedules evaluated) as given, numbers or 0-d arrays, checked here (traced, their values
+        cannot be) and made arrays only by the jitted update (a Python number and ``jnp.asarray`` of
+        it trace alike), so that a step, :meth:`route_at` and :meth:`_update_fits` trace the same
+        program."""
         named = {"diag_shift": self.diag_shift, "proj_reg": self.proj_reg, "momentum": self.momentum}
         named = {k: h(self.step_count) if callable(h) else h for k, h in named.items()}
-        hyper = [None if h is None else check.check_nonnegative_scalar(NAME, k, h) for k, h in named.items()]
+        hyper = [None if h is None else check.check_nonnegative_number(NAME, k, h) for k, h in named.items()]
         momentum = named["momentum"]
         old = self._old_updates if momentum is not None else None
         args = (self.state.model_state, self.state.parameters, samples, local_energies, *hyper, old)
