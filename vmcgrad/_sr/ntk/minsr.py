@@ -218,7 +218,7 @@ def update_fits(logpsi: Any, params: Any, samples: Any, local_energies: Any, **o
     among = routes.ROUTES if route is None else (route,)
     if routes.fits_at_all(_update_program, prob, args_at, sizes, among):
         return True
-    if route is not None or not sizes.rank or options["nystrom_rank"] != "auto":
+    if route is not None or not routes.plain_cg_next(sizes.rank, options["nystrom_rank"]):
         return False
     return update_fits(logpsi, params, samples, local_energies, **{**options, "nystrom_rank": 0})
 
@@ -284,7 +284,7 @@ def _prepared(
         try:
             choice = routes.choose(name, _update_program, prob, args_at, sizes)
         except routes.NoRouteFits:  # its preconditioner took half the budget: plain CG may fit
-            if not rank or o["nystrom_rank"] != "auto":
+            if not routes.plain_cg_next(rank, o["nystrom_rank"]):
                 raise
             rank, sizes = 0, sizes._replace(rank=0)  # (args_at reads rank)
             choice = routes.choose(name, _update_program, prob, args_at, sizes)

@@ -372,3 +372,10 @@ def _no_route(where: str, prob: Problem, budget: int, needs: dict) -> NoRouteFit
         prob.n,
         needs,
     )
+
+
+def plain_cg_next(rank: int, nystrom_rank: Any) -> bool:
+    """Whether, where no route fits, the rule tries plain CG next (:func:`vmcgrad.minsr_update`, and
+    its check of a budget): the Nyström rank it chose itself (``nystrom_rank="auto"``) is not 0, and
+    its preconditioner takes half the budget."""
+    return bool(rank) and nystrom_rank == "auto"
