@@ -20,15 +20,21 @@ included) and the median of ``--runs`` later calls (``block_until_ready``), and 
 constants). The states draw the same
 samples (same seeds), and each row gives its largest difference from NetKet's unchunked values.
 
+``--estimator expect_and_grad`` times ``vs.expect_and_grad(H)`` instead, VMC's step: one program of
+the local values and the gradient, whose local values ``chunk_size="auto"`` runs at their own chunk
+on a GPU or TPU too (:func:`vmcgrad.netket._local_values.at_fewest_trips`); its rows count that
+program (NetKet's rows are timed only), and the difference is the energy's and the gradient's.
+
 Run::
 
     PYTHONPATH=.:benchmarks python benchmarks/local_values.py --dtype float32 --n 256 \
-        --budget-mib default --priced cpu tpu
+        --budget-mib default --priced cpu tpu [--estimator expect_and_grad]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -48,6 +54,12 @@ def parse(argv=None):
     ap.add_argument("--budget-mib", type=budget_mib, default=None, help="MiB per device, or 'default'")
     ap.add_argument("--priced", nargs="+", choices=("cpu", "gpu", "tpu"), default=["cpu", "tpu"])
     ap.add_argument("--runs", type=int, default=10, help="timed calls after the first, per row")
+    ap.add_argument(
+        "--estimator",
+        choices=("local_estimators", "expect_and_grad"),
+        default="local_estimators",
+        help="the call timed: VMC_SR's local energies, or VMC's energy and gradient (one program)",
+    )
     ap.add_argument("--platform", default=None, help="JAX platform (jax_platforms); default JAX's")
     ap.add_argument("--json", help="JSON lines, one per row, appended")
     args = ap.parse_args(argv)
@@ -90,11 +102,17 @@ def main(argv=None):
     d = jax.devices()[0]
     device = f"{jax.device_count()} x {d.platform} {d.device_kind}"
 
+    def values(vs):  # the local energies, or the gradient's leaves flattened (and the energy)
+        if args.estimator == "local_estimators":
+            return vs.local_estimators(H).data
+        stats, grad = vs.expect_and_grad(H)
+        return jax.numpy.concatenate([stats.mean.ravel(), *(g.ravel() for g in jax.tree.leaves(grad))])
+
     def call(vs, priced):
         if priced is None:
-            return jax.block_until_ready(vs.local_estimators(H).data)
+            return jax.block_until_ready(values(vs))
         with vmcgrad.cost_platform(priced):
-            return jax.block_until_ready(vs.local_estimators(H).data)
+            return jax.block_until_ready(values(vs))
 
     reference = np.asarray(call(rows[0][1], None))
     first, times = {}, {name: [] for name, _, _ in rows}
@@ -108,9 +126,16 @@ def main(argv=None):
             call(vs, priced)
             times[name].append(time.perf_counter() - t)
     for name, vs, priced in rows:
-        chunk = vs.chunk_size if priced is None else _local_chunk(vs, H, priced)
+        run = functools.partial(values, vs)
+        chunk = vs.chunk_size if priced is None else _local_chunk(vs, H, priced, run)
+        counts = {}
+        if args.estimator == "local_estimators":
+            counts = _counts(vs, H, chunk)
+        elif priced is not None:  # (NetKet's expect_and_grad: timed, not counted)
+            counts = _step_counts(vs, H, chunk)
         row = {
             "row": name,
+            "estimator": args.estimator,
             "device": device,
             "dtype": args.dtype,
             "N": args.n,
@@ -121,7 +146,7 @@ def main(argv=None):
             "median_s": statistics.median(times[name]),
             "max_abs_diff": first[name][1],
             "max_abs": float(np.max(np.abs(reference))),  # (the values' scale, for the difference)
-            **_counts(vs, H, chunk),
+            **counts,
         }
         print(json.dumps(row), flush=True)
         if args.json:
@@ -148,8 +173,28 @@ def _counts(vs, H, chunk):
     return {"mib": vmcgrad.program_bytes(compiled) / 2**20, "ops": cost.ops, **modelled}
 
 
-def _local_chunk(vs, H, priced):
-    """The chunk ``vs.local_estimators(H)`` runs at when priced for ``priced`` (the cached choice)."""
+def _step_counts(vs, H, chunk):
+    """As :func:`_counts`, of ``vmcgrad.netket.MCState.expect_and_grad``'s one program: NetKet's
+    local-value kernel at ``chunk``, the gradient at the state's automatic chunk."""
+    from netket.utils import HashablePartial
+    from netket.vqs.mc import get_local_kernel, get_local_kernel_arguments
+
+    import vmcgrad
+    from vmcgrad.netket import _expect_grad
+    from vmcgrad.netket import _nk_private as nkp
+
+    sigma, args = get_local_kernel_arguments(vs, H)
+    kernel = HashablePartial(get_local_kernel(vs, H, chunk), chunk_size=chunk)
+    compiled = _expect_grad._expect_and_grad_step.lower(
+        kernel, nkp.apply_fun(vs), vs._chunk(), vs.parameters, vs.model_state, sigma, args
+    ).compile()
+    cost = vmcgrad.program_cost(compiled, "tpu")
+    modelled = {f"{p}_ms": 1e3 * cost.time(p) for p in ("cpu", "gpu", "tpu")}
+    return {"mib": vmcgrad.program_bytes(compiled) / 2**20, "ops": cost.ops, **modelled}
+
+
+def _local_chunk(vs, H, priced, call):
+    """The chunk the local values run at in ``call()`` when priced for ``priced`` (the cached choice)."""
     import vmcgrad
     from vmcgrad.netket import _local_values
 
@@ -169,7 +214,7 @@ def _local_chunk(vs, H, priced):
     _local_values.choose_chunk, _local_values.recorded = spy, spy_recorded
     try:
         with vmcgrad.cost_platform(priced):
-            vs.local_estimators(H)
+            call()
     finally:
         _local_values.choose_chunk, _local_values.recorded = choose, recorded
     return chosen[-1] if chosen else vs._chunk()

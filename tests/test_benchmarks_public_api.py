@@ -61,8 +61,9 @@ ALLOWED["qgt_phase_bytes.py"] = {
 }
 #: The local values' benchmark prices and runs NetKet's local-value program at each chunk as
 #: ``vmcgrad.netket.MCState`` does (``_local_values``: its kernel and choice, ``_nk_private``: NetKet's
-#: jitted program), and reads the chunk a state runs its NetKet paths at (``MCState._chunk``).
-ALLOWED["local_values.py"] = {"vmcgrad.netket", "vmcgrad.netket._local_values"}
+#: jitted program), and reads the chunk a state runs its NetKet paths at (``MCState._chunk``); with
+#: ``--estimator expect_and_grad`` it prices that method's one program (``_expect_grad``).
+ALLOWED["local_values.py"] = {"vmcgrad.netket", "vmcgrad.netket._local_values", "vmcgrad.netket._expect_grad"}
 #: The calibration prints the cost model's constants beside the ones it measured (``PLATFORMS``).
 ALLOWED["calibrate_op_cost.py"] = {"vmcgrad._hlo.cost"}
 #: The harness's log-amplitude of a model is vmcgrad.netket's own (one definition: its apply functions
@@ -76,7 +77,7 @@ ALLOWED["_setup.py"] = {"vmcgrad.netket._expect_grad"}
 ALLOWED_NAMES = {
     "bench_switch.py": {"_problem", "_CHECKED", "_CHECKED_MAX"},
     "accelerator_cost.py": {"_O_jvp"},
-    "local_values.py": {"_local_values", "_nk_private", "_chunk"},
+    "local_values.py": {"_local_values", "_nk_private", "_chunk", "_expect_grad", "_expect_and_grad_step"},
 }
 
 

@@ -17,7 +17,8 @@ computed by NetKet's kernels (``get_local_kernel`` / ``get_local_kernel_argument
   operator data either travels with the samples (numba operators and ``Squared``: the connected
   configurations ``(σ', O_σσ')`` of each sample, precomputed) or is broadcast to every chunk
   (jax and continuous operators, which compute their connections inside the kernel).
-- :func:`fewest_trips`: ``MCState.local_estimators`` at ``chunk_size="auto"`` on an accelerator.
+- :func:`fewest_trips`: ``MCState.local_estimators`` at ``chunk_size="auto"`` on an accelerator
+  (and :func:`at_fewest_trips`, the same choice inside another program: ``expect_and_grad``'s).
   NetKet's chunked kernels count their chunk in model evaluations (the connected configurations
   included: a chunk of :math:`c` holds :math:`c / n_\text{conn}` samples), so the gradient's chunk
   walks about :math:`N n_\text{conn} / c` trips of the model, each a fixed cost on a GPU or TPU:
@@ -93,13 +94,42 @@ def fewest_trips(
     ``gradient_chunk()`` (the gradient's automatic chunk) and its doublings up to one chunk of every
     sample's connected configurations, :math:`N n_\text{conn}` model evaluations; or None where the
     chunk stays the gradient's: on a CPU (the platform the choices are priced for,
-    :func:`vmcgrad.cost_platform`), or where NetKet has no chunked kernel for the pair.
+    :func:`vmcgrad.cost_platform`), or where NetKet has no chunked kernel for the pair
+    (:func:`at_fewest_trips`, on NetKet's own jitted program). The values are NetKet's at any
+    chunk: a chunk only splits the model's evaluations."""
+    apply_fun = nkp.apply_fun(vstate)
 
-    The candidates are compiled, not run (the largest first: one compilation where it fits), NetKet's
-    own jitted program at each, so that the run reuses the chosen one's executable; the choice is
-    cached per kernel, model, arguments' shapes and placement, budget and platform, and a call that
-    finds it does not resolve the gradient's chunk. The values are NetKet's at any chunk: a chunk
-    only splits the model's evaluations."""
+    def arguments(kernel: Any, sigma: Any, args: Any) -> tuple:
+        return kernel, apply_fun, sigma.shape[:-1], vstate.variables, sigma, args
+
+    where = "vmcgrad.netket.MCState.local_estimators"
+    found = at_fewest_trips(
+        vstate, operator, gradient_chunk, memory_budget, nkp.local_estimators_impl, arguments, where
+    )
+    return None if found is None else LocalEstimators(nkp.local_estimators_impl(*found))
+
+
+def at_fewest_trips(
+    vstate: Any,
+    operator: Any,
+    first: Callable[[], int],
+    memory_budget: float | None,
+    jitted: Any,
+    arguments: Callable[[Any, Any, Any], tuple],
+    where: str,
+    keyed: Any = None,
+) -> tuple | None:
+    r"""The arguments of ``jitted`` (a ``jax.jit`` function of NetKet's local-value kernel,
+    ``arguments(kernel, σ, args)``) at the kernel's chunk of least modelled time whose compiled
+    program fits ``memory_budget``; None on a CPU, or where NetKet has no chunked kernel for the pair.
+
+    NetKet's chunked kernels count their chunk in model evaluations, the connected configurations
+    included, so the gradient's chunk walks about :math:`N n_\text{conn} / c` trips of the model.
+    The candidates are ``first()`` and its doublings up to one chunk of every sample's connected
+    configurations (:func:`vmcgrad._chunks.budget.choose_chunk`: compiled, not run, the largest
+    first, so that the run reuses the chosen one's executable). The choice is cached per ``where``,
+    kernel, model, the arguments' shapes and placement (``keyed``, static data the program depends
+    on, beside them), budget and platform; a call that finds it does not call ``first``."""
     platform = resolve_platform()
     if platform.name == "cpu":
         return None
@@ -108,32 +138,25 @@ def fewest_trips(
     except NotFoundLookupError:  # (NetKet's fallback: its error, from the caller's path)
         return None
     sigma, args = get_local_kernel_arguments(vstate, operator)
-    apply_fun, shape = nkp.apply_fun(vstate), sigma.shape[:-1]
-    rows, budget = math.prod(shape), budget_or_default(memory_budget)
+    rows, budget = math.prod(sigma.shape[:-1]), budget_or_default(memory_budget)
 
-    def program(c: int) -> Any:
-        return HashablePartial(kernel, chunk_size=c), apply_fun, shape, vstate.variables, sigma, args
+    def at(c: int) -> tuple:
+        return arguments(HashablePartial(kernel, chunk_size=c), sigma, args)
 
-    key = ("local_estimators", kernel, apply_fun, shape, signature((vstate.variables, sigma, args)))
+    apply_fun = nkp.apply_fun(vstate)
+    key = (where, kernel, apply_fun, keyed, signature((vstate.variables, sigma, args)))
     known = recorded(key, rows, budget, platform)
     if known is not None:
-        return LocalEstimators(nkp.local_estimators_impl(*program(known.value)))
+        return at(known.value)
     total = rows * max_connections(operator, args, per_sample_arguments(operator) is True)
-    candidates = [gradient_chunk()]
+    candidates = [first()]
     while candidates[-1] < total:
         candidates.append(2 * candidates[-1])
 
     def compile_at(c: int) -> Any:
-        return nkp.local_estimators_impl.lower(*program(c)).compile()
+        return jitted.lower(*at(c)).compile()
 
     chunk = choose_chunk(
-        key,
-        rows,
-        compile_at,
-        budget,
-        where="vmcgrad.netket.MCState.local_estimators",
-        candidates=candidates,
-        platform=platform,
-        chunks=False,
+        key, rows, compile_at, budget, where=where, candidates=candidates, platform=platform, chunks=False
     )
-    return LocalEstimators(nkp.local_estimators_impl(*program(chunk)))
+    return at(chunk)

@@ -151,7 +151,8 @@ class MCState(nkp.NetKetMCState):
         """True if NetKet's unchunked path is what the user asked for (no chunk size)."""
         if mutable is False:
             return False
-        if self._chunk() is None:
+        own = nkp.own_chunk_size(self)
+        if (own if own is not None else self.vmcgrad_chunk_size) is None:  # ("auto" is never None)
             return True
         raise NotImplementedError(
             f"{NAME}.{method}: the model has mutable collections (mutable={mutable!r}) and "
