@@ -159,7 +159,6 @@ def _counts(vs, H, chunk):
     program at ``chunk``."""
     from netket.vqs.mc import get_local_kernel_arguments
 
-    import vmcgrad
     from vmcgrad.netket import _nk_private as nkp
     from vmcgrad.netket._local_values import forward_kernel
 
@@ -168,26 +167,30 @@ def _counts(vs, H, chunk):
     compiled = nkp.local_estimators_impl.lower(
         kernel, nkp.apply_fun(vs), sigma.shape[:-1], vs.variables, sigma, args
     ).compile()
-    cost = vmcgrad.program_cost(compiled, "tpu")
-    modelled = {f"{p}_ms": 1e3 * cost.time(p) for p in ("cpu", "gpu", "tpu")}
-    return {"mib": vmcgrad.program_bytes(compiled) / 2**20, "ops": cost.ops, **modelled}
+    return _program_counts(compiled)
 
 
 def _step_counts(vs, H, chunk):
     """As :func:`_counts`, of ``vmcgrad.netket.MCState.expect_and_grad``'s one program: NetKet's
     local-value kernel at ``chunk``, the gradient at the state's automatic chunk."""
-    from netket.utils import HashablePartial
-    from netket.vqs.mc import get_local_kernel, get_local_kernel_arguments
+    from netket.vqs.mc import get_local_kernel_arguments
 
-    import vmcgrad
     from vmcgrad.netket import _expect_grad
     from vmcgrad.netket import _nk_private as nkp
+    from vmcgrad.netket._local_values import forward_kernel
 
     sigma, args = get_local_kernel_arguments(vs, H)
-    kernel = HashablePartial(get_local_kernel(vs, H, chunk), chunk_size=chunk)
+    kernel = forward_kernel(vs, H, chunk)
     compiled = _expect_grad._expect_and_grad_step.lower(
         kernel, nkp.apply_fun(vs), vs._chunk(), vs.parameters, vs.model_state, sigma, args
     ).compile()
+    return _program_counts(compiled)
+
+
+def _program_counts(compiled):
+    """Compiled MiB per device, ``ops`` and the modelled ``{cpu,gpu,tpu}_ms`` of a program."""
+    import vmcgrad
+
     cost = vmcgrad.program_cost(compiled, "tpu")
     modelled = {f"{p}_ms": 1e3 * cost.time(p) for p in ("cpu", "gpu", "tpu")}
     return {"mib": vmcgrad.program_bytes(compiled) / 2**20, "ops": cost.ops, **modelled}

@@ -370,34 +370,39 @@ def test_local_estimators_auto_on_an_accelerator_take_the_fewest_trips_that_fit(
 
 
 @one_device
-def test_expect_and_grad_auto_on_an_accelerator_runs_the_local_values_in_fewest_trips(monkeypatch):
-    """The same choice inside ``expect_and_grad`` (VMC's step, one program): priced for a TPU the
-    local values run in one pass of every sample's connected configurations where it fits (the
-    default budget), the gradient at its own chunk, the candidates being that program's own, and
-    the run compiling nothing beyond them; priced for a CPU (the companion), the local values at the
-    gradient's chunk, as before. Both equal NetKet's energy and gradient."""
+@pytest.mark.parametrize(
+    ("method", "program"),
+    [("expect_and_grad", "jit(_expect_and_grad_step)"), ("expect_and_forces", "jit(_forces_step)")],
+)
+def test_a_step_auto_on_an_accelerator_runs_the_local_values_in_fewest_trips(monkeypatch, method, program):
+    """The same choice inside ``expect_and_grad`` (VMC's step) and ``expect_and_forces`` (TDVP's),
+    each one program of the local values and a pass over the samples: priced for a TPU the local
+    values run in one pass of every sample's connected configurations where it fits (the default
+    budget), the pass at the gradient's chunk, the candidates being that program's own, and the run
+    compiling nothing beyond them; priced for a CPU (the companion), the local values at the
+    gradient's chunk, as before. Both equal NetKet's energy and gradient (force)."""
     made = _local_chunk_spy(monkeypatch)
     op = OPERATORS["heisenberg"]()
     ref, ours = states("rbm_modphase", chunk="auto")
     gradient_chunk = ours._chunk()
-    (stats_ref, grad_ref), _ = run_and_record(lambda: ref.expect_and_grad(op))
+    (stats_ref, grad_ref), _ = run_and_record(lambda: getattr(ref, method)(op))
     with vmcgrad.cost_platform("cpu"):
-        (stats, grad), seen = run_and_record(lambda: ours.expect_and_grad(op))
+        (stats, grad), seen = run_and_record(lambda: getattr(ours, method)(op))
     assert not made and max(seen) <= gradient_chunk, (made, sorted(set(seen)), gradient_chunk)
     assert_tree_allclose(grad, grad_ref, rtol=RTOL, atol=ATOL)
     with vmcgrad.cost_platform("tpu"):
         with compiled_names() as names:
-            (stats, grad), seen = run_and_record(lambda: ours.expect_and_grad(op))
+            (stats, grad), seen = run_and_record(lambda: getattr(ours, method)(op))
         with compiled_names() as again:
-            (_, grad2), _ = run_and_record(lambda: ours.expect_and_grad(op))
+            (_, grad2), _ = run_and_record(lambda: getattr(ours, method)(op))
     ((candidates, _, _, chunk),) = made  # (the second call finds it cached: no search)
     configurations = N_SAMPLES * 9  # (max_conn_size 9: each sample's connected ones, padded)
     assert candidates[0] == gradient_chunk and candidates[-2] < configurations <= candidates[-1]
     assert chunk == candidates[-1] and max(seen) == configurations, (chunk, sorted(set(seen)))
     # one candidate compiled (one pass fits), the step's own program, and the run reused it
-    assert names.count("jit(_expect_and_grad_step)") == 1, names
+    assert names.count(program) == 1, names
     assert "jit(_local_estimators_impl)" not in names, names
-    assert "jit(_expect_and_grad_step)" not in again, again
+    assert program not in again, again
     np.testing.assert_allclose(stats.mean, stats_ref.mean, rtol=RTOL, atol=ATOL)
     assert_tree_allclose(grad, grad_ref, rtol=RTOL, atol=ATOL)
     assert_tree_allclose(grad2, grad, rtol=0)

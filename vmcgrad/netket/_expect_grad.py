@@ -9,8 +9,7 @@ from typing import Any
 import jax
 import netket as nk
 from netket.operator import AbstractOperator, Squared
-from netket.utils import HashablePartial
-from netket.vqs.mc import get_local_kernel, get_local_kernel_arguments
+from netket.vqs.mc import get_local_kernel_arguments
 
 import vmcgrad
 from vmcgrad._cache import Cache
@@ -18,7 +17,7 @@ from vmcgrad._chunks.retry import run_with_oom_retry
 from vmcgrad._problem import validation as check
 
 from . import _nk_private as nkp
-from ._local_values import at_fewest_trips
+from ._local_values import step_arguments
 
 NAME = "vmcgrad.netket.expect_and_grad"
 
@@ -70,34 +69,21 @@ def covariance_grad(vstate: Any, operator: Any, chunk_size: int | str | None) ->
     """:func:`expect_and_grad` for a checked state and chunk size, any operator with a local
     kernel: ``force_to_grad`` of the covariance force (NetKet's ``use_covariance=True``)."""
     sigma, args = get_local_kernel_arguments(vstate, operator)
-    apply_fun = nkp.apply_fun(vstate)
 
-    def arguments(kernel, sigma, args, chunk):
-        return kernel, apply_fun, chunk, vstate.parameters, vstate.model_state, sigma, args
-
-    def step(chunk):
-        if chunk is None:
-            kernel = get_local_kernel(vstate, operator)
-        else:
-            kernel = HashablePartial(get_local_kernel(vstate, operator, chunk), chunk_size=chunk)
-        return _expect_and_grad_step(*arguments(kernel, sigma, args, chunk))
+    def step(chunk, auto=False):
+        step_args = step_arguments(
+            vstate, operator, sigma, args, _expect_and_grad_step, chunk, auto=auto, where=NAME
+        )
+        return _expect_and_grad_step(*step_args)
 
     if chunk_size != "auto":
         return step(chunk_size)
     # the core's rule: the chunk whose gradient program fits the budget; halved once after an OOM,
-    # and the smaller chunk kept for these shapes
-    key = Cache.key(apply_fun, tuple(sigma.shape), str(sigma.dtype))
-    chunk = _SHRUNK.get(key) or auto_chunk_size(vstate, sigma)
-    # on a GPU or TPU the local values' own chunk in the same program: NetKet counts the gradient's
-    # in model evaluations, connected configurations included (N n_conn / c trips of the model)
-    at = lambda kernel, sigma, args: arguments(kernel, sigma, args, chunk)
-    budget = getattr(vstate, "vmcgrad_memory_budget", None)
-    where = f"{NAME} (the local values' chunk)"
-    found = at_fewest_trips(vstate, operator, lambda: chunk, budget, _expect_and_grad_step, at, where, chunk)
-
-    def run(c):  # (after an out-of-memory error, the smaller chunk for both)
-        return _expect_and_grad_step(*found) if found is not None and c == chunk else step(c)
-
+    # and the smaller chunk kept for these shapes (the local values' then at it too)
+    key = Cache.key(nkp.apply_fun(vstate), tuple(sigma.shape), str(sigma.dtype))
+    shrunk = _SHRUNK.get(key)
+    chunk = shrunk or auto_chunk_size(vstate, sigma)
+    run = lambda c: step(c, auto=shrunk is None and c == chunk)
     return run_with_oom_retry(run, chunk, lambda c: _SHRUNK.__setitem__(key, c), NAME)
 
 

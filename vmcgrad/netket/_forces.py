@@ -13,9 +13,8 @@ from netket.vqs.mc import get_local_kernel_arguments
 
 from vmcgrad._problem import validation as check
 
-from . import _nk_private as nkp
 from ._expect_grad import auto_chunk_size, check_state, log_psi
-from ._local_values import forward_kernel
+from ._local_values import step_arguments
 from ._netket_vjp import netket_vjp
 
 NAME = "vmcgrad.netket.expect_and_forces"
@@ -61,12 +60,11 @@ def expect_and_forces(vstate: Any, operator: Any, *, chunk_size: int | None = No
     check_state(NAME, vstate)
     check_force_operator(NAME, operator)
     sigma, args = get_local_kernel_arguments(vstate, operator)
-    if chunk_size == "auto":
+    auto = chunk_size == "auto"
+    if auto:
         chunk_size = auto_chunk_size(vstate, sigma)
-    kernel = forward_kernel(vstate, operator, chunk_size)
-    return _forces_step(
-        kernel, nkp.apply_fun(vstate), chunk_size, vstate.parameters, vstate.model_state, sigma, args
-    )
+    step_args = step_arguments(vstate, operator, sigma, args, _forces_step, chunk_size, auto=auto, where=NAME)
+    return _forces_step(*step_args)
 
 
 def check_operator(name: str, operator: Any) -> None:

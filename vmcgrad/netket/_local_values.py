@@ -97,31 +97,82 @@ def fewest_trips(
     :func:`vmcgrad.cost_platform`), or where NetKet has no chunked kernel for the pair
     (:func:`at_fewest_trips`, on NetKet's own jitted program). The values are NetKet's at any
     chunk: a chunk only splits the model's evaluations."""
+    if resolve_platform().name == "cpu":
+        return None  # (before the samples and operator data are read)
+    try:
+        sigma, args = get_local_kernel_arguments(vstate, operator)
+    except NotFoundLookupError:  # (NetKet's fallback: its error, from the caller's path)
+        return None
     apply_fun = nkp.apply_fun(vstate)
 
-    def arguments(kernel: Any, sigma: Any, args: Any) -> tuple:
+    def arguments(kernel: Any) -> tuple:
         return kernel, apply_fun, sigma.shape[:-1], vstate.variables, sigma, args
 
     where = "vmcgrad.netket.MCState.local_estimators"
     found = at_fewest_trips(
-        vstate, operator, gradient_chunk, memory_budget, nkp.local_estimators_impl, arguments, where
+        vstate,
+        operator,
+        sigma,
+        args,
+        gradient_chunk,
+        memory_budget,
+        nkp.local_estimators_impl,
+        arguments,
+        where,
     )
     return None if found is None else LocalEstimators(nkp.local_estimators_impl(*found))
+
+
+def step_arguments(
+    vstate: Any,
+    operator: Any,
+    sigma: Any,
+    args: Any,
+    jitted: Any,
+    chunk: int | None,
+    *,
+    auto: bool,
+    where: str,
+) -> tuple:
+    r"""The arguments ``(kernel, apply_fun, chunk, params, model_state, σ, args)`` of ``jitted``, a
+    program of NetKet's local values followed by a pass over the samples at ``chunk``
+    (``expect_and_grad``'s, ``expect_and_forces``'): the local-value kernel at ``chunk``
+    (:func:`forward_kernel`), or where ``chunk`` is the automatic one (``auto``), on a GPU or TPU at
+    its own chunk in the same program (:func:`at_fewest_trips`, the whole program's bytes within the
+    state's budget): NetKet counts ``chunk`` in model evaluations, so at it the model walks about
+    :math:`N n_\text{conn} / c` trips."""
+    apply_fun = nkp.apply_fun(vstate)
+
+    def arguments(kernel: Any) -> tuple:
+        return kernel, apply_fun, chunk, vstate.parameters, vstate.model_state, sigma, args
+
+    if auto:
+        budget = getattr(vstate, "vmcgrad_memory_budget", None)
+        where = f"{where} (the local values' chunk)"
+        found = at_fewest_trips(
+            vstate, operator, sigma, args, lambda: chunk, budget, jitted, arguments, where, chunk
+        )
+        if found is not None:
+            return found
+    return arguments(forward_kernel(vstate, operator, chunk))
 
 
 def at_fewest_trips(
     vstate: Any,
     operator: Any,
+    sigma: Any,
+    args: Any,
     first: Callable[[], int],
     memory_budget: float | None,
     jitted: Any,
-    arguments: Callable[[Any, Any, Any], tuple],
+    arguments: Callable[[Any], tuple],
     where: str,
     keyed: Any = None,
 ) -> tuple | None:
-    r"""The arguments of ``jitted`` (a ``jax.jit`` function of NetKet's local-value kernel,
-    ``arguments(kernel, σ, args)``) at the kernel's chunk of least modelled time whose compiled
-    program fits ``memory_budget``; None on a CPU, or where NetKet has no chunked kernel for the pair.
+    r"""The arguments of ``jitted`` (a ``jax.jit`` function of NetKet's local-value kernel on the
+    samples ``sigma`` and operator data ``args``, ``get_local_kernel_arguments``'; its arguments
+    ``arguments(kernel)``) at the kernel's chunk of least modelled time whose compiled program fits
+    ``memory_budget``; None on a CPU, or where NetKet has no chunked kernel for the pair.
 
     NetKet's chunked kernels count their chunk in model evaluations, the connected configurations
     included, so the gradient's chunk walks about :math:`N n_\text{conn} / c` trips of the model.
@@ -137,14 +188,12 @@ def at_fewest_trips(
         kernel = get_local_kernel(vstate, operator, 1)
     except NotFoundLookupError:  # (NetKet's fallback: its error, from the caller's path)
         return None
-    sigma, args = get_local_kernel_arguments(vstate, operator)
     rows, budget = math.prod(sigma.shape[:-1]), budget_or_default(memory_budget)
 
     def at(c: int) -> tuple:
-        return arguments(HashablePartial(kernel, chunk_size=c), sigma, args)
+        return arguments(HashablePartial(kernel, chunk_size=c))
 
-    apply_fun = nkp.apply_fun(vstate)
-    key = (where, kernel, apply_fun, keyed, signature((vstate.variables, sigma, args)))
+    key = (where, kernel, nkp.apply_fun(vstate), keyed, signature((vstate.variables, sigma, args)))
     known = recorded(key, rows, budget, platform)
     if known is not None:
         return at(known.value)

@@ -126,11 +126,16 @@ class MCState(nkp.NetKetMCState):
     def chunk_size(self, chunk_size: int | None) -> None:
         nkp.set_own_chunk_size(self, chunk_size)
 
-    def _chunk(self, sigma: Any = None) -> int | None:
-        """The chunk size in force for a NetKet path: NetKet's own if set, else vmcgrad's
-        (``"auto"`` resolved on the samples, or on a stand-in if none are drawn yet)."""
+    def _chunk_setting(self) -> int | str | None:
+        """The chunk size set for a NetKet path: NetKet's own if set, else vmcgrad's (``"auto"``
+        not resolved)."""
         own = nkp.own_chunk_size(self)
-        c = own if own is not None else self.vmcgrad_chunk_size
+        return own if own is not None else self.vmcgrad_chunk_size
+
+    def _chunk(self, sigma: Any = None) -> int | None:
+        """The chunk size in force for a NetKet path: :meth:`_chunk_setting`, ``"auto"`` resolved
+        on the samples (or on a stand-in if none are drawn yet)."""
+        c = self._chunk_setting()
         if c == "auto":
             c = auto_chunk_size(self, self._samples_or_stand_in() if sigma is None else sigma)
         return c
@@ -151,8 +156,7 @@ class MCState(nkp.NetKetMCState):
         """True if NetKet's unchunked path is what the user asked for (no chunk size)."""
         if mutable is False:
             return False
-        own = nkp.own_chunk_size(self)
-        if (own if own is not None else self.vmcgrad_chunk_size) is None:  # ("auto" is never None)
+        if self._chunk_setting() is None:  # (not resolved: "auto" is never None)
             return True
         raise NotImplementedError(
             f"{NAME}.{method}: the model has mutable collections (mutable={mutable!r}) and "
@@ -217,7 +221,7 @@ class MCState(nkp.NetKetMCState):
         (:func:`~vmcgrad.netket._local_values.fewest_trips`: NetKet counts this chunk in model
         evaluations, each sample's connected configurations included)."""
         if chunk_size is None:
-            if nkp.own_chunk_size(self) is None and self.vmcgrad_chunk_size == "auto":
+            if self._chunk_setting() == "auto":
                 found = fewest_trips(self, op, self._chunk, self.vmcgrad_memory_budget)
                 if found is not None:
                     return found
